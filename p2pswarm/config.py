@@ -1,0 +1,50 @@
+"""Node configuration: one frozen dataclass built by the CLI, with every default named here."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from pathlib import Path
+
+from p2pswarm.model.catalog import DEFAULT_MODEL
+
+DEFAULT_LISTEN = "/ip4/0.0.0.0/tcp/0"  # any free port on every interface
+DEFAULT_BOOTSTRAP_LISTEN = "/ip4/0.0.0.0/tcp/4001"  # the conventional libp2p port, easy to firewall
+BOOTSTRAP_DIAL_TIMEOUT = 10.0  # a bootstrap peer across the internet may take a few round trips
+
+
+class Role(enum.Enum):
+    BOOTSTRAP = "bootstrap"  # a public DHT server that serves no layers
+    JOIN = "join"  # a peer that serves a layer range
+
+
+class DhtMode(enum.Enum):
+    AUTO = "auto"  # server until reachability detection says we are behind a NAT
+    SERVER = "server"
+    CLIENT = "client"
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    role: Role
+    listen: tuple[str, ...] = (DEFAULT_LISTEN,)
+    bootstrap: tuple[str, ...] = ()
+    key_path: Path | None = None  # None: <data_dir>/node.key, or an ephemeral key without a data dir
+    data_dir: Path | None = None
+    api: str | None = None  # HOST:PORT of the status API, off when None
+    model: str = DEFAULT_MODEL
+    layers: tuple[int, int] | None = None  # None: choose the least-served stage at join time
+    dht_mode: DhtMode = DhtMode.AUTO
+
+    @property
+    def serves_layers(self) -> bool:
+        return self.role is Role.JOIN
+
+    @property
+    def dht_server(self) -> bool:
+        return self.dht_mode is not DhtMode.CLIENT
+
+    def resolved_key_path(self) -> Path | None:
+        if self.key_path is not None:
+            return self.key_path
+        return self.data_dir / "node.key" if self.data_dir is not None else None

@@ -1,0 +1,1 @@
+"""The model: its catalog (importable without torch) and, later, the stage-sliceable transformer."""

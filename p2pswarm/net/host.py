@@ -1,0 +1,211 @@
+"""The one place that builds the py-libp2p host, with every workaround p2pswarm needs.
+
+py-libp2p 0.8.1's defaults are unsafe or slow for us (see docs/architecture.md, "libp2p
+workarounds"), so the host is always built here:
+- Noise only: the default also accepts /plaintext/2.0.0 and /secio/1.0.0 (a downgrade).
+- Yamux only, TCP only.
+- ``max_connections_per_peer=1``: with more allowed, every ``connect()`` waits a fixed
+  ~250 ms happy-eyeballs delay for alternates, even after the first dial succeeded.
+- explicit connection, stream and memory limits, and no auto-connector dialling towards
+  200 peers (``min_connections=0``, ``low_watermark=0``).
+- wildcard listen addresses (0.0.0.0) are expanded to the machine's interface addresses
+  before they are advertised; otherwise peers are told to dial 0.0.0.0, i.e. themselves.
+- ``host.close()`` always runs on the way out; leaving ``host.run()`` alone leaves a
+  listener accepting connections.
+- a port already in use is detected before listening: libp2p binds with SO_REUSEPORT (for
+  hole punching), so a second node on a taken port would silently share it with the first.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import socket
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import multiaddr
+import trio
+
+from p2pswarm.errors import ConfigError, DialError, StartupError
+from p2pswarm.identity import Identity
+
+log = logging.getLogger(__name__)
+
+NOISE_PROTOCOL = "/noise"
+YAMUX_PROTOCOL = "/yamux/1.0.0"
+
+
+@dataclass(frozen=True)
+class HostLimits:
+    """Resource limits set explicitly, since the library's own are loose or unchecked."""
+
+    max_connections: int = 256  # a trainer talks to a few dozen peers; a bootstrap to hundreds
+    max_streams: int = 4096  # a handful of streams per connection
+    max_memory_mb: int = 1024  # bound for libp2p's own buffers, not model memory
+    dial_timeout: float = 5.0  # Petals' connect timeout; a peer slower than this is not useful
+    upgrade_timeout: float = 5.0  # Noise + Yamux negotiation on a live TCP connection
+    max_connections_per_peer: int = 1  # >1 makes every connect() wait ~250 ms (defect 8)
+
+
+DEFAULT_LIMITS = HostLimits()
+
+
+def parse_multiaddr(text: str) -> multiaddr.Multiaddr:
+    """Parse a multiaddr given by a user; ConfigError with the reason when it is not one."""
+    try:
+        return multiaddr.Multiaddr(text)
+    except Exception as exc:  # the multiaddr package raises several unrelated types
+        raise ConfigError(f"bad multiaddr {text!r}: {exc}") from None
+
+
+def interface_ipv4_addresses() -> list[str]:
+    """IPv4 addresses of this machine's interfaces, non-loopback first."""
+    import ifaddr
+
+    found: list[str] = []
+    for adapter in ifaddr.get_adapters():
+        for ip in adapter.ips:
+            if isinstance(ip.ip, str) and ip.ip not in found:
+                found.append(ip.ip)
+    return sorted(found, key=lambda a: (ipaddress.ip_address(a).is_loopback, a))
+
+
+def expand_wildcards(
+    addrs: Sequence[multiaddr.Multiaddr], interface_ips: Sequence[str]
+) -> list[multiaddr.Multiaddr]:
+    """Replace each /ip4/0.0.0.0 address by one address per interface IP; keep the rest."""
+    expanded: list[multiaddr.Multiaddr] = []
+    for addr in addrs:
+        text = str(addr)
+        if text.startswith("/ip4/0.0.0.0/"):
+            rest = text[len("/ip4/0.0.0.0") :]
+            candidates = [multiaddr.Multiaddr(f"/ip4/{ip}{rest}") for ip in interface_ips]
+        else:
+            candidates = [addr]
+        for candidate in candidates:
+            if str(candidate) not in {str(a) for a in expanded}:
+                expanded.append(candidate)
+    return expanded
+
+
+def build_host(identity: Identity, limits: HostLimits = DEFAULT_LIMITS):
+    """A libp2p host speaking TCP + Noise + Yamux only, with explicit limits."""
+    from libp2p import new_host
+    from libp2p.crypto.x25519 import create_new_key_pair as new_x25519_key_pair
+    from libp2p.network.config import ConnectionConfig
+    from libp2p.rcmgr import ResourceLimits, new_resource_manager
+    from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_ID
+    from libp2p.security.noise.transport import Transport as NoiseTransport
+    from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_ID
+    from libp2p.stream_muxer.yamux.yamux import Yamux
+
+    noise = NoiseTransport(identity.key_pair, noise_privkey=new_x25519_key_pair().private_key)
+    connection_config = ConnectionConfig(
+        max_connections=limits.max_connections,
+        min_connections=0,
+        low_watermark=0,
+        high_watermark=limits.max_connections,
+        max_connections_per_peer=limits.max_connections_per_peer,
+        dial_timeout=limits.dial_timeout,
+        inbound_upgrade_timeout=limits.upgrade_timeout,
+        outbound_upgrade_timeout=limits.upgrade_timeout,
+    )
+    resource_manager = new_resource_manager(
+        limits=ResourceLimits(
+            max_connections=limits.max_connections,
+            max_memory_mb=limits.max_memory_mb,
+            max_streams=limits.max_streams,
+        ),
+        enable_metrics=False,
+    )
+    interface_ips = interface_ipv4_addresses()
+    return new_host(
+        key_pair=identity.key_pair,
+        sec_opt={NOISE_ID: noise},
+        muxer_opt={YAMUX_ID: Yamux},
+        connection_config=connection_config,
+        resource_manager=resource_manager,
+        addrs_factory=lambda addrs: expand_wildcards(addrs, interface_ips),
+        enable_mDNS=False,
+        enable_upnp=False,
+    )
+
+
+@asynccontextmanager
+async def open_host(
+    identity: Identity,
+    listen_addrs: Sequence[str],
+    limits: HostLimits = DEFAULT_LIMITS,
+) -> AsyncIterator[object]:
+    """Build a host, listen on ``listen_addrs`` and always close it on the way out."""
+    addrs = [parse_multiaddr(a) for a in listen_addrs]
+    for addr in addrs:
+        if not str(addr).startswith(("/ip4/", "/ip6/")) or "/tcp/" not in str(addr):
+            raise ConfigError(f"listen address {addr} must be /ip4/<ip>/tcp/<port> (TCP only)")
+    for addr in addrs:
+        check_port_free(addr)
+    host = build_host(identity, limits)
+    started = False
+    try:
+        async with host.run(listen_addrs=addrs):
+            started = True
+            try:
+                yield host
+            finally:
+                with trio.CancelScope(shield=True), trio.move_on_after(10):
+                    await host.close()
+    except Exception as exc:
+        if started:
+            raise
+        raise StartupError(f"cannot listen on {', '.join(listen_addrs)}: {_root_cause(exc)}") from None
+    finally:
+        if not started:
+            with trio.CancelScope(shield=True), trio.move_on_after(10):
+                await host.close()
+
+
+def check_port_free(addr: multiaddr.Multiaddr) -> None:
+    """StartupError if the TCP port of ``addr`` is taken (probe-bound without SO_REUSEPORT)."""
+    text = str(addr).split("/")
+    ip, port = text[2], int(text[4])
+    if port == 0:
+        return
+    family = socket.AF_INET6 if text[1] == "ip6" else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # ignore TIME_WAIT leftovers
+        try:
+            probe.bind((ip, port))
+        except OSError as exc:
+            raise StartupError(f"cannot listen on {addr}: {exc.strerror}") from None
+
+
+def _root_cause(exc: BaseException) -> str:
+    while exc.__cause__ is not None or exc.__context__ is not None:
+        exc = exc.__cause__ or exc.__context__
+    return str(exc) or type(exc).__name__
+
+
+def peer_info_from_multiaddr(addr: str):
+    """PeerInfo for a full multiaddr ending in /p2p/<peer id>; ConfigError if it has none."""
+    from libp2p.peer.peerinfo import info_from_p2p_addr
+
+    parsed = parse_multiaddr(addr)
+    try:
+        return info_from_p2p_addr(parsed)
+    except Exception:
+        raise ConfigError(f"multiaddr {addr} must end in /p2p/<peer id>") from None
+
+
+async def connect(host, peer_info, timeout: float = DEFAULT_LIMITS.dial_timeout) -> None:
+    """Connect to a peer, translating every libp2p failure into DialError."""
+    with trio.move_on_after(timeout) as scope:
+        try:
+            await host.connect(peer_info)
+        except trio.Cancelled:
+            raise
+        except Exception as exc:
+            raise DialError(f"cannot reach {peer_info.peer_id}: {_root_cause(exc)}") from None
+    if scope.cancelled_caught:
+        raise DialError(f"cannot reach {peer_info.peer_id}: no answer within {timeout:.0f} s")

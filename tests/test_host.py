@@ -1,0 +1,110 @@
+"""The libp2p host as p2pswarm builds it: Noise only, fast connect, expanded addresses, closed listeners."""
+
+from __future__ import annotations
+
+import socket
+import statistics
+import time
+
+import multiaddr
+import pytest
+import trio
+
+from p2pswarm.errors import DialError, StartupError
+from p2pswarm.identity import generate_identity
+from p2pswarm.net.host import HostLimits, connect, expand_wildcards, open_host, peer_info_from_multiaddr
+
+LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+
+
+def first_addr(host) -> str:
+    return str(host.get_addrs()[0])
+
+
+def test_expand_wildcards():
+    addrs = [multiaddr.Multiaddr("/ip4/0.0.0.0/tcp/4001"), multiaddr.Multiaddr("/ip4/10.0.0.1/tcp/5")]
+    out = [str(a) for a in expand_wildcards(addrs, ["192.0.2.2", "127.0.0.1"])]
+    assert out == ["/ip4/192.0.2.2/tcp/4001", "/ip4/127.0.0.1/tcp/4001", "/ip4/10.0.0.1/tcp/5"]
+
+
+def test_wildcard_listen_never_advertises_0000():
+    async def main():
+        async with open_host(generate_identity(), ["/ip4/0.0.0.0/tcp/0"]) as host:
+            addrs = [str(a) for a in host.get_addrs()]
+            assert addrs and not any("0.0.0.0" in a for a in addrs)
+            assert any(a.startswith("/ip4/127.0.0.1/tcp/") for a in addrs)
+
+    trio.run(main)
+
+
+def test_plaintext_only_peer_is_refused():
+    """A peer that offers only /plaintext/2.0.0 (or secio) cannot connect to a p2pswarm host."""
+    from libp2p import new_host
+    from libp2p.security.insecure.transport import PLAINTEXT_PROTOCOL_ID, InsecureTransport
+
+    async def main():
+        async with open_host(generate_identity(), LOOPBACK) as ours:
+            plain_identity = generate_identity()
+            plain = new_host(key_pair=plain_identity.key_pair,
+                             sec_opt={PLAINTEXT_PROTOCOL_ID: InsecureTransport(plain_identity.key_pair)})
+            async with plain.run(listen_addrs=[multiaddr.Multiaddr(LOOPBACK[0])]):
+                try:
+                    with pytest.raises(DialError):
+                        await connect(plain, peer_info_from_multiaddr(first_addr(ours)), timeout=5)
+                    assert not ours.get_connected_peers()
+                finally:
+                    await plain.close()
+
+    trio.run(main)
+
+
+def _connect_times(limits: HostLimits, rounds: int) -> list[float]:
+    async def main():
+        times = []
+        async with open_host(generate_identity(), LOOPBACK, limits) as server:
+            target = peer_info_from_multiaddr(first_addr(server))
+            for _ in range(rounds):
+                async with open_host(generate_identity(), LOOPBACK, limits) as client:
+                    started = time.perf_counter()
+                    await connect(client, target)
+                    times.append(time.perf_counter() - started)
+        return times
+
+    return trio.run(main)
+
+
+def test_connect_skips_the_fixed_250ms_wait():
+    """With >1 connection per peer allowed, py-libp2p waits ~250 ms per connect; ours does not.
+
+    A ratio of medians measured side by side, not a wall-clock bound: the library default
+    sleeps a fixed happy-eyeballs delay that our configuration removes.
+    """
+    ours = statistics.median(_connect_times(HostLimits(), 5))
+    library_default = statistics.median(_connect_times(HostLimits(max_connections_per_peer=3), 5))
+    print(f"connect median: ours {ours * 1000:.1f} ms, library default {library_default * 1000:.1f} ms")
+    assert library_default > 0.2  # the defect is still there: drop the workaround when it is not
+    assert ours < library_default / 3
+
+
+def test_port_in_use_is_a_startup_error():
+    async def main():
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            port = taken.getsockname()[1]
+            with pytest.raises(StartupError, match="in use"):
+                async with open_host(generate_identity(), [f"/ip4/127.0.0.1/tcp/{port}"]):
+                    pass
+
+    trio.run(main)
+
+
+def test_listener_is_closed_after_the_block():
+    async def main():
+        async with open_host(generate_identity(), LOOPBACK) as host:
+            port = int(first_addr(host).split("/")[4])
+        return port
+
+    port = trio.run(main)
+    with socket.socket() as probe:
+        assert probe.connect_ex(("127.0.0.1", port)) != 0, "a listener survived host.close()"
