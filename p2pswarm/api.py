@@ -1,0 +1,85 @@
+"""The node's HTTP status API: small JSON documents for ``p2pswarm status`` and for operators.
+
+A minimal HTTP/1.1 server on trio (GET only, one request per connection, bounded request size)
+so the node needs no web framework. Routes map a path to a function returning a JSON-able dict.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+
+import trio
+
+from p2pswarm.errors import ConfigError, StartupError
+
+log = logging.getLogger(__name__)
+
+MAX_REQUEST_BYTES = 8 * 1024  # a GET with headers; anything longer is not a status query
+REQUEST_TIMEOUT = 5.0  # a client that has not sent its request in 5 s is dropped
+
+Routes = dict[str, Callable[[], dict]]
+
+
+def parse_host_port(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ConfigError(f"--api must be HOST:PORT, not {text!r}")
+    return host, int(port)
+
+
+def _response(status: str, body: dict) -> bytes:
+    data = json.dumps(body, indent=1, sort_keys=True).encode()
+    head = (
+        f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n"
+    )
+    return head.encode() + data
+
+
+def respond(request: bytes, routes: Routes) -> bytes:
+    """The full HTTP response to one raw request (pure: testable without sockets)."""
+    line = request.split(b"\r\n", 1)[0].decode("latin-1").split()
+    if len(line) != 3:
+        return _response("400 Bad Request", {"error": "malformed request line"})
+    method, target, _ = line
+    if method != "GET":
+        return _response("405 Method Not Allowed", {"error": "only GET is served"})
+    route = routes.get(target.split("?", 1)[0])
+    if route is None:
+        return _response("404 Not Found", {"error": f"no such endpoint; try {', '.join(sorted(routes))}"})
+    try:
+        return _response("200 OK", route())
+    except Exception:
+        log.exception("status endpoint %s failed", target)
+        return _response("500 Internal Server Error", {"error": "endpoint failed"})
+
+
+async def _serve_connection(stream: trio.SocketStream, routes: Routes) -> None:
+    request = b""
+    with trio.move_on_after(REQUEST_TIMEOUT):
+        while b"\r\n\r\n" not in request and len(request) < MAX_REQUEST_BYTES:
+            chunk = await stream.receive_some(4096)
+            if not chunk:
+                break
+            request += chunk
+    try:
+        await stream.send_all(respond(request, routes))
+    except trio.BrokenResourceError:
+        pass
+    finally:
+        await stream.aclose()
+
+
+async def serve_api(address: str, routes: Routes, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Serve ``routes`` on ``address`` (HOST:PORT) until cancelled."""
+    host, port = parse_host_port(address)
+    try:
+        listeners = await trio.open_tcp_listeners(port, host=host)
+    except OSError as exc:
+        raise StartupError(f"cannot serve the API on {address}: {exc.strerror or exc}") from None
+    bound = listeners[0].socket.getsockname()
+    log.info("status API on http://%s:%d/api/stats", bound[0], bound[1])
+    task_status.started(f"{bound[0]}:{bound[1]}")
+    await trio.serve_listeners(lambda s: _serve_connection(s, routes), listeners)

@@ -1,0 +1,315 @@
+"""Signed layer records: which peer serves which layers of which model, with what capacity.
+
+Layer records are kept by DHT peers nobody vouches for, so a record must prove itself: it
+carries an Ed25519 signature by the peer it names, checkable from the peer id alone (an
+Ed25519 peer id inlines its public key). This module is the one place where record bytes are
+made (``sign_record`` refuses to make a bad one) and judged (``verify_record`` turns any
+byte string into a valid record or a ``RemoteProtocolError``, nothing else).
+
+Wire format, canonical CBOR (RFC 8949 4.2.3 length-first key order; for these short text
+keys it coincides with the core deterministic order of 4.2.1)::
+
+    {"v": 1, "r": body, "s": signature}
+    body = {"peer": str, "addrs": [str, ...], "model": str, "start": int, "end": int,
+            "cap": {"mem": int, "queue": int, "flags": int}, "ts": float, "ttl": float}
+    signature = Ed25519(SIGNATURE_DOMAIN + canonical CBOR of body), by the key in body["peer"]
+
+Rules ``verify_record`` enforces beyond the field limits below:
+
+* The message must be exactly the canonical encoding of the plain value it decodes to, so
+  tags, indefinite lengths, duplicate keys, trailing bytes and oversized number encodings
+  are refused, and the signed body bytes are exactly the body bytes inside the message.
+* ``ts`` and ``ttl`` may be CBOR floats or ints (encoders that shorten integral floats to
+  ints stay compatible) but never booleans; they are returned as Python floats.
+  ``sign_record`` always writes floats.
+* ``peer`` must be the canonical base58 text of an identity-multihash Ed25519 peer id:
+  re-deriving the id from the embedded key must give the same bytes, so one key cannot
+  sign under several spellings of its id.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
+
+import cbor2
+
+from p2pswarm.errors import LocalProtocolError, RemoteProtocolError
+
+RECORD_VERSION = 1  # bumped on any incompatible change to the wire format
+SIGNATURE_DOMAIN = b"p2pswarm/layer-record/v1\n"  # a record signature can't pass as another kind
+LAYER_KEY_DOMAIN = b"p2pswarm/layer/"  # so layer keys can't collide with other DHT key kinds
+
+MAX_RECORD_BYTES = 4096  # a record is a few hundred bytes; bound the work done on hostile input
+MAX_CBOR_DEPTH = 3  # message map > body map > capacity map or addrs list; nothing deeper is legal
+MAX_ADDRS = 16  # enough for every transport and interface a peer can listen on
+MAX_ADDR_CHARS = 256  # the longest sane multiaddr (dns name, relay path) fits well within this
+MAX_MODEL_CHARS = 64  # model names are short identifiers, shown in logs
+MAX_PEER_ID_CHARS = 64  # an Ed25519 peer id is 52 base58 chars; cap before the quadratic decode
+MAX_LAYERS = 4096  # layer indices are below this; no trained model is that deep
+MAX_FREE_MEMORY_MB = 2**32 - 1  # fits a uint32 in any implementation; 4 PB is beyond any peer
+MAX_QUEUE_DEPTH = 2**32 - 1  # fits a uint32 in any implementation
+FLAGS_LIMIT = 2**32  # capacity flags are a 32-bit field; unknown bits are kept, not refused
+MIN_TTL = 1.0  # a shorter-lived record expires before it can be stored and read
+MAX_TTL = 3600.0  # a dead peer's records must vanish within the hour
+MAX_TIMESTAMP = 2.0**40  # ~year 36800: beyond it a clock is broken; ints below it are exact floats
+ED25519_SIGNATURE_BYTES = 64  # fixed size of an Ed25519 signature
+MAX_SHOWN_CHARS = 80  # error messages quote at most this much of a peer-chosen value
+
+FLAG_RELAYED = 1  # reachable only through a circuit relay: slower, prefer others
+FLAG_TRAINING = 2  # accepts backward passes, not only forward (inference) requests
+FLAG_DRAINING = 4  # shutting down: finish current work, send no new work
+FLAG_GPU = 8  # serves its layers from an accelerator rather than the CPU
+
+_MESSAGE_KEYS = frozenset({"v", "r", "s"})
+_BODY_KEYS = frozenset({"peer", "addrs", "model", "start", "end", "cap", "ts", "ttl"})
+_CAPACITY_KEYS = frozenset({"mem", "queue", "flags"})
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """How much more work a peer can take right now."""
+
+    free_memory_mb: int  # >= 0
+    queue_depth: int  # >= 0, requests waiting
+    flags: int = 0  # FLAG_* bitfield, 0 <= flags < FLAGS_LIMIT
+
+
+@dataclass(frozen=True)
+class LayerRecord:
+    """One peer's claim to serve layers [start, end) of a model, valid for ttl seconds."""
+
+    peer_id: str  # base58 peer id text
+    addrs: tuple[str, ...]  # multiaddr strings the peer can be dialled at
+    model: str
+    start: int  # first layer served
+    end: int  # one past the last layer served; 0 <= start < end <= MAX_LAYERS
+    capacity: Capacity
+    timestamp: float  # unix seconds when made
+    ttl: float  # seconds the record stays valid after timestamp
+
+    @property
+    def expires_at(self) -> float:
+        return self.timestamp + self.ttl
+
+    def serves(self, layer: int) -> bool:
+        return self.start <= layer < self.end
+
+    def is_fresh(self, now: float) -> bool:
+        """Not yet expired; whether the timestamp is too far ahead is the store's business."""
+        return now < self.expires_at
+
+
+def layer_key(model: str, layer: int) -> bytes:
+    """The DHT key under which the records of peers serving ``layer`` of ``model`` live."""
+    if not _is_model(model) or not _is_int(layer, 0, MAX_LAYERS - 1):
+        raise LocalProtocolError(f"no layer key for model {_show(model)} layer {_show(layer)}")
+    return hashlib.sha256(LAYER_KEY_DOMAIN + model.encode() + b"/" + str(layer).encode()).digest()
+
+
+def routing_rank(record: LayerRecord) -> tuple:
+    """Sort key of ``best_first``: a total order, so ranking never depends on input order."""
+    cap = record.capacity
+    return (cap.queue_depth, -cap.free_memory_mb, -record.timestamp, record.peer_id,
+            record.model, record.start, record.end, record.addrs, record.ttl, cap.flags)
+
+
+def best_first(records: Iterable[LayerRecord]) -> list[LayerRecord]:
+    """Shortest queue first, then most free memory, then newest, then by peer id."""
+    return sorted(records, key=routing_rank)
+
+
+def sign_record(record: LayerRecord, identity) -> bytes:
+    """The signed wire bytes of ``record``; LocalProtocolError if it is not ours or invalid."""
+    problem = _record_problem(record)
+    if problem is not None:
+        raise LocalProtocolError(f"refusing to sign an invalid layer record: {problem}")
+    if record.peer_id != identity.peer_id_text:
+        raise LocalProtocolError(
+            f"refusing to sign a layer record for peer {record.peer_id}: "
+            f"we are {identity.peer_id_text}"
+        )
+    body = _body(record)
+    message = {"v": RECORD_VERSION, "r": body, "s": identity.sign(_signed_bytes(body))}
+    data = cbor2.dumps(message, canonical=True)
+    if len(data) > MAX_RECORD_BYTES:
+        raise LocalProtocolError(f"layer record is {len(data)} bytes, over {MAX_RECORD_BYTES}")
+    return data
+
+
+def verify_record(data: bytes) -> LayerRecord:
+    """The record ``data`` encodes, signed by the peer it names; else RemoteProtocolError."""
+    message = _decode(data)
+    if type(message) is not dict or message.keys() != _MESSAGE_KEYS:
+        raise RemoteProtocolError("layer record must be a map with keys v, r, s")
+    version = message["v"]
+    if type(version) is not int or version != RECORD_VERSION:
+        raise RemoteProtocolError(f"unsupported layer record version {_show(version)}")
+    body, signature = message["r"], message["s"]
+    record = _record_from_body(body)
+    key = _public_key(record.peer_id)
+    if key is None:
+        raise RemoteProtocolError(f"peer id {record.peer_id} does not inline an Ed25519 key")
+    if type(signature) is not bytes or len(signature) != ED25519_SIGNATURE_BYTES:
+        raise RemoteProtocolError("layer record signature is not 64 bytes")
+    if not _signature_ok(key, _signed_bytes(body), signature):
+        raise RemoteProtocolError(f"layer record is not signed by {record.peer_id}")
+    return record
+
+
+def _decode(data: bytes) -> object:
+    """Decode the plain CBOR value ``data`` is the canonical encoding of, refusing anything else."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise RemoteProtocolError(f"layer record must be bytes, not {type(data).__name__}")
+    data = bytes(data)
+    if len(data) > MAX_RECORD_BYTES:
+        raise RemoteProtocolError(f"layer record is {len(data)} bytes, over {MAX_RECORD_BYTES}")
+    try:
+        value = cbor2.loads(
+            data,
+            semantic_decoders=_NO_TAGS,
+            tag_hook=_refuse_tag,
+            max_depth=MAX_CBOR_DEPTH,
+            allow_indefinite=False,
+            allow_duplicate_keys=False,
+            strict_hashable_types=True,
+        )
+        canonical = cbor2.dumps(value, canonical=True)
+    except Exception as exc:  # cbor2 raises CBORError, ValueError, RecursionError, ...
+        raise RemoteProtocolError(f"layer record is not valid CBOR: {exc}") from None
+    if canonical != data:
+        raise RemoteProtocolError("layer record is not canonically encoded CBOR")
+    return value
+
+
+class _RefuseEveryTag(Mapping):
+    """A semantic-decoder table answering every tag number with a decoder that refuses it.
+
+    cbor2 decodes the tags it knows (datetimes, bignums, shared values, ...) itself and
+    consults ``tag_hook`` only for the others; this table overrides all of them.
+    """
+
+    def __getitem__(self, tag: int):
+        return _refuse_tag
+
+    def __iter__(self):
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+
+def _refuse_tag(*args) -> None:
+    raise ValueError("CBOR tags are not allowed in a layer record")
+
+
+_NO_TAGS = _RefuseEveryTag()
+
+
+def _record_from_body(body: object) -> LayerRecord:
+    """The record a decoded body map describes; RemoteProtocolError if any field is invalid."""
+    if type(body) is not dict or body.keys() != _BODY_KEYS:
+        raise RemoteProtocolError(f"layer record body must be a map with keys {sorted(_BODY_KEYS)}")
+    cap, addrs = body["cap"], body["addrs"]
+    if type(cap) is not dict or cap.keys() != _CAPACITY_KEYS:
+        raise RemoteProtocolError("layer record capacity must be a map with keys mem, queue, flags")
+    if type(addrs) is not list:
+        raise RemoteProtocolError("layer record addrs must be an array")
+    capacity = Capacity(cap["mem"], cap["queue"], cap["flags"])
+    record = LayerRecord(body["peer"], tuple(addrs), body["model"], body["start"], body["end"],
+                         capacity, body["ts"], body["ttl"])
+    problem = _record_problem(record)
+    if problem is not None:
+        raise RemoteProtocolError(f"invalid layer record: {problem}")
+    return replace(record, timestamp=float(record.timestamp), ttl=float(record.ttl))
+
+
+def _record_problem(record: LayerRecord) -> str | None:
+    """What is wrong with the record's fields, or None; the peer id's key is checked elsewhere."""
+    peer_id, addrs, capacity = record.peer_id, record.addrs, record.capacity
+    if type(peer_id) is not str or not 0 < len(peer_id) <= MAX_PEER_ID_CHARS:
+        return f"peer id {_show(peer_id)} is not a string of 1 to {MAX_PEER_ID_CHARS} chars"
+    if type(addrs) is not tuple or len(addrs) > MAX_ADDRS:
+        return f"addrs must be a tuple of at most {MAX_ADDRS} multiaddrs"
+    if not all(_is_addr(addr) for addr in addrs):
+        return f"addrs hold a value that is not a multiaddr of 1 to {MAX_ADDR_CHARS} ASCII chars"
+    if not _is_model(record.model):
+        return f"model {_show(record.model)} is not 1 to {MAX_MODEL_CHARS} printable chars"
+    if not (_is_int(record.start, 0, MAX_LAYERS - 1) and _is_int(record.end, 1, MAX_LAYERS)):
+        layers = f"[{_show(record.start)}, {_show(record.end)})"
+        return f"layers {layers} are not integers within [0, {MAX_LAYERS}]"
+    if record.start >= record.end:
+        return f"layers [{record.start}, {record.end}) are empty"
+    if type(capacity) is not Capacity:
+        return "capacity is not a Capacity"
+    if not (
+        _is_int(capacity.free_memory_mb, 0, MAX_FREE_MEMORY_MB)
+        and _is_int(capacity.queue_depth, 0, MAX_QUEUE_DEPTH)
+        and _is_int(capacity.flags, 0, FLAGS_LIMIT - 1)
+    ):
+        return f"capacity {_show(capacity)} is out of bounds"
+    if not _is_number(record.timestamp, 0, MAX_TIMESTAMP):
+        return f"timestamp {_show(record.timestamp)} is not a number within [0, {MAX_TIMESTAMP}]"
+    if not _is_number(record.ttl, MIN_TTL, MAX_TTL):
+        return f"ttl {_show(record.ttl)} is not a number within [{MIN_TTL}, {MAX_TTL}]"
+    return None
+
+
+def _show(value: object) -> str:
+    """``repr(value)``, cut short: error messages quote values a hostile peer chose."""
+    text = repr(value)
+    return text if len(text) <= MAX_SHOWN_CHARS else text[:MAX_SHOWN_CHARS] + "..."
+
+
+def _is_int(value: object, low: int, high: int) -> bool:
+    return type(value) is int and low <= value <= high  # type() so a bool is not an int
+
+
+def _is_number(value: object, low: float, high: float) -> bool:
+    return type(value) in (int, float) and low <= value <= high  # NaN fails every comparison
+
+
+def _is_addr(addr: object) -> bool:
+    """A plausible multiaddr; parsing it fully is the dialler's job, not the verifier's."""
+    return (type(addr) is str and 0 < len(addr) <= MAX_ADDR_CHARS and addr.startswith("/")
+            and addr.isascii() and addr.isprintable() and " " not in addr)
+
+
+def _is_model(model: object) -> bool:
+    return type(model) is str and 0 < len(model) <= MAX_MODEL_CHARS and model.isprintable()
+
+
+def _body(record: LayerRecord) -> dict:
+    cap = record.capacity
+    return {"peer": record.peer_id, "addrs": list(record.addrs), "model": record.model,
+            "start": record.start, "end": record.end,
+            "cap": {"mem": cap.free_memory_mb, "queue": cap.queue_depth, "flags": cap.flags},
+            "ts": float(record.timestamp), "ttl": float(record.ttl)}
+
+
+def _signed_bytes(body: dict) -> bytes:
+    return SIGNATURE_DOMAIN + cbor2.dumps(body, canonical=True)
+
+
+def _public_key(peer_id: str):
+    """The Ed25519 key a canonical identity-multihash peer id inlines, or None."""
+    from libp2p.crypto.ed25519 import Ed25519PublicKey
+    from libp2p.peer.id import ID
+
+    try:
+        peer = ID.from_base58(peer_id)
+        key = peer.extract_public_key()  # None for hashed (non-inlined) ids and bad protobufs
+        if not isinstance(key, Ed25519PublicKey):
+            return None
+        canonical = peer.to_base58() == peer_id and ID.from_pubkey(key) == peer
+    except Exception:  # base58 raises ValueError on bad chars; be total whatever else it does
+        return None
+    return key if canonical else None
+
+
+def _signature_ok(key, data: bytes, signature: bytes) -> bool:
+    try:
+        return bool(key.verify(data, signature))
+    except Exception:  # PyNaCl raises rather than returning False on some malformed input
+        return False

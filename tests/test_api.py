@@ -1,0 +1,55 @@
+"""The status API's HTTP handling, pure (no sockets) and over a real trio listener."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import pytest
+import trio
+from hypothesis import given
+from hypothesis import strategies as st
+
+from p2pswarm.api import parse_host_port, respond, serve_api
+from p2pswarm.errors import ConfigError
+
+ROUTES = {"/api/stats": lambda: {"ok": 1}}
+
+
+def status_of(response: bytes) -> int:
+    return int(response.split(b" ", 2)[1])
+
+
+def test_routes():
+    assert status_of(respond(b"GET /api/stats HTTP/1.1\r\n\r\n", ROUTES)) == 200
+    assert json.loads(respond(b"GET /api/stats HTTP/1.1\r\n\r\n", ROUTES).split(b"\r\n\r\n", 1)[1]) == {"ok": 1}
+    assert status_of(respond(b"GET /nope HTTP/1.1\r\n\r\n", ROUTES)) == 404
+    assert status_of(respond(b"POST /api/stats HTTP/1.1\r\n\r\n", ROUTES)) == 405
+
+
+@given(st.binary(max_size=300))
+def test_any_request_bytes_get_an_http_answer(request):
+    assert respond(request, ROUTES).startswith(b"HTTP/1.1 ")
+
+
+def test_failing_endpoint_is_a_500_not_a_crash():
+    assert status_of(respond(b"GET /x HTTP/1.1\r\n\r\n", {"/x": lambda: 1 / 0})) == 500
+
+
+def test_parse_host_port():
+    assert parse_host_port("127.0.0.1:8700") == ("127.0.0.1", 8700)
+    for bad in ["8700", "host:", ":80", "h:99999", "h:x"]:
+        with pytest.raises(ConfigError):
+            parse_host_port(bad)
+
+
+def test_served_over_tcp():
+    async def main():
+        async with trio.open_nursery() as nursery:
+            address = await nursery.start(serve_api, "127.0.0.1:0", ROUTES)
+            body = await trio.to_thread.run_sync(
+                lambda: urllib.request.urlopen(f"http://{address}/api/stats", timeout=5).read())
+            assert json.loads(body) == {"ok": 1}
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
