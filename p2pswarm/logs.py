@@ -1,7 +1,9 @@
 """Logging set-up: human-readable lines on stderr by default, one JSON object a line on request.
 
-py-libp2p logs routine events (a peer hanging up mid-handshake) as errors; its loggers are
-quieted to CRITICAL unless the user asks for debug output.
+py-libp2p logs routine events (a peer hanging up mid-handshake) as warnings and errors, and
+configures its own "libp2p" logger when imported (level WARNING, own handler, no propagation).
+``quiet_libp2p`` imports it first and then takes that logger back: CRITICAL only unless the
+user asks for debug output, and through our handler so ``--log-format json`` holds for it too.
 """
 
 from __future__ import annotations
@@ -38,4 +40,13 @@ def setup_logging(level: str = "info", fmt: str = "human") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
-    logging.getLogger("libp2p").setLevel(logging.WARNING if level == "debug" else logging.CRITICAL)
+
+
+def quiet_libp2p(level: str) -> None:
+    """Import libp2p (which sets up its logger) and then route its logger through ours."""
+    import libp2p  # noqa: F401 - importing runs libp2p.utils.logging.setup_logging
+
+    libp2p_logger = logging.getLogger("libp2p")
+    libp2p_logger.handlers[:] = []
+    libp2p_logger.propagate = True
+    libp2p_logger.setLevel(logging.WARNING if level == "debug" else logging.CRITICAL)

@@ -108,3 +108,20 @@ def test_listener_is_closed_after_the_block():
     port = trio.run(main)
     with socket.socket() as probe:
         assert probe.connect_ex(("127.0.0.1", port)) != 0, "a listener survived host.close()"
+
+
+def test_no_auto_dialling_of_known_peers():
+    """py-libp2p's auto-connector would dial every peer in the peerstore; ours dials nobody unasked."""
+
+    async def main():
+        async with open_host(generate_identity(), LOOPBACK) as other:
+            async with open_host(generate_identity(), LOOPBACK) as host:
+                info = peer_info_from_multiaddr(first_addr(other))
+                host.get_peerstore().add_addrs(info.peer_id, info.addrs, 3600)
+                network = host.get_network()
+                assert not network.auto_connector._started
+                await network.auto_connector.maybe_connect()  # what its periodic task would run
+                await trio.sleep(0.5)
+                assert not host.get_connected_peers()
+
+    trio.run(main)

@@ -6,8 +6,9 @@ workarounds"), so the host is always built here:
 - Yamux only, TCP only.
 - ``max_connections_per_peer=1``: with more allowed, every ``connect()`` waits a fixed
   ~250 ms happy-eyeballs delay for alternates, even after the first dial succeeded.
-- explicit connection, stream and memory limits, and no auto-connector dialling towards
-  200 peers (``min_connections=0``, ``low_watermark=0``).
+- explicit connection, stream and memory limits, and the auto-connector switched off: it
+  dials every peer in the peerstore towards the midpoint of the watermarks (128 here),
+  whatever ``min_connections`` says. We dial whom we need.
 - wildcard listen addresses (0.0.0.0) are expanded to the machine's interface addresses
   before they are advertised; otherwise peers are told to dial 0.0.0.0, i.e. themselves.
 - ``host.close()`` always runs on the way out; leaving ``host.run()`` alone leaves a
@@ -105,7 +106,7 @@ def build_host(identity: Identity, limits: HostLimits = DEFAULT_LIMITS):
     connection_config = ConnectionConfig(
         max_connections=limits.max_connections,
         min_connections=0,
-        low_watermark=0,
+        low_watermark=limits.max_connections * 3 // 4,  # the pruner trims down to this
         high_watermark=limits.max_connections,
         max_connections_per_peer=limits.max_connections_per_peer,
         dial_timeout=limits.dial_timeout,
@@ -121,7 +122,7 @@ def build_host(identity: Identity, limits: HostLimits = DEFAULT_LIMITS):
         enable_metrics=False,
     )
     interface_ips = interface_ipv4_addresses()
-    return new_host(
+    host = new_host(
         key_pair=identity.key_pair,
         sec_opt={NOISE_ID: noise},
         muxer_opt={YAMUX_ID: Yamux},
@@ -131,6 +132,12 @@ def build_host(identity: Identity, limits: HostLimits = DEFAULT_LIMITS):
         enable_mDNS=False,
         enable_upnp=False,
     )
+    host.get_network().auto_connector.start = _auto_connector_stays_off
+    return host
+
+
+async def _auto_connector_stays_off() -> None:
+    """Replaces AutoConnector.start: never started, its periodic task returns at once."""
 
 
 @asynccontextmanager

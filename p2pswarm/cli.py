@@ -1,0 +1,191 @@
+"""The ``p2pswarm`` command: parse arguments into a NodeConfig and run the node under trio.
+
+Every user error ends as one line on stderr and exit code 1. SIGINT and SIGTERM shut the node
+down cleanly (host closed, listeners gone) and exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import trio
+
+from p2pswarm import __version__
+from p2pswarm.config import DEFAULT_BOOTSTRAP_LISTEN, DEFAULT_LISTEN, DhtMode, NodeConfig, Role
+from p2pswarm.errors import ConfigError, P2PSwarmError
+from p2pswarm.logs import LOG_FORMATS, quiet_libp2p, setup_logging
+from p2pswarm.model.catalog import DEFAULT_MODEL, MODELS, get_model, parse_layers
+
+log = logging.getLogger("p2pswarm")
+
+STATUS_TIMEOUT = 5.0  # seconds to wait for a node's API before saying it is not answering
+
+
+def _node_options(parser: argparse.ArgumentParser, default_listen: str) -> None:
+    parser.add_argument("--listen", action="append", metavar="MULTIADDR",
+                        help=f"address to listen on, repeatable (default {default_listen})")
+    parser.add_argument("--key", type=Path, metavar="PATH",
+                        help="Ed25519 key file, created on first use (default DATA_DIR/node.key; "
+                             "without --data-dir an ephemeral key)")
+    parser.add_argument("--data-dir", type=Path, metavar="DIR", help="where the node keeps its files")
+    parser.add_argument("--api", metavar="HOST:PORT", help="serve the status API here (e.g. 127.0.0.1:8700)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="p2pswarm",
+        description="A peer of a decentralized swarm that trains one language model together.",
+        epilog="Quick start: 'p2pswarm demo' runs a whole swarm on this machine.")
+    parser.add_argument("--version", action="version", version=f"p2pswarm {__version__}")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--log-format", default="human", choices=LOG_FORMATS,
+                        help="human-readable lines or one JSON object per line (stderr)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    keygen = sub.add_parser("keygen", help="write a new Ed25519 key file (mode 0600), print its peer id")
+    keygen.add_argument("path", type=Path)
+
+    boot = sub.add_parser("bootstrap", help="run a public bootstrap node (a DHT server)",
+                          description="Run a bootstrap node. Prints its dialable multiaddrs on stdout, one per line.")
+    _node_options(boot, DEFAULT_BOOTSTRAP_LISTEN)
+    boot.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR",
+                      help="other bootstrap nodes to link with (optional)")
+
+    join = sub.add_parser("join", help="join a swarm and serve a range of model layers",
+                          description="Join a swarm through bootstrap peers, announce the layers this "
+                                      "peer serves, keep them announced until interrupted.")
+    join.add_argument("--bootstrap", action="append", required=True, metavar="MULTIADDR",
+                      help="a bootstrap peer's multiaddr ending in /p2p/<peer id>; repeatable")
+    _node_options(join, DEFAULT_LISTEN)
+    join.add_argument("--model", default=DEFAULT_MODEL, help=f"model to train ({', '.join(MODELS)})")
+    join.add_argument("--layers", default="auto", metavar="START:END|auto",
+                      help="layer range to serve; auto picks the least-served stage (default)")
+    join.add_argument("--dht-mode", default="auto", choices=[m.value for m in DhtMode],
+                      help="Kademlia server or client mode (auto: server unless found unreachable)")
+
+    status = sub.add_parser("status", help="show a running node's state and the swarm's layer map")
+    status.add_argument("--api", required=True, metavar="HOST:PORT", help="the node's status API")
+    status.add_argument("--json", action="store_true", help="print the raw JSON")
+
+    demo = sub.add_parser("demo", help="run a local swarm: bootstrap plus peers on loopback")
+    demo.add_argument("--peers", type=int, default=4, help="joining peers to start (default 4)")
+    demo.add_argument("--duration", type=float, default=30.0,
+                      help="seconds to keep the swarm up after it formed (default 30; 0 = until Ctrl-C)")
+    demo.add_argument("--dir", type=Path, default=None, help="where peers keep keys and logs (default: a temp dir)")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> NodeConfig:
+    role = Role(args.command)
+    default_listen = DEFAULT_BOOTSTRAP_LISTEN if role is Role.BOOTSTRAP else DEFAULT_LISTEN
+    kwargs = dict(role=role, listen=tuple(args.listen or [default_listen]), bootstrap=tuple(args.bootstrap),
+                  key_path=args.key, data_dir=args.data_dir, api=args.api)
+    if role is Role.JOIN:
+        model = get_model(args.model)
+        kwargs.update(model=model.name, layers=parse_layers(args.layers, model), dht_mode=DhtMode(args.dht_mode))
+    return NodeConfig(**kwargs)
+
+
+def _print_addrs(addrs: list[str]) -> None:
+    for addr in addrs:
+        print(addr)
+    sys.stdout.flush()
+
+
+async def _run_until_signalled(config: NodeConfig) -> None:
+    from p2pswarm.node import run_node
+
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lambda: run_node(config, on_listening=_print_addrs))
+            async for signum in signals:
+                log.info("got %s, shutting down", signal.Signals(signum).name)
+                nursery.cancel_scope.cancel()
+                break
+
+
+def _first_error(exc: BaseException) -> BaseException:
+    """The P2PSwarmError inside (possibly nested) exception groups, or the exception itself."""
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            found = _first_error(inner)
+            if isinstance(found, P2PSwarmError):
+                return found
+    return exc
+
+
+def cmd_keygen(args: argparse.Namespace) -> int:
+    from p2pswarm.identity import generate_identity, write_key
+
+    identity = generate_identity()
+    write_key(args.path, identity)
+    print(identity.peer_id_text)
+    return 0
+
+
+def _get_json(api: str, path: str) -> dict:
+    from p2pswarm.api import parse_host_port
+
+    host, port = parse_host_port(api)
+    try:
+        with urllib.request.urlopen(f"http://{host}:{port}{path}", timeout=STATUS_TIMEOUT) as response:
+            return json.load(response)
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        raise ConfigError(f"no p2pswarm node answers at {api}: {getattr(exc, 'reason', exc)}") from None
+
+
+def format_status(stats: dict, layers: dict) -> str:
+    lines = [
+        f"peer          {stats['peer_id']}  ({stats['role']}, p2pswarm {stats['version']})",
+        f"addresses     {', '.join(stats['addrs']) or '-'}",
+        f"reachability  {stats['reachability']}   DHT mode {stats['dht_mode']}",
+        f"connected     {len(stats['connected_peers'])} peer(s)   routing table {stats['routing_table_size']}",
+        f"serving       {stats['model']} layers {stats['layers'] or '-'}   uptime {stats['uptime_s']:.0f} s",
+        f"layer map     {layers['model']}, {layers['n_layers']} layers",
+    ]
+    for layer, records in layers["layers"].items():
+        peers = ", ".join(f"{r['peer_id'][-8:]}[{r['start']}:{r['end']}]" for r in records) or "(nobody)"
+        lines.append(f"  layer {int(layer):>3}  {len(records)} peer(s)  {peers}")
+    return "\n".join(lines)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    stats, layers = _get_json(args.api, "/api/stats"), _get_json(args.api, "/api/layers")
+    if args.json:
+        print(json.dumps({"stats": stats, "layers": layers}, indent=1, sort_keys=True))
+    else:
+        print(format_status(stats, layers))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.log_level, args.log_format)
+    try:
+        if args.command == "keygen":
+            return cmd_keygen(args)
+        if args.command == "status":
+            return cmd_status(args)
+        if args.command == "demo":
+            from p2pswarm.demo import run_demo
+
+            return run_demo(args.peers, args.duration, args.dir)
+        config = config_from_args(args)
+        quiet_libp2p(args.log_level)
+        trio.run(_run_until_signalled, config)
+        return 0
+    except BaseException as exc:  # noqa: BLE001 - the one place errors become exit codes
+        error = _first_error(exc)
+        if isinstance(error, P2PSwarmError):
+            print(f"p2pswarm: error: {error}", file=sys.stderr)
+            return 1
+        if isinstance(error, KeyboardInterrupt):
+            return 130
+        raise

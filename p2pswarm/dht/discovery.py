@@ -1,0 +1,210 @@
+"""Layer discovery driver: announce our layer record, look up who serves a layer.
+
+Kademlia (py-libp2p's ``/ipfs/kad/1.0.0``) finds the peers closest to a layer key; our record
+protocol (``dht.protocol``) stores the signed record on them and fetches records back. A
+reader verifies every record itself, merges the answers of all closest peers per author
+(newest wins), drops stale ones, and ranks the rest.
+
+Workarounds for py-libp2p's DHT live here: bootstrap peers are added to the routing table
+explicitly after dialling (the table only learns peers that contact it), and a peer that fails
+to answer is removed from the routing table (dead peers are never evicted otherwise).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import trio
+
+from p2pswarm.dht.protocol import FetchRecords, FetchReply, StoreRecord, StoreReply, handle_fetch, handle_store
+from p2pswarm.dht.records import LayerRecord, best_first, layer_key, verify_record
+from p2pswarm.dht.store import RecordStore
+from p2pswarm.errors import DialError, ProtocolError, StartupError
+from p2pswarm.model.catalog import ModelSpec
+from p2pswarm.net.control import ControlService
+from p2pswarm.net.host import connect
+
+log = logging.getLogger(__name__)
+
+REPLICATION = 3  # closest peers that hold each layer key; survives two of them dying at once
+LOOKUP_TIMEOUT = 3.0  # per closest-peer fetch; hivemind's DHT timeout is 3 s
+DEFAULT_K = 8  # records a lookup returns; the router needs a few live candidates per stage
+RECORD_TTL = 15.0  # a SIGKILLed peer vanishes from the layer map within this long
+ANNOUNCE_PERIOD = 5.0  # three announcements per TTL: one lost announce never expires a live peer
+LAYER_MAP_PERIOD = 5.0  # how often the cached layer map shown by the API is rebuilt
+PRUNE_PERIOD = 10.0  # how often expired records are dropped from the local store
+
+
+@asynccontextmanager
+async def open_kademlia(host, server: bool) -> AsyncIterator[object]:
+    """Run py-libp2p's Kademlia DHT in server or client mode for the life of the block."""
+    from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
+    from libp2p.tools.anyio_service import background_trio_service
+
+    kad = KadDHT(host, DHTMode.SERVER if server else DHTMode.CLIENT, enable_random_walk=False)
+    async with background_trio_service(kad):
+        yield kad
+
+
+async def join_network(host, kad, bootstrap_infos, timeout: float) -> int:
+    """Dial the bootstrap peers, add them to the routing table, refresh it; count reached."""
+    reached = 0
+    for info in bootstrap_infos:
+        try:
+            await connect(host, info, timeout)
+        except DialError as exc:
+            log.warning("bootstrap peer unreachable: %s", exc)
+            continue
+        await kad.add_peer(info.peer_id)
+        reached += 1
+    if bootstrap_infos and not reached:
+        raise StartupError(f"none of the {len(bootstrap_infos)} bootstrap peer(s) could be reached")
+    if reached:
+        with trio.move_on_after(timeout):
+            await kad.peer_routing.refresh_routing_table()
+    return reached
+
+
+@dataclass
+class DiscoveryStats:
+    announces: int = 0
+    stores_accepted: int = 0
+    stores_failed: int = 0
+    lookups: int = 0
+    lookup_seconds: list[float] = field(default_factory=list)
+    invalid_records: int = 0
+
+
+class LayerIndex:
+    """Announce and look up layer records over the Kademlia-closest peers of each layer key."""
+
+    def __init__(self, host, kad, control: ControlService, store: RecordStore, *, server: bool,
+                 clock: Callable[[], float] = time.time) -> None:
+        self._host, self._kad, self._control, self._store = host, kad, control, store
+        self._server = server
+        self._clock = clock
+        self.stats = DiscoveryStats()
+        if server:
+            control.handle(StoreRecord, self._on_store)
+            control.handle(FetchRecords, self._on_fetch)
+
+    async def _on_store(self, peer: str, message: StoreRecord) -> StoreReply:
+        return handle_store(self._store, message, self._clock())
+
+    async def _on_fetch(self, peer: str, message: FetchRecords) -> FetchReply:
+        return handle_fetch(self._store, message, self._clock())
+
+    async def closest_peers(self, key: bytes) -> list:
+        """The REPLICATION peers closest to ``key``, ourselves included when we are a server."""
+        from libp2p.kad_dht.utils import sort_peer_ids_by_distance
+
+        found = None
+        with trio.move_on_after(LOOKUP_TIMEOUT):
+            try:
+                found = await self._kad.peer_routing.find_closest_peers_network(key, REPLICATION)
+            except trio.Cancelled:
+                raise
+            except Exception as exc:  # py-libp2p's lookup raises assorted errors on dead peers
+                log.debug("closest-peer lookup failed, using the local table: %s", exc)
+        if found is None:
+            found = self._kad.routing_table.find_local_closest_peers(key, REPLICATION)
+        me = self._host.get_id()
+        candidates = [p for p in found if p != me] + ([me] if self._server else [])
+        return sort_peer_ids_by_distance(key, candidates)[:REPLICATION]
+
+    def _forget(self, peer_id, exc: Exception) -> None:
+        log.debug("peer %s failed a layer request, removing it from the routing table: %s", peer_id, exc)
+        self._kad.routing_table.remove_peer(peer_id)
+
+    async def announce(self, record: LayerRecord, signed: bytes) -> int:
+        """Store our signed record on the closest peers of every layer it serves; count acceptances."""
+        self.stats.announces += 1
+        accepted = 0
+
+        async def store_on(peer_id, layer: int) -> None:
+            nonlocal accepted
+            message = StoreRecord(layer=layer, record=signed)
+            try:
+                if peer_id == self._host.get_id():
+                    reply = handle_store(self._store, message, self._clock())
+                else:
+                    reply = await self._control.request(peer_id, message, LOOKUP_TIMEOUT)
+            except DialError as exc:
+                self.stats.stores_failed += 1
+                return self._forget(peer_id, exc)
+            if isinstance(reply, StoreReply) and reply.accepted:
+                accepted += 1
+                self.stats.stores_accepted += 1
+            else:
+                self.stats.stores_failed += 1
+                log.debug("peer %s did not keep our record for layer %d: %s", peer_id, layer, reply)
+
+        async def announce_layer(layer: int) -> None:
+            async with trio.open_nursery() as nursery:
+                for peer_id in await self.closest_peers(layer_key(record.model, layer)):
+                    nursery.start_soon(store_on, peer_id, layer)
+
+        async with trio.open_nursery() as nursery:
+            for layer in range(record.start, record.end):
+                nursery.start_soon(announce_layer, layer)
+        return accepted
+
+    async def lookup_layer(self, model: str, layer: int, k: int = DEFAULT_K) -> list[LayerRecord]:
+        """Up to ``k`` fresh records of peers serving ``layer`` of ``model``, best first."""
+        started = time.perf_counter()
+        self.stats.lookups += 1
+        newest: dict[str, LayerRecord] = {}
+        request = FetchRecords(model=model, layer=layer, limit=k)
+
+        async def fetch_from(peer_id) -> None:
+            if peer_id == self._host.get_id():
+                reply = handle_fetch(self._store, request, self._clock())
+            else:
+                try:
+                    reply = await self._control.request(peer_id, request, LOOKUP_TIMEOUT)
+                except DialError as exc:
+                    return self._forget(peer_id, exc)
+            for raw in reply.records if isinstance(reply, FetchReply) else ():
+                self._merge(newest, raw, layer)
+
+        async with trio.open_nursery() as nursery:
+            for peer_id in await self.closest_peers(layer_key(model, layer)):
+                nursery.start_soon(fetch_from, peer_id)
+        now = self._clock()
+        fresh = [r for r in newest.values() if r.model == model and r.is_fresh(now)]
+        self.stats.lookup_seconds = (self.stats.lookup_seconds + [time.perf_counter() - started])[-100:]
+        return best_first(fresh)[:k]
+
+    def _merge(self, newest: dict[str, LayerRecord], raw: bytes, layer: int) -> None:
+        try:
+            record = verify_record(raw)
+        except ProtocolError:
+            self.stats.invalid_records += 1
+            return
+        if not record.serves(layer):
+            self.stats.invalid_records += 1
+            return
+        held = newest.get(record.peer_id)
+        if held is None or record.timestamp > held.timestamp:
+            newest[record.peer_id] = record
+
+    async def layer_map(self, model: ModelSpec) -> dict[int, list[LayerRecord]]:
+        """Every layer of ``model`` mapped to the fresh records serving it."""
+        result: dict[int, list[LayerRecord]] = {}
+
+        async def fill(layer: int) -> None:
+            result[layer] = await self.lookup_layer(model.name, layer, k=DEFAULT_K)
+
+        async with trio.open_nursery() as nursery:
+            for layer in range(model.n_layers):
+                nursery.start_soon(fill, layer)
+        return dict(sorted(result.items()))
+
+    async def serve_store_pruning(self) -> None:
+        while True:
+            await trio.sleep(PRUNE_PERIOD)
+            self._store.prune(self._clock())

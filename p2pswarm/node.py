@@ -1,0 +1,184 @@
+"""A running node: the host, the DHT, the control channel, layer announcement and the API.
+
+``run_node`` holds every service in one nursery and switches them on by role; there are no
+service classes or inheritance. It reports ``task_status.started(state)`` once the node is
+listening, has joined the DHT and (for a trainer) has chosen its layers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import trio
+
+from p2pswarm import __version__
+from p2pswarm.api import serve_api
+from p2pswarm.config import BOOTSTRAP_DIAL_TIMEOUT, NodeConfig
+from p2pswarm.dht.discovery import (
+    ANNOUNCE_PERIOD,
+    LAYER_MAP_PERIOD,
+    RECORD_TTL,
+    LayerIndex,
+    join_network,
+    open_kademlia,
+)
+from p2pswarm.dht.records import Capacity, LayerRecord, sign_record
+from p2pswarm.dht.store import RecordStore
+from p2pswarm.identity import Identity, load_or_create_key
+from p2pswarm.model.catalog import ModelSpec, get_model, least_served_stage
+from p2pswarm.net.control import ControlService
+from p2pswarm.net.host import open_host, peer_info_from_multiaddr
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class NodeState:
+    """What the node knows about itself and the swarm; read by the status API."""
+
+    identity: Identity
+    config: NodeConfig
+    model: ModelSpec
+    host: object = None
+    kad: object = None
+    control: ControlService | None = None
+    index: LayerIndex | None = None
+    layers: tuple[int, int] | None = None
+    api_address: str | None = None
+    started_at: float = field(default_factory=time.time)
+    layer_map: dict[int, list[LayerRecord]] = field(default_factory=dict)
+    layer_map_at: float = 0.0
+
+    def addrs(self) -> list[str]:
+        return [str(a) for a in self.host.get_addrs()] if self.host else []
+
+    def stats(self) -> dict:
+        index, control = self.index, self.control
+        lookups = sorted(index.stats.lookup_seconds) if index else []
+        return {
+            "version": __version__,
+            "peer_id": self.identity.peer_id_text,
+            "role": self.config.role.value,
+            "addrs": self.addrs(),
+            "reachability": "unknown",  # AutoNAT-style detection arrives with NAT traversal
+            "dht_mode": "server" if self.config.dht_server else "client",
+            "uptime_s": round(time.time() - self.started_at, 1),
+            "model": self.model.name,
+            "layers": list(self.layers) if self.layers else None,
+            "connected_peers": sorted(str(p) for p in self.host.get_connected_peers()) if self.host else [],
+            "routing_table_size": self.kad.get_routing_table_size() if self.kad else 0,
+            "records_held": index._store.entry_count() if index else 0,
+            "discovery": {
+                "announces": index.stats.announces if index else 0,
+                "stores_accepted": index.stats.stores_accepted if index else 0,
+                "stores_failed": index.stats.stores_failed if index else 0,
+                "lookups": index.stats.lookups if index else 0,
+                "lookup_p50_ms": round(1000 * lookups[len(lookups) // 2], 1) if lookups else None,
+                "invalid_records": index.stats.invalid_records if index else 0,
+            },
+            "control": vars(control.stats) if control else {},
+        }
+
+    def layers_json(self) -> dict:
+        return {
+            "model": self.model.name,
+            "n_layers": self.model.n_layers,
+            "updated_at": self.layer_map_at,
+            "layers": {
+                str(layer): [
+                    {"peer_id": r.peer_id, "start": r.start, "end": r.end, "addrs": list(r.addrs),
+                     "queue_depth": r.capacity.queue_depth, "free_memory_mb": r.capacity.free_memory_mb,
+                     "expires_in_s": round(r.expires_at - time.time(), 1)}
+                    for r in records
+                ]
+                for layer, records in self.layer_map.items()
+            },
+        }
+
+
+def free_memory_mb() -> int:
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // (1024 * 1024)
+    except (ValueError, OSError):
+        return 0
+
+
+def make_record(state: NodeState, now: float) -> LayerRecord:
+    start, end = state.layers
+    return LayerRecord(
+        peer_id=state.identity.peer_id_text,
+        addrs=tuple(state.addrs()[:8]),
+        model=state.model.name,
+        start=start,
+        end=end,
+        capacity=Capacity(free_memory_mb=free_memory_mb(), queue_depth=0, flags=0),
+        timestamp=now,
+        ttl=RECORD_TTL,
+    )
+
+
+async def serve_announcements(state: NodeState) -> None:
+    """Re-announce our layer record every ANNOUNCE_PERIOD, well before its TTL runs out."""
+    while True:
+        record = make_record(state, time.time())
+        accepted = await state.index.announce(record, sign_record(record, state.identity))
+        log.info("announced layers [%d, %d) of %s: %d store(s) accepted",
+                 record.start, record.end, record.model, accepted)
+        await trio.sleep(ANNOUNCE_PERIOD)
+
+
+async def refresh_layer_map(state: NodeState) -> None:
+    state.layer_map = await state.index.layer_map(state.model)
+    state.layer_map_at = time.time()
+
+
+async def serve_layer_map(state: NodeState) -> None:
+    while True:
+        await refresh_layer_map(state)
+        await trio.sleep(LAYER_MAP_PERIOD)
+
+
+async def choose_layers(state: NodeState, rng: random.Random) -> tuple[int, int]:
+    if state.config.layers is not None:
+        return state.config.layers
+    await refresh_layer_map(state)
+    replicas = {layer: len(records) for layer, records in state.layer_map.items()}
+    chosen = least_served_stage(state.model, replicas, rng)
+    log.info("--layers auto: chose [%d, %d), the least-served stage", *chosen)
+    return chosen
+
+
+async def run_node(config: NodeConfig, *, on_listening: Callable[[list[str]], None] = lambda addrs: None,
+                   rng: random.Random | None = None, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Run a node until cancelled."""
+    rng = rng or random.Random()
+    model = get_model(config.model)
+    bootstrap_infos = [peer_info_from_multiaddr(a) for a in config.bootstrap]
+    identity = load_or_create_key(config.resolved_key_path())
+    state = NodeState(identity=identity, config=config, model=model)
+    async with open_host(identity, config.listen) as host, trio.open_nursery() as nursery:
+        state.host = host
+        log.info("peer %s listening on %s", identity.peer_id_text, ", ".join(state.addrs()))
+        on_listening(state.addrs())
+        state.control = ControlService(host, nursery)
+        async with open_kademlia(host, config.dht_server) as kad:
+            state.kad = kad
+            state.index = LayerIndex(host, kad, state.control, RecordStore(), server=config.dht_server)
+            reached = await join_network(host, kad, bootstrap_infos, BOOTSTRAP_DIAL_TIMEOUT)
+            log.info("joined the DHT through %d bootstrap peer(s); routing table holds %d",
+                     reached, kad.get_routing_table_size())
+            if config.api:
+                state.api_address = await nursery.start(serve_api, config.api, {
+                    "/api/stats": state.stats, "/api/layers": state.layers_json})
+            nursery.start_soon(state.index.serve_store_pruning)
+            if config.serves_layers:
+                state.layers = await choose_layers(state, rng)
+                nursery.start_soon(serve_announcements, state)
+            nursery.start_soon(serve_layer_map, state)
+            task_status.started(state)
+            await trio.sleep_forever()

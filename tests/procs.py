@@ -1,0 +1,77 @@
+"""Start and stop real ``p2pswarm`` processes for integration tests, always by pid."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class Swarm:
+    """Processes started by one test; ``close()`` ends each of them by pid."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.processes: list[subprocess.Popen] = []
+
+    def start(self, *args: str, name: str) -> subprocess.Popen:
+        log = open(self.workdir / f"{name}.log", "w")
+        process = subprocess.Popen([sys.executable, "-m", "p2pswarm", *args], stdout=subprocess.PIPE,
+                                   stderr=log, stdin=subprocess.DEVNULL, text=True)
+        self.processes.append(process)
+        return process
+
+    def bootstrap(self) -> str:
+        process = self.start("bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0", name="bootstrap")
+        addr = process.stdout.readline().strip()
+        assert addr.startswith("/ip4/127.0.0.1/tcp/") and "/p2p/12D3" in addr, addr
+        return addr
+
+    def join(self, boot_addr: str, layers: str, name: str) -> tuple[subprocess.Popen, str]:
+        api = f"127.0.0.1:{free_port()}"
+        process = self.start("join", "--bootstrap", boot_addr, "--listen", "/ip4/127.0.0.1/tcp/0",
+                             "--layers", layers, "--api", api, "--data-dir", str(self.workdir / name), name=name)
+        return process, api
+
+    def close(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                os.kill(process.pid, signal.SIGTERM)
+        for process in self.processes:
+            try:
+                process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.kill(process.pid, signal.SIGKILL)
+                process.wait()
+            if process.stdout:
+                process.stdout.close()
+
+
+def get_json(api: str, path: str) -> dict | None:
+    try:
+        with urllib.request.urlopen(f"http://{api}{path}", timeout=3) as response:
+            return json.load(response)
+    except OSError:
+        return None
+
+
+def wait_until(predicate, timeout: float, period: float = 0.5):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        result = predicate()
+        if result:
+            return result
+        time.sleep(period)
+    return predicate()

@@ -1,0 +1,98 @@
+"""The command line as a user meets it: keys, bad input, exit codes, messages on stderr."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from p2pswarm.identity import load_key
+
+
+def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "p2pswarm", *args], capture_output=True, text=True,
+                          timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, *words: str) -> None:
+    assert result.returncode == 1, result
+    lines = [line for line in result.stderr.splitlines() if line.startswith("p2pswarm: error:")]
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    for word in words:
+        assert word in lines[0], lines[0]
+
+
+def test_keygen_writes_0600_key_and_prints_peer_id(tmp_path):
+    path = tmp_path / "node.key"
+    result = run("keygen", str(path))
+    assert result.returncode == 0, result.stderr
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    assert result.stdout.strip() == load_key(path).peer_id_text
+    assert result.stdout.startswith("12D3KooW")
+
+
+def test_keygen_refuses_to_overwrite(tmp_path):
+    path = tmp_path / "node.key"
+    assert run("keygen", str(path)).returncode == 0
+    assert_one_line_error(run("keygen", str(path)), "already exists")
+
+
+def test_key_with_loose_permissions_is_refused(tmp_path):
+    path = tmp_path / "node.key"
+    assert run("keygen", str(path)).returncode == 0
+    os.chmod(path, 0o644)
+    assert_one_line_error(run("bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0", "--key", str(path)), "chmod 600")
+
+
+def test_garbage_key_is_refused(tmp_path):
+    path = tmp_path / "node.key"
+    path.write_bytes(b"not a key at all")
+    os.chmod(path, 0o600)
+    assert_one_line_error(run("bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0", "--key", str(path)), "private key")
+
+
+def test_bad_multiaddr(tmp_path):
+    assert_one_line_error(run("join", "--bootstrap", "/ip4/999.1.1.1/tcp/1"), "bad multiaddr")
+    assert_one_line_error(run("join", "--bootstrap", "/ip4/127.0.0.1/tcp/1"), "/p2p/")
+
+
+def test_unreachable_bootstrap_peer(tmp_path):
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    peer = run("keygen", str(tmp_path / "k")).stdout.strip()
+    result = run("join", "--bootstrap", f"/ip4/127.0.0.1/tcp/{port}/p2p/{peer}", "--listen", "/ip4/127.0.0.1/tcp/0")
+    assert_one_line_error(result, "bootstrap")
+
+
+def test_port_in_use(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run("bootstrap", "--listen", f"/ip4/127.0.0.1/tcp/{port}")
+    assert_one_line_error(result, "in use")
+
+
+def test_bad_layers_and_model():
+    boot = "/ip4/127.0.0.1/tcp/4001/p2p/12D3KooWDNBaynwLzcwCmDKXNd7PjbJZbCJaUrWxtrAeAEd6D6Ge"
+    assert_one_line_error(run("join", "--bootstrap", boot, "--layers", "5:2"), "--layers")
+    assert_one_line_error(run("join", "--bootstrap", boot, "--model", "nope"), "unknown model")
+
+
+def test_status_without_a_node():
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    assert_one_line_error(run("status", "--api", f"127.0.0.1:{port}"), "no p2pswarm node")
+
+
+@pytest.mark.parametrize("command", ["bootstrap", "join", "status", "keygen", "demo"])
+def test_help_explains_each_command(command):
+    result = run(command, "--help")
+    assert result.returncode == 0
+    assert "usage: p2pswarm " + command in result.stdout

@@ -1,0 +1,71 @@
+"""One real ``p2pswarm bootstrap`` and six ``p2pswarm join`` processes on loopback.
+
+Every node's /api/layers must list every announced range within 30 s, and a node killed with
+SIGKILL must drop out of the layer map once its record's TTL has passed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from p2pswarm.dht.discovery import LAYER_MAP_PERIOD, RECORD_TTL
+from tests.procs import Swarm, get_json, wait_until
+
+pytestmark = pytest.mark.integration
+
+RANGES = ["0:2", "2:4", "4:6", "6:8", "0:4", "4:8"]  # tiny-lm: 8 layers, every layer served twice
+
+
+def announced(layers_doc: dict | None) -> set[tuple[str, int, int]]:
+    """(peer, start, end) of every record a node's /api/layers shows."""
+    if not layers_doc:
+        return set()
+    return {(r["peer_id"], r["start"], r["end"]) for records in layers_doc["layers"].values() for r in records}
+
+
+@pytest.fixture
+def swarm(tmp_path):
+    swarm = Swarm(tmp_path)
+    yield swarm
+    swarm.close()
+
+
+def test_layer_map_converges_and_forgets_killed_peer(swarm):
+    boot = swarm.bootstrap()
+    nodes = [swarm.join(boot, layers, name=f"peer{i}") for i, layers in enumerate(RANGES)]
+    apis = [api for _, api in nodes]
+    peer_ids = {}
+    for (process, api), layers in zip(nodes, RANGES):
+        stats = wait_until(lambda: get_json(api, "/api/stats"), timeout=30)
+        assert stats, f"node serving {layers} never answered its API"
+        start, end = (int(x) for x in layers.split(":"))
+        peer_ids[stats["peer_id"]] = (start, end)
+    expected = {(peer, start, end) for peer, (start, end) in peer_ids.items()}
+
+    def all_converged():
+        return all(announced(get_json(api, "/api/layers")) == expected for api in apis)
+
+    started = time.monotonic()
+    assert wait_until(all_converged, timeout=30), {api: announced(get_json(api, "/api/layers")) for api in apis}
+    print(f"layer map converged on all 6 nodes after {time.monotonic() - started:.1f} s")
+
+    victim, victim_api = nodes[0]
+    victim_id = get_json(victim_api, "/api/stats")["peer_id"]
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.wait()
+    killed_at = time.monotonic()
+    survivors = apis[1:]
+    remaining = {entry for entry in expected if entry[0] != victim_id}
+
+    def victim_gone():
+        return all(announced(get_json(api, "/api/layers")) == remaining for api in survivors)
+
+    # The record stays valid for at most RECORD_TTL after its last announcement; a map refresh follows.
+    assert wait_until(victim_gone, timeout=RECORD_TTL + 2 * LAYER_MAP_PERIOD + 10)
+    gone_after = time.monotonic() - killed_at
+    print(f"killed peer left every layer map {gone_after:.1f} s after SIGKILL")
+    assert all(p.poll() is None for p, _ in nodes[1:]), "a surviving node died"
