@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import cbor2
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from p2pswarm import wire
-from p2pswarm.dht.protocol import (FETCH_REPLY_BUDGET, FetchRecords, FetchReply, StoreRecord, handle_fetch,
-                                   handle_store)
+from p2pswarm.dht.protocol import (FETCH_REPLY_BUDGET, FetchRecords, FetchReply, StoreRecord, StoreReply,
+                                   handle_fetch, handle_store)
 from p2pswarm.dht.records import Capacity, LayerRecord, sign_record, verify_record
 from p2pswarm.dht.store import RecordStore
 from p2pswarm.errors import RemoteProtocolError
 from p2pswarm.identity import generate_identity
+from p2pswarm.testing.strategies import frames, register_frames
 
 ALICE, BOB = generate_identity(), generate_identity()
 NOW = 1_000_000.0
@@ -71,3 +74,29 @@ def test_fetch_for_impossible_keys_is_a_remote_error(model, layer):
     encoded = cbor2.dumps(header, canonical=True)
     with pytest.raises(RemoteProtocolError):
         wire.decode_frame(len(encoded).to_bytes(4, "big") + encoded)
+
+
+register_frames(FetchRecords, st.builds(
+    FetchRecords,
+    model=st.text(st.characters(min_codepoint=0x21, max_codepoint=0x7E), min_size=1, max_size=64),
+    layer=st.integers(0, 4095),
+    limit=st.integers(0, 1000),
+).map(lambda message: (message, b"")))
+
+DHT_MESSAGES = [StoreRecord, StoreReply, FetchRecords, FetchReply]
+
+
+@settings(max_examples=200)
+@given(st.sampled_from(DHT_MESSAGES).flatmap(frames))
+def test_dht_messages_round_trip(frame):
+    message, payload = frame
+    assert wire.decode_frame(wire.encode_frame(message, payload)) == (message, payload)
+
+
+@settings(max_examples=200)
+@given(st.sampled_from(DHT_MESSAGES).flatmap(frames), st.data())
+def test_truncated_dht_frames_are_remote_errors(frame, data):
+    encoded = wire.encode_frame(*frame)
+    cut = data.draw(st.integers(0, len(encoded) - 1))
+    with pytest.raises(RemoteProtocolError):
+        wire.decode_frame(encoded[:cut])

@@ -1,0 +1,1 @@
+"""Test helpers for p2pswarm: Hypothesis strategies for messages and frames."""
