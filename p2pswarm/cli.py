@@ -141,13 +141,17 @@ def _get_json(api: str, path: str) -> dict:
         raise ConfigError(f"no p2pswarm node answers at {api}: {getattr(exc, 'reason', exc)}") from None
 
 
+def _range(layers: list[int] | None) -> str:
+    return f"[{layers[0]}, {layers[1]})" if layers else "none"
+
+
 def format_status(stats: dict, layers: dict) -> str:
     lines = [
         f"peer          {stats['peer_id']}  ({stats['role']}, p2pswarm {stats['version']})",
         f"addresses     {', '.join(stats['addrs']) or '-'}",
         f"reachability  {stats['reachability']}   DHT mode {stats['dht_mode']}",
         f"connected     {len(stats['connected_peers'])} peer(s)   routing table {stats['routing_table_size']}",
-        f"serving       {stats['model']} layers {stats['layers'] or '-'}   uptime {stats['uptime_s']:.0f} s",
+        f"serving       {stats['model']} layers {_range(stats['layers'])}   uptime {stats['uptime_s']:.0f} s",
         f"layer map     {layers['model']}, {layers['n_layers']} layers",
     ]
     for layer, records in layers["layers"].items():

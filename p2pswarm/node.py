@@ -72,7 +72,7 @@ class NodeState:
             "layers": list(self.layers) if self.layers else None,
             "connected_peers": sorted(str(p) for p in self.host.get_connected_peers()) if self.host else [],
             "routing_table_size": self.kad.get_routing_table_size() if self.kad else 0,
-            "records_held": index._store.entry_count() if index else 0,
+            "records_held": index.store.entry_count() if index else 0,
             "discovery": {
                 "announces": index.stats.announces if index else 0,
                 "stores_accepted": index.stats.stores_accepted if index else 0,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import statistics
 import time
+from contextlib import AsyncExitStack
 
 import multiaddr
 import pytest
@@ -123,5 +124,31 @@ def test_no_auto_dialling_of_known_peers():
                 await network.auto_connector.maybe_connect()  # what its periodic task would run
                 await trio.sleep(0.5)
                 assert not host.get_connected_peers()
+
+    trio.run(main)
+
+
+def test_connection_limit_is_enforced_exactly():
+    """HostLimits.max_connections peers are held; more are refused (libp2p alone holds one fewer)."""
+    limit = 3
+
+    async def main():
+        async with open_host(generate_identity(), LOOPBACK, HostLimits(max_connections=limit)) as server:
+            target = peer_info_from_multiaddr(first_addr(server))
+            outcomes = []
+            async with AsyncExitStack() as clients:
+                for _ in range(limit + 2):
+                    client = await clients.enter_async_context(open_host(generate_identity(), LOOPBACK))
+                    try:
+                        await connect(client, target, timeout=3)
+                        outcomes.append("connected")
+                    except DialError:
+                        outcomes.append("refused")
+                    await trio.sleep(0.3)
+                    assert len(server.get_connected_peers()) <= limit
+                assert len(server.get_connected_peers()) == limit
+            # The first `limit` dials succeed; the one after may complete its handshake before the
+            # server drops it, but the server never holds more than `limit`, and later dials fail.
+            assert outcomes[:limit] == ["connected"] * limit and outcomes[-1] == "refused", outcomes
 
     trio.run(main)

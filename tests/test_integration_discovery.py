@@ -69,3 +69,15 @@ def test_layer_map_converges_and_forgets_killed_peer(swarm):
     gone_after = time.monotonic() - killed_at
     print(f"killed peer left every layer map {gone_after:.1f} s after SIGKILL")
     assert all(p.poll() is None for p, _ in nodes[1:]), "a surviving node died"
+
+
+def test_layers_auto_picks_the_unserved_stage(swarm):
+    """Three stages of tiny-lm are served; a peer joining with --layers auto takes the fourth."""
+    boot = swarm.bootstrap()
+    served = [swarm.join(boot, layers, name=f"peer{i}") for i, layers in enumerate(["0:2", "2:4", "6:8"])]
+    for _, api in served:
+        assert wait_until(lambda: get_json(api, "/api/layers"), timeout=30)
+    assert wait_until(lambda: len(announced(get_json(served[-1][1], "/api/layers"))) == 3, timeout=30)
+    _, auto_api = swarm.join(boot, "auto", name="auto")
+    stats = wait_until(lambda: (get_json(auto_api, "/api/stats") or {}).get("layers"), timeout=30)
+    assert stats == [4, 6]

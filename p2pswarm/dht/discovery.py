@@ -84,7 +84,7 @@ class LayerIndex:
 
     def __init__(self, host, kad, control: ControlService, store: RecordStore, *, server: bool,
                  clock: Callable[[], float] = time.time) -> None:
-        self._host, self._kad, self._control, self._store = host, kad, control, store
+        self._host, self._kad, self._control, self.store = host, kad, control, store
         self._server = server
         self._clock = clock
         self.stats = DiscoveryStats()
@@ -93,10 +93,10 @@ class LayerIndex:
             control.handle(FetchRecords, self._on_fetch)
 
     async def _on_store(self, peer: str, message: StoreRecord) -> StoreReply:
-        return handle_store(self._store, message, self._clock())
+        return handle_store(self.store, message, self._clock())
 
     async def _on_fetch(self, peer: str, message: FetchRecords) -> FetchReply:
-        return handle_fetch(self._store, message, self._clock())
+        return handle_fetch(self.store, message, self._clock())
 
     async def closest_peers(self, key: bytes) -> list:
         """The REPLICATION peers closest to ``key``, ourselves included when we are a server."""
@@ -130,7 +130,7 @@ class LayerIndex:
             message = StoreRecord(layer=layer, record=signed)
             try:
                 if peer_id == self._host.get_id():
-                    reply = handle_store(self._store, message, self._clock())
+                    reply = handle_store(self.store, message, self._clock())
                 else:
                     reply = await self._control.request(peer_id, message, LOOKUP_TIMEOUT)
             except DialError as exc:
@@ -162,7 +162,7 @@ class LayerIndex:
 
         async def fetch_from(peer_id) -> None:
             if peer_id == self._host.get_id():
-                reply = handle_fetch(self._store, request, self._clock())
+                reply = handle_fetch(self.store, request, self._clock())
             else:
                 try:
                     reply = await self._control.request(peer_id, request, LOOKUP_TIMEOUT)
@@ -207,4 +207,4 @@ class LayerIndex:
     async def serve_store_pruning(self) -> None:
         while True:
             await trio.sleep(PRUNE_PERIOD)
-            self._store.prune(self._clock())
+            self.store.prune(self._clock())

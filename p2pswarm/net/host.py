@@ -9,6 +9,8 @@ workarounds"), so the host is always built here:
 - explicit connection, stream and memory limits, and the auto-connector switched off: it
   dials every peer in the peerstore towards the midpoint of the watermarks (128 here),
   whatever ``min_connections`` says. We dial whom we need.
+- the connection limit is off by one (libp2p holds at most ``max_connections - 1``), so it is
+  passed one higher; a test checks that exactly ``HostLimits.max_connections`` peers are held.
 - wildcard listen addresses (0.0.0.0) are expanded to the machine's interface addresses
   before they are advertised; otherwise peers are told to dial 0.0.0.0, i.e. themselves.
 - ``host.close()`` always runs on the way out; leaving ``host.run()`` alone leaves a
@@ -51,6 +53,7 @@ class HostLimits:
 
 
 DEFAULT_LIMITS = HostLimits()
+LIBP2P_CONNECTION_LIMIT_SLACK = 1  # py-libp2p holds at most max_connections - 1 peers (defect 9)
 
 
 def parse_multiaddr(text: str) -> multiaddr.Multiaddr:
@@ -104,7 +107,7 @@ def build_host(identity: Identity, limits: HostLimits = DEFAULT_LIMITS):
 
     noise = NoiseTransport(identity.key_pair, noise_privkey=new_x25519_key_pair().private_key)
     connection_config = ConnectionConfig(
-        max_connections=limits.max_connections,
+        max_connections=limits.max_connections + LIBP2P_CONNECTION_LIMIT_SLACK,
         min_connections=0,
         low_watermark=limits.max_connections * 3 // 4,  # the pruner trims down to this
         high_watermark=limits.max_connections,
@@ -115,7 +118,7 @@ def build_host(identity: Identity, limits: HostLimits = DEFAULT_LIMITS):
     )
     resource_manager = new_resource_manager(
         limits=ResourceLimits(
-            max_connections=limits.max_connections,
+            max_connections=limits.max_connections + LIBP2P_CONNECTION_LIMIT_SLACK,
             max_memory_mb=limits.max_memory_mb,
             max_streams=limits.max_streams,
         ),
