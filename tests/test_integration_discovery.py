@@ -13,7 +13,7 @@ import time
 import pytest
 
 from p2pswarm.dht.discovery import LAYER_MAP_PERIOD, RECORD_TTL
-from tests.procs import Swarm, get_json, wait_until
+from tests.procs import Swarm, free_port, get_json, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -81,3 +81,16 @@ def test_layers_auto_picks_the_unserved_stage(swarm):
     _, auto_api = swarm.join(boot, "auto", name="auto")
     stats = wait_until(lambda: (get_json(auto_api, "/api/stats") or {}).get("layers"), timeout=30)
     assert stats == [4, 6]
+
+
+def test_dht_client_peer_announces_and_reads_through_servers(swarm):
+    """A --dht-mode client peer stores nothing itself, yet its record reaches every map and it sees all."""
+    boot = swarm.bootstrap()
+    servers = [swarm.join(boot, layers, name=f"server{i}") for i, layers in enumerate(["0:4", "4:8"])]
+    client_api = "127.0.0.1:" + str(free_port())
+    swarm.start("join", "--bootstrap", boot, "--listen", "/ip4/127.0.0.1/tcp/0", "--layers", "2:6",
+                "--dht-mode", "client", "--api", client_api, "--data-dir", str(swarm.workdir / "client"), name="client")
+    apis = [api for _, api in servers] + [client_api]
+    assert wait_until(lambda: all(len(announced(get_json(api, "/api/layers"))) == 3 for api in apis), timeout=30)
+    stats = get_json(client_api, "/api/stats")
+    assert stats["dht_mode"] == "client" and stats["records_held"] == 0

@@ -27,10 +27,13 @@ from p2pswarm.errors import DialError, ProtocolError, StartupError
 from p2pswarm.model.catalog import ModelSpec
 from p2pswarm.net.control import ControlService
 from p2pswarm.net.host import connect
+from p2pswarm.wire import ErrorReply
 
 log = logging.getLogger(__name__)
 
 REPLICATION = 3  # closest peers that hold each layer key; survives two of them dying at once
+LOOKUP_WIDTH = 8  # closest peers asked of Kademlia, so REPLICATION servers remain after filtering
+KADEMLIA_PROTOCOL = "/ipfs/kad/1.0.0"
 LOOKUP_TIMEOUT = 3.0  # per closest-peer fetch; hivemind's DHT timeout is 3 s
 DEFAULT_K = 8  # records a lookup returns; the router needs a few live candidates per stage
 RECORD_TTL = 15.0  # a SIGKILLed peer vanishes from the layer map within this long
@@ -88,6 +91,7 @@ class LayerIndex:
         self._server = server
         self._clock = clock
         self.stats = DiscoveryStats()
+        self._not_servers: set = set()  # peers that answered "unsupported" to a layer request
         if server:
             control.handle(StoreRecord, self._on_store)
             control.handle(FetchRecords, self._on_fetch)
@@ -105,20 +109,36 @@ class LayerIndex:
         found = None
         with trio.move_on_after(LOOKUP_TIMEOUT):
             try:
-                found = await self._kad.peer_routing.find_closest_peers_network(key, REPLICATION)
+                found = await self._kad.peer_routing.find_closest_peers_network(key, LOOKUP_WIDTH)
             except trio.Cancelled:
                 raise
             except Exception as exc:  # py-libp2p's lookup raises assorted errors on dead peers
                 log.debug("closest-peer lookup failed, using the local table: %s", exc)
         if found is None:
-            found = self._kad.routing_table.find_local_closest_peers(key, REPLICATION)
+            found = self._kad.routing_table.find_local_closest_peers(key, LOOKUP_WIDTH)
         me = self._host.get_id()
-        candidates = [p for p in found if p != me] + ([me] if self._server else [])
+        candidates = [p for p in found if p != me and self._may_hold_records(p)] + ([me] if self._server else [])
         return sort_peer_ids_by_distance(key, candidates)[:REPLICATION]
+
+    def _may_hold_records(self, peer_id) -> bool:
+        """False for peers known to be DHT clients: their identify lists no Kademlia, or they said so."""
+        if peer_id in self._not_servers:
+            return False
+        try:
+            protocols = self._host.get_peerstore().get_protocols(peer_id)
+        except Exception:  # unknown peer: no identify yet, give it the benefit of the doubt
+            return True
+        return not protocols or KADEMLIA_PROTOCOL in protocols
 
     def _forget(self, peer_id, exc: Exception) -> None:
         log.debug("peer %s failed a layer request, removing it from the routing table: %s", peer_id, exc)
         self._kad.routing_table.remove_peer(peer_id)
+
+    def _forget_if_not_a_server(self, peer_id, reply) -> None:
+        """py-libp2p lets client-mode peers into servers' routing tables; they hold no records."""
+        if isinstance(reply, ErrorReply) and reply.code == "unsupported":
+            self._not_servers.add(peer_id)
+            self._forget(peer_id, DialError("peer does not serve layer records (DHT client)"))
 
     async def announce(self, record: LayerRecord, signed: bytes) -> int:
         """Store our signed record on the closest peers of every layer it serves; count acceptances."""
@@ -140,6 +160,7 @@ class LayerIndex:
                 accepted += 1
                 self.stats.stores_accepted += 1
             else:
+                self._forget_if_not_a_server(peer_id, reply)
                 self.stats.stores_failed += 1
                 log.debug("peer %s did not keep our record for layer %d: %s", peer_id, layer, reply)
 
@@ -168,6 +189,7 @@ class LayerIndex:
                     reply = await self._control.request(peer_id, request, LOOKUP_TIMEOUT)
                 except DialError as exc:
                     return self._forget(peer_id, exc)
+            self._forget_if_not_a_server(peer_id, reply)
             for raw in reply.records if isinstance(reply, FetchReply) else ():
                 self._merge(newest, raw, layer)
 
