@@ -96,3 +96,26 @@ def test_help_explains_each_command(command):
     result = run(command, "--help")
     assert result.returncode == 0
     assert "usage: p2pswarm " + command in result.stdout
+
+
+def test_ctrl_c_shuts_down_cleanly_and_json_logs_parse(tmp_path):
+    import json
+    import signal
+
+    process = subprocess.Popen([sys.executable, "-m", "p2pswarm", "--log-format", "json", "bootstrap",
+                                "--listen", "/ip4/127.0.0.1/tcp/0", "--key", str(tmp_path / "k")],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        addr = process.stdout.readline().strip()
+        assert addr.startswith("/ip4/127.0.0.1/tcp/") and addr.endswith(load_key(tmp_path / "k").peer_id_text)
+        port = int(addr.split("/")[4])
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, stderr
+    entries = [json.loads(line) for line in stderr.splitlines()]
+    assert any("shutting down" in entry["msg"] for entry in entries)
+    with socket.socket() as probe:
+        assert probe.connect_ex(("127.0.0.1", port)) != 0, "the listener outlived the node"
