@@ -1,14 +1,15 @@
 """The node's HTTP status API: small JSON documents for ``p2pswarm status`` and for operators.
 
 A minimal HTTP/1.1 server on trio (GET only, one request per connection, bounded request size)
-so the node needs no web framework. Routes map a path to a function returning a JSON-able dict.
+so the node needs no web framework. Routes map a path to an async function returning a JSON-able
+dict (async so that an endpoint may refresh what it shows before answering).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import trio
 
@@ -19,7 +20,7 @@ log = logging.getLogger(__name__)
 MAX_REQUEST_BYTES = 8 * 1024  # a GET with headers; anything longer is not a status query
 REQUEST_TIMEOUT = 5.0  # a client that has not sent its request in 5 s is dropped
 
-Routes = dict[str, Callable[[], dict]]
+Routes = dict[str, Callable[[], Awaitable[dict]]]
 
 
 def parse_host_port(text: str) -> tuple[str, int]:
@@ -38,8 +39,8 @@ def _response(status: str, body: dict) -> bytes:
     return head.encode() + data
 
 
-def respond(request: bytes, routes: Routes) -> bytes:
-    """The full HTTP response to one raw request (pure: testable without sockets)."""
+async def respond(request: bytes, routes: Routes) -> bytes:
+    """The full HTTP response to one raw request (no sockets: testable on its own)."""
     line = request.split(b"\r\n", 1)[0].decode("latin-1").split()
     if len(line) != 3:
         return _response("400 Bad Request", {"error": "malformed request line"})
@@ -50,7 +51,7 @@ def respond(request: bytes, routes: Routes) -> bytes:
     if route is None:
         return _response("404 Not Found", {"error": f"no such endpoint; try {', '.join(sorted(routes))}"})
     try:
-        return _response("200 OK", route())
+        return _response("200 OK", await route())
     except Exception:
         log.exception("status endpoint %s failed", target)
         return _response("500 Internal Server Error", {"error": "endpoint failed"})
@@ -65,7 +66,7 @@ async def _serve_connection(stream: trio.SocketStream, routes: Routes) -> None:
                 break
             request += chunk
     try:
-        await stream.send_all(respond(request, routes))
+        await stream.send_all(await respond(request, routes))
     except trio.BrokenResourceError:
         pass
     finally:

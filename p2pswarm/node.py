@@ -22,6 +22,7 @@ from p2pswarm.config import BOOTSTRAP_DIAL_TIMEOUT, NodeConfig
 from p2pswarm.dht.discovery import (
     ANNOUNCE_PERIOD,
     LAYER_MAP_PERIOD,
+    LOOKUP_TIMEOUT,
     RECORD_TTL,
     LayerIndex,
     join_network,
@@ -35,6 +36,8 @@ from p2pswarm.net.control import ControlService
 from p2pswarm.net.host import open_host, peer_info_from_multiaddr
 
 log = logging.getLogger(__name__)
+
+LAYER_MAP_BUILD_TIMEOUT = 2 * LOOKUP_TIMEOUT  # closest-peer search plus one fetch round, each bounded
 
 
 @dataclass
@@ -53,9 +56,17 @@ class NodeState:
     started_at: float = field(default_factory=time.time)
     layer_map: dict[int, list[LayerRecord]] = field(default_factory=dict)
     layer_map_at: float = 0.0
+    layer_map_lock: trio.Lock = field(default_factory=trio.Lock)
 
     def addrs(self) -> list[str]:
         return [str(a) for a in self.host.get_addrs()] if self.host else []
+
+    async def stats_json(self) -> dict:
+        return self.stats()
+
+    async def layers_json(self) -> dict:
+        await current_layer_map(self)
+        return self.layers_doc()
 
     def stats(self) -> dict:
         index, control = self.index, self.control
@@ -84,7 +95,7 @@ class NodeState:
             "control": vars(control.stats) if control else {},
         }
 
-    def layers_json(self) -> dict:
+    def layers_doc(self) -> dict:
         return {
             "model": self.model.name,
             "n_layers": self.model.n_layers,
@@ -137,10 +148,18 @@ async def refresh_layer_map(state: NodeState) -> None:
     state.layer_map_at = time.time()
 
 
-async def serve_layer_map(state: NodeState) -> None:
-    while True:
-        await refresh_layer_map(state)
-        await trio.sleep(LAYER_MAP_PERIOD)
+async def current_layer_map(state: NodeState) -> dict[int, list[LayerRecord]]:
+    """The layer map, rebuilt when older than LAYER_MAP_PERIOD.
+
+    Built on demand rather than in a loop: a full map costs one lookup per layer, and a node
+    nobody asks should not spend that every few seconds. A rebuild that overruns its bound
+    leaves the previous map in place.
+    """
+    async with state.layer_map_lock:
+        if time.time() - state.layer_map_at >= LAYER_MAP_PERIOD:
+            with trio.move_on_after(LAYER_MAP_BUILD_TIMEOUT):
+                await refresh_layer_map(state)
+    return state.layer_map
 
 
 async def choose_layers(state: NodeState, rng: random.Random) -> tuple[int, int]:
@@ -174,11 +193,10 @@ async def run_node(config: NodeConfig, *, on_listening: Callable[[list[str]], No
                      reached, kad.get_routing_table_size())
             if config.api:
                 state.api_address = await nursery.start(serve_api, config.api, {
-                    "/api/stats": state.stats, "/api/layers": state.layers_json})
+                    "/api/stats": state.stats_json, "/api/layers": state.layers_json})
             nursery.start_soon(state.index.serve_store_pruning)
             if config.serves_layers:
                 state.layers = await choose_layers(state, rng)
                 nursery.start_soon(serve_announcements, state)
-            nursery.start_soon(serve_layer_map, state)
             task_status.started(state)
             await trio.sleep_forever()

@@ -10,10 +10,23 @@ import trio
 from hypothesis import given
 from hypothesis import strategies as st
 
-from p2pswarm.api import parse_host_port, respond, serve_api
+from p2pswarm import api
+from p2pswarm.api import parse_host_port, serve_api
 from p2pswarm.errors import ConfigError
 
-ROUTES = {"/api/stats": lambda: {"ok": 1}}
+async def ok() -> dict:
+    return {"ok": 1}
+
+
+async def broken() -> dict:
+    return 1 / 0
+
+
+ROUTES = {"/api/stats": ok}
+
+
+def respond(request: bytes, routes) -> bytes:
+    return trio.run(api.respond, request, routes)
 
 
 def status_of(response: bytes) -> int:
@@ -33,7 +46,7 @@ def test_any_request_bytes_get_an_http_answer(request):
 
 
 def test_failing_endpoint_is_a_500_not_a_crash():
-    assert status_of(respond(b"GET /x HTTP/1.1\r\n\r\n", {"/x": lambda: 1 / 0})) == 500
+    assert status_of(respond(b"GET /x HTTP/1.1\r\n\r\n", {"/x": broken})) == 500
 
 
 def test_parse_host_port():
