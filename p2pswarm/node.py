@@ -137,9 +137,14 @@ async def serve_announcements(state: NodeState) -> None:
     """Re-announce our layer record every ANNOUNCE_PERIOD, well before its TTL runs out."""
     while True:
         record = make_record(state, time.time())
-        accepted = await state.index.announce(record, sign_record(record, state.identity))
-        log.info("announced layers [%d, %d) of %s: %d store(s) accepted",
-                 record.start, record.end, record.model, accepted)
+        try:
+            accepted = await state.index.announce(record, sign_record(record, state.identity))
+        except Exception:  # one failed round must not stop the node; the next one retries
+            log.exception("announcing layers [%d, %d) failed; retrying in %.0f s",
+                          record.start, record.end, ANNOUNCE_PERIOD)
+        else:
+            log.info("announced layers [%d, %d) of %s: %d store(s) accepted",
+                     record.start, record.end, record.model, accepted)
         await trio.sleep(ANNOUNCE_PERIOD)
 
 
