@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import trio
 
+from p2pswarm.dht.closest import ClosestPeersCache
 from p2pswarm.dht.protocol import FetchRecords, FetchReply, StoreRecord, StoreReply, handle_fetch, handle_store
 from p2pswarm.dht.records import LayerRecord, best_first, layer_key, verify_record
 from p2pswarm.dht.store import RecordStore
@@ -92,6 +93,7 @@ class LayerIndex:
         self._clock = clock
         self.stats = DiscoveryStats()
         self._not_servers: set = set()  # peers that answered "unsupported" to a layer request
+        self._closest = ClosestPeersCache(want=REPLICATION)
         if server:
             control.handle(StoreRecord, self._on_store)
             control.handle(FetchRecords, self._on_fetch)
@@ -104,6 +106,14 @@ class LayerIndex:
 
     async def closest_peers(self, key: bytes) -> list:
         """The REPLICATION peers closest to ``key``, ourselves included when we are a server."""
+        cached = self._closest.get(key, self._clock())
+        if cached is not None:
+            return list(cached)
+        closest = await self._search_closest(key)
+        self._closest.put(key, closest, self._clock())
+        return closest
+
+    async def _search_closest(self, key: bytes) -> list:
         from libp2p.kad_dht.utils import sort_peer_ids_by_distance
 
         found = None
@@ -133,6 +143,7 @@ class LayerIndex:
     def _forget(self, peer_id, exc: Exception) -> None:
         log.debug("peer %s failed a layer request, removing it from the routing table: %s", peer_id, exc)
         self._kad.routing_table.remove_peer(peer_id)
+        self._closest.forget_peer(peer_id)
 
     def _forget_if_not_a_server(self, peer_id, reply) -> None:
         """py-libp2p lets client-mode peers into servers' routing tables; they hold no records."""
