@@ -27,6 +27,7 @@ from p2pswarm.dht.discovery import (
     LayerIndex,
     join_network,
     open_kademlia,
+    serve_routing_upkeep,
 )
 from p2pswarm.dht.records import Capacity, LayerRecord, sign_record
 from p2pswarm.dht.store import RecordStore
@@ -200,6 +201,7 @@ async def run_node(config: NodeConfig, *, on_listening: Callable[[list[str]], No
                 state.api_address = await nursery.start(serve_api, config.api, {
                     "/api/stats": state.stats_json, "/api/layers": state.layers_json})
             nursery.start_soon(state.index.serve_store_pruning)
+            nursery.start_soon(serve_routing_upkeep, host, kad, bootstrap_infos)
             if config.serves_layers:
                 state.layers = await choose_layers(state, rng)
                 nursery.start_soon(serve_announcements, state)

@@ -41,6 +41,8 @@ RECORD_TTL = 15.0  # a SIGKILLed peer vanishes from the layer map within this lo
 ANNOUNCE_PERIOD = 5.0  # three announcements per TTL: one lost announce never expires a live peer
 LAYER_MAP_PERIOD = 5.0  # how often the cached layer map shown by the API is rebuilt
 PRUNE_PERIOD = 10.0  # how often expired records are dropped from the local store
+ROUTING_CHECK_PERIOD = 10.0  # how often a node checks that its routing table is not (nearly) empty
+MIN_ROUTING_PEERS = REPLICATION  # fewer than this and records cannot reach their closest peers
 
 
 @asynccontextmanager
@@ -71,6 +73,24 @@ async def join_network(host, kad, bootstrap_infos, timeout: float) -> int:
         with trio.move_on_after(timeout):
             await kad.peer_routing.refresh_routing_table()
     return reached
+
+
+async def serve_routing_upkeep(host, kad, bootstrap_infos) -> None:
+    """Re-join through the bootstrap peers whenever the routing table runs low.
+
+    py-libp2p removes a peer from the routing table when one FIND_NODE stream to it fails; in a
+    burst of joins that can empty a node's table (bootstrap peers included) and cut it off from
+    the DHT for good. Checking every ROUTING_CHECK_PERIOD heals such a node within seconds.
+    """
+    while True:
+        await trio.sleep(ROUTING_CHECK_PERIOD)
+        size = kad.get_routing_table_size()
+        if bootstrap_infos and size < MIN_ROUTING_PEERS:
+            log.info("routing table holds only %d peer(s); re-joining through the bootstrap peers", size)
+            try:
+                await join_network(host, kad, bootstrap_infos, ROUTING_CHECK_PERIOD)
+            except StartupError as exc:
+                log.warning("re-join failed, will retry: %s", exc)
 
 
 @dataclass
