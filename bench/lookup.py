@@ -261,11 +261,8 @@ async def measure_lookups(swarm: Swarm, rng: random.Random, count: int, results:
     before, started = background_lookups(swarm), time.perf_counter()
     jobs = draw_jobs(swarm, rng, count)
     results["sequential"] = await run_lookups(swarm, jobs, concurrency=1)
-    # The same (node, layer) pairs again: each node now remembers the key's closest peers
-    # (dht/closest.py), so a lookup is one fetch round, as in a trainer's steady state.
-    results["warm"] = await run_lookups(swarm, jobs, concurrency=1)
     results["concurrent"] = await run_lookups(swarm, draw_jobs(swarm, rng, count), concurrency=CONCURRENCY)
-    background = background_lookups(swarm) - before - 3 * count  # minus our own lookups
+    background = background_lookups(swarm) - before - 2 * count  # minus our own lookups
     results["background_per_s"] = background / (time.perf_counter() - started)
 
 
@@ -312,9 +309,7 @@ def report_kad(results: dict) -> None:
 def report(results: dict) -> None:
     report_swarm(results)
     (seq, seq_wall, _), (conc, conc_wall, _) = results["sequential"], results["concurrent"]
-    warm, warm_wall, _ = results["warm"]
     rows = [summary_row("lookup_layer, one at a time", seq, seq_wall),
-            summary_row("lookup_layer, same pairs again (warm)", warm, warm_wall),
             summary_row(f"lookup_layer, {CONCURRENCY} at a time", conc, conc_wall)]
     if "kad_gets" in results:
         rows.append(summary_row("KadDHT.get_value, one at a time (baseline)", results["kad_gets"]))

@@ -1,18 +1,18 @@
-"""A short-lived memory of the closest peers of each layer key.
+"""A short-lived memory of where a node stores its records: the closest peers of each key.
 
-A node re-announces every 5 s and looks layers up often, always for the same few keys, and the
-Kademlia closest-peer search is ~90% of a lookup's cost. The closest set of a key changes only
-when servers join or leave, so it is remembered for CLOSEST_CACHE_TTL; an entry is dropped as
-soon as one of its peers fails a request. Writers and readers may briefly hold different sets
-after a join; the sets overlap, and readers merge the answers of all members, so records stay
-found. Pure: ``now`` is passed in.
+A node re-announces every 5 s, always to the same few layer keys, and the Kademlia closest-peer
+search is ~90% of the cost. The closest set of a key changes only when servers join or leave,
+so a writer remembers it for CLOSEST_CACHE_TTL and drops an entry as soon as one of its peers
+fails a request. Readers do not use it: a remembered set that is wrong (views differ while the
+swarm grows) would hide records from a reader for the whole TTL, whereas a writer's wrong set
+costs only until the next fresh search. Pure: ``now`` is passed in.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
-CLOSEST_CACHE_TTL = 30.0  # seconds; a new server near a key is used within this long
+CLOSEST_CACHE_TTL = 15.0  # seconds (three announcements); a new server near a key gets records this soon
 MAX_CACHED_KEYS = 4096  # one entry per layer key a node touches; bounds memory on odd usage
 
 

@@ -33,7 +33,8 @@ from p2pswarm.wire import ErrorReply
 log = logging.getLogger(__name__)
 
 REPLICATION = 3  # closest peers that hold each layer key; survives two of them dying at once
-LOOKUP_WIDTH = 8  # closest peers asked of Kademlia, so REPLICATION servers remain after filtering
+READ_WIDTH = 5  # closest peers a reader asks: wider than REPLICATION, as views of "closest" differ
+LOOKUP_WIDTH = 8  # closest peers asked of Kademlia, so enough servers remain after filtering
 KADEMLIA_PROTOCOL = "/ipfs/kad/1.0.0"
 LOOKUP_TIMEOUT = 3.0  # per closest-peer fetch; hivemind's DHT timeout is 3 s
 DEFAULT_K = 8  # records a lookup returns; the router needs a few live candidates per stage
@@ -113,7 +114,7 @@ class LayerIndex:
         self._clock = clock
         self.stats = DiscoveryStats()
         self._not_servers: set = set()  # peers that answered "unsupported" to a layer request
-        self._closest = ClosestPeersCache(want=REPLICATION)
+        self._closest = ClosestPeersCache(want=REPLICATION)  # writers only: readers always search
         if server:
             control.handle(StoreRecord, self._on_store)
             control.handle(FetchRecords, self._on_fetch)
@@ -124,16 +125,20 @@ class LayerIndex:
     async def _on_fetch(self, peer: str, message: FetchRecords) -> FetchReply:
         return handle_fetch(self.store, message, self._clock())
 
-    async def closest_peers(self, key: bytes) -> list:
-        """The REPLICATION peers closest to ``key``, ourselves included when we are a server."""
+    async def closest_peers(self, key: bytes, count: int = REPLICATION) -> list:
+        """The ``count`` peers closest to ``key``, ourselves included when we are a server."""
+        return await self._search_closest(key, count)
+
+    async def store_targets(self, key: bytes) -> list:
+        """Where to store a record: the REPLICATION closest peers, remembered for a while."""
         cached = self._closest.get(key, self._clock())
         if cached is not None:
             return list(cached)
-        closest = await self._search_closest(key)
+        closest = await self._search_closest(key, REPLICATION)
         self._closest.put(key, closest, self._clock())
         return closest
 
-    async def _search_closest(self, key: bytes) -> list:
+    async def _search_closest(self, key: bytes, count: int) -> list:
         from libp2p.kad_dht.utils import sort_peer_ids_by_distance
 
         found = None
@@ -148,7 +153,7 @@ class LayerIndex:
             found = self._kad.routing_table.find_local_closest_peers(key, LOOKUP_WIDTH)
         me = self._host.get_id()
         candidates = [p for p in found if p != me and self._may_hold_records(p)] + ([me] if self._server else [])
-        return sort_peer_ids_by_distance(key, candidates)[:REPLICATION]
+        return sort_peer_ids_by_distance(key, candidates)[:count]
 
     def _may_hold_records(self, peer_id) -> bool:
         """False for peers known to be DHT clients: their identify lists no Kademlia, or they said so."""
@@ -197,7 +202,7 @@ class LayerIndex:
 
         async def announce_layer(layer: int) -> None:
             async with trio.open_nursery() as nursery:
-                for peer_id in await self.closest_peers(layer_key(record.model, layer)):
+                for peer_id in await self.store_targets(layer_key(record.model, layer)):
                     nursery.start_soon(store_on, peer_id, layer)
 
         async with trio.open_nursery() as nursery:
@@ -225,7 +230,7 @@ class LayerIndex:
                 self._merge(newest, raw, layer)
 
         async with trio.open_nursery() as nursery:
-            for peer_id in await self.closest_peers(layer_key(model, layer)):
+            for peer_id in await self.closest_peers(layer_key(model, layer), READ_WIDTH):
                 nursery.start_soon(fetch_from, peer_id)
         now = self._clock()
         fresh = [r for r in newest.values() if r.model == model and r.is_fresh(now)]

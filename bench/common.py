@@ -1,0 +1,163 @@
+"""Small helpers shared by the benchmarks in bench/: statistics, tables, server processes.
+
+Exists so that every benchmark computes percentiles the same way, prints the same kind of
+table, and starts/stops its server process the same way (by pid, never by name). Nothing
+here is part of p2pswarm; it is imported as ``common`` because each benchmark is run as
+``python bench/NAME.py`` (which puts bench/ on sys.path).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import statistics
+import subprocess
+import sys
+from collections.abc import Sequence
+
+from p2pswarm import wire
+
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"  # any free port, loopback only
+LOOPBACK_HOST = "127.0.0.1"
+SERVER_START_TIMEOUT = 30.0  # a libp2p host starts in well under a second; 30 s means it broke
+SERVER_STOP_TIMEOUT = 5.0  # SIGTERM first, SIGKILL after this long
+
+
+@wire.message("bench-ack")
+class BenchAck(wire.Message):
+    """A receiver's answer at the end of a transfer: bytes received and CPU it spent (µs)."""
+
+    total: int
+    cpu_us: int
+
+    def check(self, payload_len: int) -> None:
+        if payload_len:
+            from p2pswarm.errors import RemoteProtocolError
+
+            raise RemoteProtocolError("bench-ack carries no payload")
+
+
+class RawStream:
+    """A trio SocketStream with the ``read``/``write`` interface ``wire`` expects."""
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+
+    async def read(self, max_bytes: int) -> bytes:
+        return await self._stream.receive_some(max_bytes)
+
+    async def write(self, data: bytes) -> None:
+        await self._stream.send_all(data)
+
+
+# --- statistics --------------------------------------------------------------------------
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100) by linear interpolation between closest ranks."""
+    ordered = sorted(values)
+    if not ordered:
+        return math.nan
+    rank = (len(ordered) - 1) * q / 100
+    low, high = math.floor(rank), math.ceil(rank)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else math.nan
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1000:,.2f}"
+
+
+def us(seconds: float) -> str:
+    return f"{seconds * 1e6:,.0f}"
+
+
+def ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}x" if b else "n/a"
+
+
+# --- output ------------------------------------------------------------------------------
+
+
+def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
+    """A Markdown table, so that the output can be pasted into docs/benchmarks.md."""
+    cells = [[str(c) for c in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    print(f"\n{title}\n")
+    print("| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths)) + " |")
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for row in cells:
+        print("| " + " | ".join(c.rjust(w) for c, w in zip(row, widths)) + " |")
+    sys.stdout.flush()
+
+
+# --- server processes --------------------------------------------------------------------
+
+
+def announce(info: dict) -> None:
+    """A server's first stdout line: where to reach it, as JSON."""
+    print(json.dumps(info), flush=True)
+
+
+def start_server(script: str, *args: str) -> tuple[subprocess.Popen, dict]:
+    """Run ``script --serve`` in a new process; return it and the JSON line it announced."""
+    process = subprocess.Popen([sys.executable, script, "--serve", *args], stdout=subprocess.PIPE,
+                               stdin=subprocess.DEVNULL, text=True)
+    try:
+        line = _readline_with_timeout(process, SERVER_START_TIMEOUT)
+        return process, json.loads(line)
+    except Exception:
+        stop_server(process)
+        raise
+
+
+def _readline_with_timeout(process: subprocess.Popen, timeout: float) -> str:
+    import selectors
+
+    with selectors.DefaultSelector() as selector:
+        selector.register(process.stdout, selectors.EVENT_READ)
+        if not selector.select(timeout):
+            raise RuntimeError(f"server pid {process.pid} announced nothing within {timeout:.0f} s")
+    line = process.stdout.readline()
+    if not line:
+        raise RuntimeError(f"server pid {process.pid} exited (code {process.poll()}) before announcing")
+    return line
+
+
+def stop_server(process: subprocess.Popen) -> None:
+    """End the server we started, by its pid: SIGTERM, then SIGKILL if it lingers."""
+    if process.poll() is None:
+        os.kill(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=SERVER_STOP_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            os.kill(process.pid, signal.SIGKILL)
+            process.wait()
+    if process.stdout:
+        process.stdout.close()
+
+
+def quiet_logs() -> None:
+    """Errors of ours on stderr only; py-libp2p's routine complaints (a peer that hung up
+    during identify, say) silenced the way the p2pswarm CLI silences them."""
+    import logging
+
+    from p2pswarm.logs import quiet_libp2p, setup_logging
+
+    setup_logging("warning")
+    quiet_libp2p("warning")
+    logging.getLogger("p2pswarm").setLevel(logging.ERROR)
+
+
+def machine_line() -> str:
+    import platform
+    from importlib.metadata import version
+
+    return (f"machine: {os.cpu_count()} cores, loopback 127.0.0.1, Python {platform.python_version()}, "
+            f"py-libp2p {version('libp2p')}, trio {version('trio')}, "
+            f"load average {os.getloadavg()[0]:.2f} at start")
