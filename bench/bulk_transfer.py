@@ -17,9 +17,18 @@ import time
 from functools import partial
 
 import trio
+from common import (
+    LOOPBACK,
+    LOOPBACK_HOST,
+    BenchAck,
+    announce,
+    median,
+    print_table,
+    quiet_logs,
+    ratio,
+    run_client_server,
+)
 
-from common import (LOOPBACK, LOOPBACK_HOST, BenchAck, announce, machine_line, median, print_table,
-                    quiet_logs, ratio, start_server, stop_server)
 from p2pswarm import wire
 from p2pswarm.identity import generate_identity
 from p2pswarm.net.host import connect, open_host, peer_info_from_multiaddr
@@ -165,16 +174,7 @@ def main() -> None:
                         help=f"MiB per frame/send (default {DEFAULT_CHUNK_MIB})")
     args = parser.parse_args()
     quiet_logs()
-    if args.serve:
-        trio.run(serve)
-        return
-    print(machine_line())
-    process, info = start_server(__file__)
-    try:
-        results = trio.run(client, info, args.chunk_mib * MIB)
-    finally:
-        stop_server(process)
-    report(results, args.chunk_mib * MIB)
+    run_client_server(__file__, serve, client, report, args.chunk_mib * MIB)
 
 
 if __name__ == "__main__":

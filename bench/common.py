@@ -17,6 +17,8 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
+import trio
+
 from p2pswarm import wire
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"  # any free port, loopback only
@@ -161,3 +163,19 @@ def machine_line() -> str:
     return (f"machine: {os.cpu_count()} cores, loopback 127.0.0.1, Python {platform.python_version()}, "
             f"py-libp2p {version('libp2p')}, trio {version('trio')}, "
             f"load average {os.getloadavg()[0]:.2f} at start")
+
+
+def run_client_server(script: str, serve, client, report, *client_args) -> None:
+    """The shape of every two-process benchmark: ``--serve`` runs ``serve``; otherwise start
+    that server as a child process, run ``client(info, *client_args)`` against it, stop the
+    server by pid, and ``report(results, *client_args)``."""
+    if "--serve" in sys.argv[1:]:
+        trio.run(serve)
+        return
+    print(machine_line())
+    process, info = start_server(script)
+    try:
+        results = trio.run(client, info, *client_args)
+    finally:
+        stop_server(process)
+    report(results, *client_args)

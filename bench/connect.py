@@ -17,9 +17,18 @@ import time
 from functools import partial
 
 import trio
+from common import (
+    LOOPBACK,
+    LOOPBACK_HOST,
+    announce,
+    ms,
+    percentile,
+    print_table,
+    quiet_logs,
+    ratio,
+    run_client_server,
+)
 
-from common import (LOOPBACK, LOOPBACK_HOST, announce, machine_line, ms, percentile, print_table,
-                    quiet_logs, ratio, start_server, stop_server)
 from p2pswarm.identity import generate_identity
 from p2pswarm.net.host import HostLimits, connect, open_host, peer_info_from_multiaddr
 
@@ -100,17 +109,9 @@ def report(results: dict[str, list[float]]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--serve", action="store_true", help="run the side being dialled")
+    parser.parse_args()
     quiet_logs()
-    if parser.parse_args().serve:
-        trio.run(serve)
-        return
-    print(machine_line())
-    process, info = start_server(__file__)
-    try:
-        results = trio.run(client, info)
-    finally:
-        stop_server(process)
-    report(results)
+    run_client_server(__file__, serve, client, report)
 
 
 if __name__ == "__main__":

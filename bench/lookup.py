@@ -26,8 +26,16 @@ from dataclasses import dataclass, field
 from functools import partial
 
 import trio
+from common import (
+    LOOPBACK,
+    machine_line,
+    ms,
+    percentile,
+    print_table,
+    quiet_logs,
+    ratio,
+)
 
-from common import LOOPBACK, machine_line, ms, percentile, print_table, quiet_logs, ratio
 from p2pswarm.config import NodeConfig, Role
 from p2pswarm.dht.discovery import ANNOUNCE_PERIOD, LAYER_MAP_PERIOD, RECORD_TTL
 from p2pswarm.dht.records import sign_record

@@ -17,9 +17,19 @@ import time
 from functools import partial
 
 import trio
+from common import (
+    LOOPBACK,
+    LOOPBACK_HOST,
+    RawStream,
+    announce,
+    percentile,
+    print_table,
+    quiet_logs,
+    ratio,
+    run_client_server,
+    us,
+)
 
-from common import (LOOPBACK, LOOPBACK_HOST, RawStream, announce, machine_line, percentile,
-                    print_table, quiet_logs, ratio, start_server, stop_server, us)
 from p2pswarm import wire
 from p2pswarm.identity import generate_identity
 from p2pswarm.net.control import ControlService
@@ -153,17 +163,9 @@ def report(results: dict[str, list[float]]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--serve", action="store_true", help="run the answering side")
+    parser.parse_args()
     quiet_logs()
-    if parser.parse_args().serve:
-        trio.run(serve)
-        return
-    print(machine_line())
-    process, info = start_server(__file__)
-    try:
-        results = trio.run(client, info)
-    finally:
-        stop_server(process)
-    report(results)
+    run_client_server(__file__, serve, client, report)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ PEERS = st.lists(st.sampled_from("pqrstuvw"), min_size=0, max_size=4, unique=Tru
 
 
 def test_basic_rules():
-    cache = ClosestPeersCache(want=3, ttl=30)
+    cache = ClosestPeersCache(want=3, ttl=30.0)
     cache.put(b"k", ["p", "q"], now=0)
     assert cache.get(b"k", now=0) is None  # short sets are not kept
     cache.put(b"k", ["p", "q", "r"], now=0)

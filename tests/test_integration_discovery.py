@@ -39,7 +39,7 @@ def test_layer_map_converges_and_forgets_killed_peer(swarm):
     nodes = [swarm.join(boot, layers, name=f"peer{i}") for i, layers in enumerate(RANGES)]
     apis = [api for _, api in nodes]
     peer_ids = {}
-    for (process, api), layers in zip(nodes, RANGES):
+    for (_, api), layers in zip(nodes, RANGES, strict=True):
         stats = wait_until(lambda: get_json(api, "/api/stats"), timeout=30)
         assert stats, f"node serving {layers} never answered its API"
         start, end = (int(x) for x in layers.split(":"))
