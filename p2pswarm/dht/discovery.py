@@ -36,6 +36,8 @@ REPLICATION = 3  # closest peers that hold each layer key; survives two of them 
 READ_WIDTH = 5  # closest peers a reader asks: wider than REPLICATION, as views of "closest" differ
 LOOKUP_WIDTH = 8  # closest peers asked of Kademlia, so enough servers remain after filtering
 KADEMLIA_PROTOCOL = "/ipfs/kad/1.0.0"
+NOT_A_SERVER_MEMORY = 600.0  # a DHT client may turn server when its reachability changes
+MAX_REMEMBERED_CLIENTS = 4096  # bound on that memory; forgetting only costs one more request
 LOOKUP_TIMEOUT = 3.0  # per closest-peer fetch; hivemind's DHT timeout is 3 s
 DEFAULT_K = 8  # records a lookup returns; the router needs a few live candidates per stage
 RECORD_TTL = 15.0  # a SIGKILLed peer vanishes from the layer map within this long
@@ -113,7 +115,7 @@ class LayerIndex:
         self._server = server
         self._clock = clock
         self.stats = DiscoveryStats()
-        self._not_servers: set = set()  # peers that answered "unsupported" to a layer request
+        self._not_servers: dict = {}  # peer → when it answered "unsupported" to a layer request
         self._closest = ClosestPeersCache(want=REPLICATION)  # writers only: readers always search
         if server:
             control.handle(StoreRecord, self._on_store)
@@ -125,20 +127,17 @@ class LayerIndex:
     async def _on_fetch(self, peer: str, message: FetchRecords) -> FetchReply:
         return handle_fetch(self.store, message, self._clock())
 
-    async def closest_peers(self, key: bytes, count: int = REPLICATION) -> list:
-        """The ``count`` peers closest to ``key``, ourselves included when we are a server."""
-        return await self._search_closest(key, count)
-
     async def store_targets(self, key: bytes) -> list:
         """Where to store a record: the REPLICATION closest peers, remembered for a while."""
         cached = self._closest.get(key, self._clock())
         if cached is not None:
             return list(cached)
-        closest = await self._search_closest(key, REPLICATION)
+        closest = await self.closest_peers(key, REPLICATION)
         self._closest.put(key, closest, self._clock())
         return closest
 
-    async def _search_closest(self, key: bytes, count: int) -> list:
+    async def closest_peers(self, key: bytes, count: int = REPLICATION) -> list:
+        """The ``count`` peers closest to ``key``, ourselves included when we are a server."""
         from libp2p.kad_dht.utils import sort_peer_ids_by_distance
 
         found = None
@@ -157,7 +156,8 @@ class LayerIndex:
 
     def _may_hold_records(self, peer_id) -> bool:
         """False for peers known to be DHT clients: their identify lists no Kademlia, or they said so."""
-        if peer_id in self._not_servers:
+        said_at = self._not_servers.get(peer_id)
+        if said_at is not None and self._clock() - said_at < NOT_A_SERVER_MEMORY:
             return False
         try:
             protocols = self._host.get_peerstore().get_protocols(peer_id)
@@ -173,7 +173,9 @@ class LayerIndex:
     def _forget_if_not_a_server(self, peer_id, reply) -> None:
         """py-libp2p lets client-mode peers into servers' routing tables; they hold no records."""
         if isinstance(reply, ErrorReply) and reply.code == "unsupported":
-            self._not_servers.add(peer_id)
+            if len(self._not_servers) >= MAX_REMEMBERED_CLIENTS:
+                self._not_servers.clear()
+            self._not_servers[peer_id] = self._clock()
             self._forget(peer_id, DialError("peer does not serve layer records (DHT client)"))
 
     async def announce(self, record: LayerRecord, signed: bytes) -> int:
