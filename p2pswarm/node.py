@@ -33,6 +33,8 @@ from p2pswarm.dht.records import Capacity, LayerRecord, sign_record
 from p2pswarm.dht.store import RecordStore
 from p2pswarm.identity import Identity, load_or_create_key
 from p2pswarm.model.catalog import ModelSpec, get_model, least_served_stage
+from p2pswarm.nat.autonat import AutonatService, serve_reachability
+from p2pswarm.nat.reachability import Reachability, ReachabilityTracker
 from p2pswarm.net.control import ControlService
 from p2pswarm.net.host import open_host, peer_info_from_multiaddr
 
@@ -52,6 +54,8 @@ class NodeState:
     kad: object = None
     control: ControlService | None = None
     index: LayerIndex | None = None
+    autonat: AutonatService | None = None
+    reachability: ReachabilityTracker = field(default_factory=ReachabilityTracker)
     layers: tuple[int, int] | None = None
     api_address: str | None = None
     started_at: float = field(default_factory=time.time)
@@ -77,7 +81,8 @@ class NodeState:
             "peer_id": self.identity.peer_id_text,
             "role": self.config.role.value,
             "addrs": self.addrs(),
-            "reachability": "unknown",  # AutoNAT-style detection arrives with NAT traversal
+            "reachability": self.reachability.verdict(time.time()).value,
+            "reachable_addrs": self.reachability.reachable_addresses(time.time()),
             "dht_mode": "server" if self.config.dht_server else "client",
             "uptime_s": round(time.time() - self.started_at, 1),
             "model": self.model.name,
@@ -178,6 +183,10 @@ async def choose_layers(state: NodeState, rng: random.Random) -> tuple[int, int]
     return chosen
 
 
+def _log_verdict(verdict: Reachability) -> None:
+    log.info("reachability: %s", verdict.value)
+
+
 async def run_node(config: NodeConfig, *, on_listening: Callable[[list[str]], None] = lambda addrs: None,
                    rng: random.Random | None = None, task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Run a node until cancelled."""
@@ -191,6 +200,8 @@ async def run_node(config: NodeConfig, *, on_listening: Callable[[list[str]], No
         log.info("peer %s listening on %s", identity.peer_id_text, ", ".join(state.addrs()))
         on_listening(state.addrs())
         state.control = ControlService(host, nursery)
+        state.autonat = AutonatService(host, nursery, rng)
+        await nursery.start(state.autonat.serve_dialer)
         async with open_kademlia(host, config.dht_server) as kad:
             state.kad = kad
             state.index = LayerIndex(host, kad, state.control, RecordStore(), server=config.dht_server)
@@ -202,6 +213,7 @@ async def run_node(config: NodeConfig, *, on_listening: Callable[[list[str]], No
                     "/api/stats": state.stats_json, "/api/layers": state.layers_json})
             nursery.start_soon(state.index.serve_store_pruning)
             nursery.start_soon(serve_routing_upkeep, host, kad, bootstrap_infos)
+            nursery.start_soon(serve_reachability, host, state.autonat, state.reachability, rng, _log_verdict)
             if config.serves_layers:
                 state.layers = await choose_layers(state, rng)
                 nursery.start_soon(serve_announcements, state)

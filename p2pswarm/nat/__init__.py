@@ -1,0 +1,1 @@
+"""NAT traversal: reachability, STUN, relays, hole punching."""
