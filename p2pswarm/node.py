@@ -7,6 +7,7 @@ listening, has joined the DHT and (for a trainer) has chosen its layers.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import random
@@ -18,7 +19,7 @@ import trio
 
 from p2pswarm import __version__
 from p2pswarm.api import serve_api
-from p2pswarm.config import BOOTSTRAP_DIAL_TIMEOUT, NodeConfig
+from p2pswarm.config import BOOTSTRAP_DIAL_TIMEOUT, DhtMode, NodeConfig, Role
 from p2pswarm.dht.discovery import (
     ANNOUNCE_PERIOD,
     LAYER_MAP_PERIOD,
@@ -83,7 +84,7 @@ class NodeState:
             "addrs": self.addrs(),
             "reachability": self.reachability.verdict(time.time()).value,
             "reachable_addrs": self.reachability.reachable_addresses(time.time()),
-            "dht_mode": "server" if self.config.dht_server else "client",
+            "dht_mode": "server" if index and index.server else "client",
             "uptime_s": round(time.time() - self.started_at, 1),
             "model": self.model.name,
             "layers": list(self.layers) if self.layers else None,
@@ -183,8 +184,11 @@ async def choose_layers(state: NodeState, rng: random.Random) -> tuple[int, int]
     return chosen
 
 
-def _log_verdict(verdict: Reachability) -> None:
+async def on_reachability(state: NodeState, verdict: Reachability) -> None:
+    """Log a new verdict; with --dht-mode auto, be a DHT client exactly while PRIVATE."""
     log.info("reachability: %s", verdict.value)
+    if state.config.dht_mode is DhtMode.AUTO and state.config.role is Role.JOIN:
+        await state.index.set_server(verdict is not Reachability.PRIVATE)
 
 
 async def run_node(config: NodeConfig, *, on_listening: Callable[[list[str]], None] = lambda addrs: None,
@@ -213,7 +217,8 @@ async def run_node(config: NodeConfig, *, on_listening: Callable[[list[str]], No
                     "/api/stats": state.stats_json, "/api/layers": state.layers_json})
             nursery.start_soon(state.index.serve_store_pruning)
             nursery.start_soon(serve_routing_upkeep, host, kad, bootstrap_infos)
-            nursery.start_soon(serve_reachability, host, state.autonat, state.reachability, rng, _log_verdict)
+            nursery.start_soon(serve_reachability, host, state.autonat, state.reachability, rng,
+                               functools.partial(on_reachability, state))
             if config.serves_layers:
                 state.layers = await choose_layers(state, rng)
                 nursery.start_soon(serve_announcements, state)

@@ -112,19 +112,31 @@ class LayerIndex:
     def __init__(self, host, kad, control: ControlService, store: RecordStore, *, server: bool,
                  clock: Callable[[], float] = time.time) -> None:
         self._host, self._kad, self._control, self.store = host, kad, control, store
-        self._server = server
+        self.server = server  # may change with reachability (see set_server)
         self._clock = clock
         self.stats = DiscoveryStats()
         self._not_servers: dict = {}  # peer → when it answered "unsupported" to a layer request
         self._closest = ClosestPeersCache(want=REPLICATION)  # writers only: readers always search
-        if server:
-            control.handle(StoreRecord, self._on_store)
-            control.handle(FetchRecords, self._on_fetch)
+        control.handle(StoreRecord, self._on_store)
+        control.handle(FetchRecords, self._on_fetch)
 
-    async def _on_store(self, peer: str, message: StoreRecord) -> StoreReply:
+    async def set_server(self, server: bool) -> None:
+        """Switch Kademlia and the record service between server and client mode."""
+        from libp2p.kad_dht.kad_dht import DHTMode
+
+        if server != self.server:
+            self.server = server
+            await self._kad.switch_mode(DHTMode.SERVER if server else DHTMode.CLIENT)
+            log.info("DHT mode: %s", "server" if server else "client")
+
+    async def _on_store(self, peer: str, message: StoreRecord) -> StoreReply | ErrorReply:
+        if not self.server:
+            return ErrorReply(code="unsupported", detail="DHT client: holds no records")
         return handle_store(self.store, message, self._clock())
 
-    async def _on_fetch(self, peer: str, message: FetchRecords) -> FetchReply:
+    async def _on_fetch(self, peer: str, message: FetchRecords) -> FetchReply | ErrorReply:
+        if not self.server:
+            return ErrorReply(code="unsupported", detail="DHT client: holds no records")
         return handle_fetch(self.store, message, self._clock())
 
     async def store_targets(self, key: bytes) -> list:
@@ -151,7 +163,7 @@ class LayerIndex:
         if found is None:
             found = self._kad.routing_table.find_local_closest_peers(key, LOOKUP_WIDTH)
         me = self._host.get_id()
-        candidates = [p for p in found if p != me and self._may_hold_records(p)] + ([me] if self._server else [])
+        candidates = [p for p in found if p != me and self._may_hold_records(p)] + ([me] if self.server else [])
         return sort_peer_ids_by_distance(key, candidates)[:count]
 
     def _may_hold_records(self, peer_id) -> bool:

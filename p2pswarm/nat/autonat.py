@@ -230,5 +230,5 @@ async def serve_reachability(host, service: AutonatService, tracker, rng: random
         service.serving = new is not Reachability.PRIVATE
         if new is not verdict:
             verdict = new
-            on_verdict(new)
+            await on_verdict(new)
         await trio.sleep(RETRY_PERIOD if verdict is Reachability.UNKNOWN else RECHECK_PERIOD)
