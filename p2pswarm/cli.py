@@ -22,6 +22,7 @@ from p2pswarm.config import DEFAULT_BOOTSTRAP_LISTEN, DEFAULT_LISTEN, DhtMode, N
 from p2pswarm.errors import ConfigError, P2PSwarmError
 from p2pswarm.logs import LOG_FORMATS, quiet_libp2p, setup_logging
 from p2pswarm.model.catalog import DEFAULT_MODEL, MODELS, get_model, parse_layers
+from p2pswarm.nat.stun import parse_stun_server
 
 log = logging.getLogger("p2pswarm")
 
@@ -36,6 +37,9 @@ def _node_options(parser: argparse.ArgumentParser, default_listen: str) -> None:
                              "without --data-dir an ephemeral key)")
     parser.add_argument("--data-dir", type=Path, metavar="DIR", help="where the node keeps its files")
     parser.add_argument("--api", metavar="HOST:PORT", help="serve the status API here (e.g. 127.0.0.1:8700)")
+    parser.add_argument("--stun", metavar="HOST[:PORT]",
+                        help="STUN server (RFC 3489, two IPs for a full answer) to learn the public "
+                             "address and NAT type; none by default")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -86,7 +90,8 @@ def config_from_args(args: argparse.Namespace) -> NodeConfig:
     role = Role(args.command)
     default_listen = DEFAULT_BOOTSTRAP_LISTEN if role is Role.BOOTSTRAP else DEFAULT_LISTEN
     kwargs = dict(role=role, listen=tuple(args.listen or [default_listen]), bootstrap=tuple(args.bootstrap),
-                  key_path=args.key, data_dir=args.data_dir, api=args.api)
+                  key_path=args.key, data_dir=args.data_dir, api=args.api,
+                  stun=parse_stun_server(args.stun) if args.stun else None)
     if role is Role.JOIN:
         model = get_model(args.model)
         kwargs.update(model=model.name, layers=parse_layers(args.layers, model), dht_mode=DhtMode(args.dht_mode))
@@ -145,11 +150,19 @@ def _range(layers: list[int] | None) -> str:
     return f"[{layers[0]}, {layers[1]})" if layers else "none"
 
 
+def _stun(stats: dict) -> str:
+    stun = stats.get("stun")
+    if not stun:
+        return "not asked"
+    public = stun["public"] or "no public address"
+    return f"{stun['nat_type']}, {public}"
+
+
 def format_status(stats: dict, layers: dict) -> str:
     lines = [
         f"peer          {stats['peer_id']}  ({stats['role']}, p2pswarm {stats['version']})",
         f"addresses     {', '.join(stats['addrs']) or '-'}",
-        f"reachability  {stats['reachability']}   DHT mode {stats['dht_mode']}",
+        f"reachability  {stats['reachability']}   DHT mode {stats['dht_mode']}   NAT (STUN) {_stun(stats)}",
         f"connected     {len(stats['connected_peers'])} peer(s)   routing table {stats['routing_table_size']}",
         f"serving       {stats['model']} layers {_range(stats['layers'])}   uptime {stats['uptime_s']:.0f} s",
         f"layer map     {layers['model']}, {layers['n_layers']} layers",

@@ -35,6 +35,7 @@ class NodeConfig:
     model: str = DEFAULT_MODEL
     layers: tuple[int, int] | None = None  # None: choose the least-served stage at join time
     dht_mode: DhtMode = DhtMode.AUTO
+    stun: tuple[str, int] | None = None  # STUN server to learn our public UDP address and NAT type
 
     @property
     def serves_layers(self) -> bool:

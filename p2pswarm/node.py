@@ -36,6 +36,7 @@ from p2pswarm.identity import Identity, load_or_create_key
 from p2pswarm.model.catalog import ModelSpec, get_model, least_served_stage
 from p2pswarm.nat.autonat import AutonatService, serve_reachability
 from p2pswarm.nat.reachability import Reachability, ReachabilityTracker
+from p2pswarm.nat.stun import StunReport, classify_nat
 from p2pswarm.net.control import ControlService
 from p2pswarm.net.host import open_host, peer_info_from_multiaddr
 
@@ -57,6 +58,7 @@ class NodeState:
     index: LayerIndex | None = None
     autonat: AutonatService | None = None
     reachability: ReachabilityTracker = field(default_factory=ReachabilityTracker)
+    stun: StunReport | None = None
     layers: tuple[int, int] | None = None
     api_address: str | None = None
     started_at: float = field(default_factory=time.time)
@@ -84,6 +86,11 @@ class NodeState:
             "addrs": self.addrs(),
             "reachability": self.reachability.verdict(time.time()).value,
             "reachable_addrs": self.reachability.reachable_addresses(time.time()),
+            "stun": None if self.stun is None else {
+                "nat_type": self.stun.nat_type.value,
+                "public": f"{self.stun.public[0]}:{self.stun.public[1]}" if self.stun.public else None,
+                "packets_sent": self.stun.packets_sent,
+            },
             "dht_mode": "server" if index and index.server else "client",
             "uptime_s": round(time.time() - self.started_at, 1),
             "model": self.model.name,
@@ -184,6 +191,13 @@ async def choose_layers(state: NodeState, rng: random.Random) -> tuple[int, int]
     return chosen
 
 
+async def ask_stun(state: NodeState) -> None:
+    """One bounded STUN classification at start-up (pystun3-style floods are impossible here)."""
+    state.stun = await classify_nat(state.config.stun)
+    log.info("STUN %s:%d: NAT type %s, public UDP address %s (%d packets)", *state.config.stun,
+             state.stun.nat_type.value, state.stun.public, state.stun.packets_sent)
+
+
 async def on_reachability(state: NodeState, verdict: Reachability) -> None:
     """Log a new verdict; with --dht-mode auto, be a DHT client exactly while PRIVATE."""
     log.info("reachability: %s", verdict.value)
@@ -206,6 +220,8 @@ async def run_node(config: NodeConfig, *, on_listening: Callable[[list[str]], No
         state.control = ControlService(host, nursery)
         state.autonat = AutonatService(host, nursery, rng)
         await nursery.start(state.autonat.serve_dialer)
+        if config.stun:
+            nursery.start_soon(ask_stun, state)
         async with open_kademlia(host, config.dht_server) as kad:
             state.kad = kad
             state.index = LayerIndex(host, kad, state.control, RecordStore(), server=config.dht_server)

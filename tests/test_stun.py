@@ -534,3 +534,20 @@ def test_classify_simulated_nats(monkeypatch, mapping, filtering, expected, pack
     assert report.nat_type is expected
     assert report.packets_sent == received == packets <= MAX_CLASSIFY_PACKETS
     assert report.public == ((PUBLIC_IP, 40000) if mapping != "none" else report.public)
+
+
+def test_node_reports_stun_result_in_its_status(stund_full, tmp_path):
+    """`p2pswarm bootstrap --stun` classifies once at start-up and shows it in /api/stats."""
+    from tests.procs import Swarm, free_port, get_json, wait_until
+
+    host, port = stund_full
+    api = f"127.0.0.1:{free_port()}"
+    swarm = Swarm(tmp_path)
+    try:
+        process = swarm.start("bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0", "--api", api,
+                              "--stun", f"{host}:{port}", name="boot")
+        assert process.stdout.readline().startswith("/ip4/127.0.0.1/tcp/")
+        stats = wait_until(lambda: (get_json(api, "/api/stats") or {}).get("stun"), timeout=20)
+        assert stats and stats["nat_type"] == "open-internet" and stats["public"].startswith("127.0.0.1:")
+    finally:
+        swarm.close()
