@@ -1,0 +1,1 @@
+"""NAT lab tests: real network namespaces, nftables NATs and p2pswarm processes (root only)."""
