@@ -17,6 +17,7 @@ Namespace names are ``p2l<pid><lab letters><role><index>``, unique per run, at m
 from __future__ import annotations
 
 import enum
+import json
 import itertools
 import os
 import shutil
@@ -62,6 +63,13 @@ class Host:
 class _Router:
     host: Host  # router namespace and wan address
     home: Host
+
+
+_GET_STATS = """import urllib.request
+try:
+    with urllib.request.urlopen("http://%s/api/stats", timeout=2) as r: print(r.read().decode())
+except OSError: print("null")
+"""
 
 
 def p2pswarm_argv(*args: str) -> list[str]:
@@ -288,6 +296,10 @@ class NatLab:
         return subprocess.run(
             ["ip", "netns", "exec", host.name, "timeout", f"--kill-after={KILL_AFTER}", f"{timeout:g}", *argv],
             capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=timeout + KILL_AFTER + 1, check=True)
+
+    def node_stats(self, host: Host, api: str) -> dict | None:
+        """GET /api/stats of the p2pswarm node whose API is ``api`` on ``host``'s own loopback."""
+        return json.loads(self.exec(host, [sys.executable, "-c", _GET_STATS % api]).stdout)
 
     def _check_own(self, host: Host) -> None:
         if host.name not in self.namespaces:

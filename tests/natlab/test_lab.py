@@ -35,11 +35,6 @@ CONNECT_TIMEOUT = 1.5  # an unsolicited SYN is dropped silently, so failure is a
 STARTUP_TIMEOUT = 20.0
 PROC_TIMEOUT = 50  # no lab process outlives its test
 
-GET_STATS = """import json, sys, urllib.request
-try:
-    with urllib.request.urlopen("http://%s/api/stats", timeout=2) as r: print(r.read().decode())
-except OSError: print("null")
-"""
 
 # Replies "seen IP:PORT" from ECHO_PORT; on "stray" also sends one datagram from STRAY_PORT first.
 UDP_ECHO = f"""import socket
@@ -106,7 +101,7 @@ print(json.dumps([addr(attrs[1]), addr(attrs[5])]))
 
 
 def stats(lab: NatLab, host, api: str) -> dict | None:
-    return json.loads(lab.exec(host, [sys.executable, "-c", GET_STATS % api]).stdout)
+    return lab.node_stats(host, api)
 
 
 def wait_for(predicate, timeout: float, period: float = 0.3):
