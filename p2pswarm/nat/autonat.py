@@ -26,7 +26,7 @@ import trio
 from p2pswarm import wire
 from p2pswarm.errors import DialError, RemoteProtocolError
 from p2pswarm.identity import generate_identity
-from p2pswarm.nat.reachability import DialBackResult, RateLimiter
+from p2pswarm.nat.reachability import MIN_CONFIRMATIONS, DialBackResult, RateLimiter
 from p2pswarm.net.host import connect, open_host
 from p2pswarm.net.streams import ByteStream, open_stream
 
@@ -194,6 +194,8 @@ FIRST_CHECK_DELAY = 2.0  # seconds after joining: identify has told us who serve
 RECHECK_PERIOD = 60.0  # a settled verdict is re-checked this often, so it follows network changes
 RETRY_PERIOD = 10.0  # while the verdict is UNKNOWN, ask again sooner
 CHECKS_PER_ROUND = 3  # servers asked each round: more than MIN_CONFIRMATIONS, so one may fail
+SERVER_WAIT = RETRY_PERIOD  # longest wait for enough connected servers before asking the few there are
+SERVER_POLL = 0.5  # seconds between looks at who is connected while waiting
 
 
 def autonat_servers(host, rng: random.Random) -> list:
@@ -218,6 +220,10 @@ async def serve_reachability(host, service: AutonatService, tracker, rng: random
     verdict = Reachability.UNKNOWN
     await trio.sleep(FIRST_CHECK_DELAY)
     while True:
+        if verdict is Reachability.UNKNOWN:  # one server's answer cannot settle a verdict: wait for two
+            with trio.move_on_after(SERVER_WAIT):
+                while len(autonat_servers(host, rng)) < MIN_CONFIRMATIONS:
+                    await trio.sleep(SERVER_POLL)
         async def ask(server) -> None:
             result = await service.check(server)
             if result is not None:
