@@ -18,10 +18,11 @@ from pathlib import Path
 import trio
 
 from p2pswarm import __version__
-from p2pswarm.config import DEFAULT_BOOTSTRAP_LISTEN, DEFAULT_LISTEN, DhtMode, NodeConfig, Role
+from p2pswarm.config import DEFAULT_BOOTSTRAP_LISTEN, DEFAULT_LISTEN, DEFAULT_RELAY_LISTEN, DhtMode, NodeConfig, Role
 from p2pswarm.errors import ConfigError, P2PSwarmError
 from p2pswarm.logs import LOG_FORMATS, quiet_libp2p, setup_logging
 from p2pswarm.model.catalog import DEFAULT_MODEL, MODELS, get_model, parse_layers
+from p2pswarm.nat.relay_service import RelayConfig, load_relay_config
 from p2pswarm.nat.stun import parse_stun_server
 
 log = logging.getLogger("p2pswarm")
@@ -62,6 +63,15 @@ def build_parser() -> argparse.ArgumentParser:
     boot.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR",
                       help="other bootstrap nodes to link with (optional)")
 
+    relay = sub.add_parser("relay", help="run a public circuit relay v2 node (also a DHT server)",
+                           description="Run a relay for peers behind NATs (circuit relay v2, with enforced "
+                                       "limits). Prints its dialable multiaddrs on stdout, one per line.")
+    _node_options(relay, DEFAULT_RELAY_LISTEN)
+    relay.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR",
+                       help="bootstrap nodes to link with (optional)")
+    relay.add_argument("--config", type=Path, metavar="relay.toml",
+                       help="relay limits (TOML; see relay/relay.toml); built-in defaults without it")
+
     join = sub.add_parser("join", help="join a swarm and serve a range of model layers",
                           description="Join a swarm through bootstrap peers, announce the layers this "
                                       "peer serves, keep them announced until interrupted.")
@@ -88,10 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> NodeConfig:
     role = Role(args.command)
-    default_listen = DEFAULT_BOOTSTRAP_LISTEN if role is Role.BOOTSTRAP else DEFAULT_LISTEN
+    default_listen = {Role.BOOTSTRAP: DEFAULT_BOOTSTRAP_LISTEN, Role.RELAY: DEFAULT_RELAY_LISTEN}.get(role, DEFAULT_LISTEN)
     kwargs = dict(role=role, listen=tuple(args.listen or [default_listen]), bootstrap=tuple(args.bootstrap),
                   key_path=args.key, data_dir=args.data_dir, api=args.api,
                   stun=parse_stun_server(args.stun) if args.stun else None)
+    if role is Role.RELAY:
+        kwargs.update(relay=load_relay_config(args.config) if args.config else RelayConfig())
     if role is Role.JOIN:
         model = get_model(args.model)
         kwargs.update(model=model.name, layers=parse_layers(args.layers, model), dht_mode=DhtMode(args.dht_mode))
@@ -167,6 +179,11 @@ def format_status(stats: dict, layers: dict) -> str:
         f"serving       {stats['model']} layers {_range(stats['layers'])}   uptime {stats['uptime_s']:.0f} s",
         f"layer map     {layers['model']}, {layers['n_layers']} layers",
     ]
+    relay = stats.get("relay")
+    if relay:
+        refused = ", ".join(f"{reason} {n}" for reason, n in sorted(relay["refused"].items())) or "none"
+        lines.insert(5, f"relay         {relay['reservations_active']} reservation(s), "
+                        f"{relay['circuits_active']} circuit(s) active; refused: {refused}")
     for layer, records in layers["layers"].items():
         peers = ", ".join(f"{r['peer_id'][-8:]}[{r['start']}:{r['end']}]" for r in records) or "(nobody)"
         lines.append(f"  layer {int(layer):>3}  {len(records)} peer(s)  {peers}")

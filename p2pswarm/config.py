@@ -7,15 +7,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from p2pswarm.model.catalog import DEFAULT_MODEL
+from p2pswarm.nat.relay_service import RelayConfig
 
 DEFAULT_LISTEN = "/ip4/0.0.0.0/tcp/0"  # any free port on every interface
 DEFAULT_BOOTSTRAP_LISTEN = "/ip4/0.0.0.0/tcp/4001"  # the conventional libp2p port, easy to firewall
+DEFAULT_RELAY_LISTEN = DEFAULT_BOOTSTRAP_LISTEN  # a relay is a public DHT server too, on its own machine
 BOOTSTRAP_DIAL_TIMEOUT = 10.0  # a bootstrap peer across the internet may take a few round trips
 
 
 class Role(enum.Enum):
     BOOTSTRAP = "bootstrap"  # a public DHT server that serves no layers
     JOIN = "join"  # a peer that serves a layer range
+    RELAY = "relay"  # a public DHT server that also relays circuits (circuit relay v2 hop)
 
 
 class DhtMode(enum.Enum):
@@ -36,6 +39,7 @@ class NodeConfig:
     layers: tuple[int, int] | None = None  # None: choose the least-served stage at join time
     dht_mode: DhtMode = DhtMode.AUTO
     stun: tuple[str, int] | None = None  # STUN server to learn our public UDP address and NAT type
+    relay: RelayConfig | None = None  # limits of the relay service; only used with Role.RELAY
 
     @property
     def serves_layers(self) -> bool:

@@ -36,6 +36,7 @@ from p2pswarm.identity import Identity, load_or_create_key
 from p2pswarm.model.catalog import ModelSpec, get_model, least_served_stage
 from p2pswarm.nat.autonat import AutonatService, serve_reachability
 from p2pswarm.nat.reachability import Reachability, ReachabilityTracker
+from p2pswarm.nat.relay_service import RelayConfig, serve_relay
 from p2pswarm.nat.stun import StunReport, classify_nat
 from p2pswarm.net.control import ControlService
 from p2pswarm.net.host import open_host, peer_info_from_multiaddr
@@ -59,6 +60,7 @@ class NodeState:
     autonat: AutonatService | None = None
     reachability: ReachabilityTracker = field(default_factory=ReachabilityTracker)
     stun: StunReport | None = None
+    relay: object = None  # the relay protocol (with its RelayBook) when the role is RELAY
     layers: tuple[int, int] | None = None
     api_address: str | None = None
     started_at: float = field(default_factory=time.time)
@@ -107,6 +109,7 @@ class NodeState:
                 "invalid_records": index.stats.invalid_records if index else 0,
             },
             "control": vars(control.stats) if control else {},
+            "relay": self.relay.book.stats(time.monotonic()) if self.relay is not None else None,
         }
 
     def layers_doc(self) -> dict:
@@ -220,6 +223,8 @@ async def run_node(config: NodeConfig, *, on_listening: Callable[[list[str]], No
         state.control = ControlService(host, nursery)
         state.autonat = AutonatService(host, nursery, rng)
         await nursery.start(state.autonat.serve_dialer)
+        if config.role is Role.RELAY:
+            state.relay = await nursery.start(serve_relay, host, config.relay or RelayConfig())
         if config.stun:
             nursery.start_soon(ask_stun, state)
         async with open_kademlia(host, config.dht_server) as kad:

@@ -91,7 +91,7 @@ def test_status_without_a_node():
     assert_one_line_error(run("status", "--api", f"127.0.0.1:{port}"), "no p2pswarm node")
 
 
-@pytest.mark.parametrize("command", ["bootstrap", "join", "status", "keygen", "demo"])
+@pytest.mark.parametrize("command", ["bootstrap", "relay", "join", "status", "keygen", "demo"])
 def test_help_explains_each_command(command):
     result = run(command, "--help")
     assert result.returncode == 0
