@@ -24,6 +24,7 @@ from p2pswarm.logs import LOG_FORMATS, quiet_libp2p, setup_logging
 from p2pswarm.model.catalog import DEFAULT_MODEL, MODELS, get_model, parse_layers
 from p2pswarm.nat.relay_service import RelayConfig, load_relay_config
 from p2pswarm.nat.stun import parse_stun_server
+from p2pswarm.net.host import peer_info_from_multiaddr
 
 log = logging.getLogger("p2pswarm")
 
@@ -83,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="layer range to serve; auto picks the least-served stage (default)")
     join.add_argument("--dht-mode", default="auto", choices=[m.value for m in DhtMode],
                       help="Kademlia server or client mode (auto: server unless found unreachable)")
+    join.add_argument("--relay", action="append", default=[], metavar="MULTIADDR",
+                      help="a circuit relay v2 to reserve on while this peer is unreachable (behind a NAT); "
+                           "repeatable; relays among connected peers are used too")
 
     status = sub.add_parser("status", help="show a running node's state and the swarm's layer map")
     status.add_argument("--api", required=True, metavar="HOST:PORT", help="the node's status API")
@@ -106,7 +110,10 @@ def config_from_args(args: argparse.Namespace) -> NodeConfig:
         kwargs.update(relay=load_relay_config(args.config) if args.config else RelayConfig())
     if role is Role.JOIN:
         model = get_model(args.model)
-        kwargs.update(model=model.name, layers=parse_layers(args.layers, model), dht_mode=DhtMode(args.dht_mode))
+        for relay in args.relay:
+            peer_info_from_multiaddr(relay)  # ConfigError unless it ends in /p2p/<peer id>
+        kwargs.update(model=model.name, layers=parse_layers(args.layers, model), dht_mode=DhtMode(args.dht_mode),
+                      relays=tuple(args.relay))
     return NodeConfig(**kwargs)
 
 
@@ -184,6 +191,9 @@ def format_status(stats: dict, layers: dict) -> str:
         refused = ", ".join(f"{reason} {n}" for reason, n in sorted(relay["refused"].items())) or "none"
         lines.insert(5, f"relay         {relay['reservations_active']} reservation(s), "
                         f"{relay['circuits_active']} circuit(s) active; refused: {refused}")
+    if stats.get("relays"):
+        held = ", ".join(f"{r['peer'][-8:]} ({r['expires_in_s']:.0f} s)" for r in stats["relays"])
+        lines.insert(5, f"relays        {held}; {len(stats.get('circuit_addrs', []))} circuit address(es)")
     for layer, records in layers["layers"].items():
         peers = ", ".join(f"{r['peer_id'][-8:]}[{r['start']}:{r['end']}]" for r in records) or "(nobody)"
         lines.append(f"  layer {int(layer):>3}  {len(records)} peer(s)  {peers}")

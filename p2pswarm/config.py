@@ -40,6 +40,7 @@ class NodeConfig:
     dht_mode: DhtMode = DhtMode.AUTO
     stun: tuple[str, int] | None = None  # STUN server to learn our public UDP address and NAT type
     relay: RelayConfig | None = None  # limits of the relay service; only used with Role.RELAY
+    relays: tuple[str, ...] = ()  # relays (multiaddrs ending in /p2p/<id>) to reserve on while PRIVATE
 
     @property
     def serves_layers(self) -> bool:

@@ -36,10 +36,11 @@ from p2pswarm.identity import Identity, load_or_create_key
 from p2pswarm.model.catalog import ModelSpec, get_model, least_served_stage
 from p2pswarm.nat.autonat import AutonatService, serve_reachability
 from p2pswarm.nat.reachability import Reachability, ReachabilityTracker
+from p2pswarm.nat.relay_client import RelayPicker, serve_relay_reservations
 from p2pswarm.nat.relay_service import RelayConfig, serve_relay
 from p2pswarm.nat.stun import StunReport, classify_nat
 from p2pswarm.net.control import ControlService
-from p2pswarm.net.host import open_host, peer_info_from_multiaddr
+from p2pswarm.net.host import open_host, peer_info_from_multiaddr, set_extra_addrs
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,10 @@ class NodeState:
     reachability: ReachabilityTracker = field(default_factory=ReachabilityTracker)
     stun: StunReport | None = None
     relay: object = None  # the relay protocol (with its RelayBook) when the role is RELAY
+    relay_picker: RelayPicker | None = None  # our reservations on relays (role JOIN)
+    relay_scope: trio.CancelScope | None = None  # the reservation driver, running exactly while PRIVATE
+    circuit_addrs: list[str] = field(default_factory=list)  # advertised /p2p-circuit addrs (no /p2p/<us>)
+    nursery: trio.Nursery | None = None
     layers: tuple[int, int] | None = None
     api_address: str | None = None
     started_at: float = field(default_factory=time.time)
@@ -110,6 +115,8 @@ class NodeState:
             },
             "control": vars(control.stats) if control else {},
             "relay": self.relay.book.stats(time.monotonic()) if self.relay is not None else None,
+            "relays": self.relay_picker.stats(time.time()) if self.relay_picker is not None else [],
+            "circuit_addrs": [f"{a}/p2p/{self.identity.peer_id_text}" for a in self.circuit_addrs],
         }
 
     def layers_doc(self) -> dict:
@@ -202,10 +209,46 @@ async def ask_stun(state: NodeState) -> None:
 
 
 async def on_reachability(state: NodeState, verdict: Reachability) -> None:
-    """Log a new verdict; with --dht-mode auto, be a DHT client exactly while PRIVATE."""
+    """Log a new verdict; with --dht-mode auto, be a DHT client exactly while PRIVATE.
+
+    A joining peer holds relay reservations from the first PRIVATE verdict until a PUBLIC one
+    (UNKNOWN keeps whatever runs: a verdict that lapsed says nothing new about the NAT).
+    """
     log.info("reachability: %s", verdict.value)
     if state.config.dht_mode is DhtMode.AUTO and state.config.role is Role.JOIN:
         await state.index.set_server(verdict is not Reachability.PRIVATE)
+    if state.config.role is Role.JOIN:
+        if verdict is Reachability.PRIVATE:
+            start_relay_reservations(state)
+        elif verdict is Reachability.PUBLIC:
+            stop_relay_reservations(state)
+
+
+def _set_circuit_addrs(state: NodeState, addrs: list[str]) -> None:
+    state.circuit_addrs = list(addrs)
+    set_extra_addrs(state.host, addrs)
+
+
+def start_relay_reservations(state: NodeState) -> None:
+    if state.relay_scope is not None or state.relay_picker is None or state.nursery is None:
+        return
+    scope = state.relay_scope = trio.CancelScope()
+
+    async def run() -> None:
+        with scope:
+            await serve_relay_reservations(state.host, state.relay_picker,
+                                           functools.partial(_set_circuit_addrs, state))
+        _set_circuit_addrs(state, [])
+
+    log.info("relay client: behind a NAT, reserving on relays")
+    state.nursery.start_soon(run)
+
+
+def stop_relay_reservations(state: NodeState) -> None:
+    if state.relay_scope is not None:
+        log.info("relay client: reachable, dropping relay reservations")
+        state.relay_scope.cancel()
+        state.relay_scope = None
 
 
 async def run_node(config: NodeConfig, *, on_listening: Callable[[list[str]], None] = lambda addrs: None,
@@ -218,6 +261,11 @@ async def run_node(config: NodeConfig, *, on_listening: Callable[[list[str]], No
     state = NodeState(identity=identity, config=config, model=model)
     async with open_host(identity, config.listen) as host, trio.open_nursery() as nursery:
         state.host = host
+        state.nursery = nursery
+        if config.role is Role.JOIN:
+            state.relay_picker = RelayPicker(rng)
+            for relay in config.relays:
+                state.relay_picker.add_candidate(str(peer_info_from_multiaddr(relay).peer_id), [relay])
         log.info("peer %s listening on %s", identity.peer_id_text, ", ".join(state.addrs()))
         on_listening(state.addrs())
         state.control = ControlService(host, nursery)

@@ -125,6 +125,7 @@ def build_host(identity: Identity, limits: HostLimits = DEFAULT_LIMITS):
         enable_metrics=False,
     )
     interface_ips = interface_ipv4_addresses()
+    extra_addrs: list[multiaddr.Multiaddr] = []  # e.g. /p2p-circuit addresses; see set_extra_addrs
     host = new_host(
         key_pair=identity.key_pair,
         sec_opt={NOISE_ID: noise},
@@ -136,7 +137,24 @@ def build_host(identity: Identity, limits: HostLimits = DEFAULT_LIMITS):
         enable_upnp=False,
     )
     host.get_network().auto_connector.start = _auto_connector_stays_off
+    host.p2pswarm_extra_addrs = extra_addrs
+    listen_addrs = host.get_addrs
+
+    def get_addrs() -> list[multiaddr.Multiaddr]:
+        # Not through addrs_factory: BasicHost.get_addrs() strips the last /p2p/<id> of every
+        # address before appending ours, which turns <relay>/p2p/<relay id>/p2p-circuit into the
+        # relay's own address.
+        ours = multiaddr.Multiaddr(f"/p2p/{host.get_id()!s}")
+        return list(listen_addrs()) + [a.encapsulate(ours) for a in extra_addrs]
+
+    host.get_addrs = get_addrs
     return host
+
+
+def set_extra_addrs(host, addrs: Sequence[str]) -> None:
+    """Advertise ``addrs`` (without our /p2p suffix) in ``host.get_addrs()`` after the listen ones."""
+    extra = host.p2pswarm_extra_addrs
+    extra[:] = [parse_multiaddr(a) for a in addrs]
 
 
 async def _auto_connector_stays_off() -> None:
