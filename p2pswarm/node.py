@@ -143,11 +143,20 @@ def free_memory_mb() -> int:
         return 0
 
 
+MAX_RECORD_ADDRS = 8  # addresses in a layer record; well inside the record's size limit
+
+
+def record_addrs(addrs: list[str], limit: int = MAX_RECORD_ADDRS) -> tuple[str, ...]:
+    """The addresses a layer record carries: relay circuits first, since a NATed peer's own
+    listen addresses (listed first by the host) are the ones nobody outside can dial."""
+    return tuple(sorted(addrs, key=lambda addr: "/p2p-circuit" not in addr)[:limit])
+
+
 def make_record(state: NodeState, now: float) -> LayerRecord:
     start, end = state.layers
     return LayerRecord(
         peer_id=state.identity.peer_id_text,
-        addrs=tuple(state.addrs()[:8]),
+        addrs=record_addrs(state.addrs()),
         model=state.model.name,
         start=start,
         end=end,

@@ -70,3 +70,13 @@ def test_routing_upkeep_rejoins_an_isolated_node(monkeypatch):
             nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def test_record_keeps_circuit_addresses_even_with_many_interfaces():
+    from p2pswarm.node import MAX_RECORD_ADDRS, record_addrs
+
+    listen = [f"/ip4/10.0.{i}.2/tcp/4001/p2p/12D3KooWself" for i in range(12)]
+    circuits = ["/ip4/203.0.113.5/tcp/4001/p2p/12D3KooWrelay/p2p-circuit/p2p/12D3KooWself"]
+    chosen = record_addrs(listen + circuits)
+    assert len(chosen) == MAX_RECORD_ADDRS and chosen[0] == circuits[0]
+    assert record_addrs(listen[:3]) == tuple(listen[:3])  # order kept otherwise
