@@ -2,25 +2,28 @@
 
 A minimal HTTP/1.1 server on trio (GET only, one request per connection, bounded request size)
 so the node needs no web framework. Routes map a path to an async function returning a JSON-able
-dict (async so that an endpoint may refresh what it shows before answering).
+dict (async so that an endpoint may refresh what it shows before answering). A route gets the
+query parameters (``?peer=...&bytes=...``) as a dict; a ``ConfigError`` it raises is a 400 (bad
+parameters), a ``DialError`` a 502 (the peer asked about could not be reached).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import urllib.parse
 from collections.abc import Awaitable, Callable
 
 import trio
 
-from p2pswarm.errors import ConfigError, StartupError
+from p2pswarm.errors import ConfigError, DialError, StartupError
 
 log = logging.getLogger(__name__)
 
 MAX_REQUEST_BYTES = 8 * 1024  # a GET with headers; anything longer is not a status query
 REQUEST_TIMEOUT = 5.0  # a client that has not sent its request in 5 s is dropped
 
-Routes = dict[str, Callable[[], Awaitable[dict]]]
+Routes = dict[str, Callable[[dict[str, str]], Awaitable[dict]]]
 
 
 def parse_host_port(text: str) -> tuple[str, int]:
@@ -47,11 +50,17 @@ async def respond(request: bytes, routes: Routes) -> bytes:
     method, target, _ = line
     if method != "GET":
         return _response("405 Method Not Allowed", {"error": "only GET is served"})
-    route = routes.get(target.split("?", 1)[0])
+    path, _, query = target.partition("?")
+    route = routes.get(path)
     if route is None:
         return _response("404 Not Found", {"error": f"no such endpoint; try {', '.join(sorted(routes))}"})
+    params = {k: v[-1] for k, v in urllib.parse.parse_qs(query, max_num_fields=16).items()}
     try:
-        return _response("200 OK", await route())
+        return _response("200 OK", await route(params))
+    except ConfigError as exc:
+        return _response("400 Bad Request", {"error": str(exc)})
+    except DialError as exc:
+        return _response("502 Bad Gateway", {"error": str(exc)})
     except Exception:
         log.exception("status endpoint %s failed", target)
         return _response("500 Internal Server Error", {"error": "endpoint failed"})

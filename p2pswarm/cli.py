@@ -12,6 +12,7 @@ import logging
 import signal
 import sys
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -92,6 +93,15 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--api", required=True, metavar="HOST:PORT", help="the node's status API")
     status.add_argument("--json", action="store_true", help="print the raw JSON")
 
+    ping = sub.add_parser("ping", help="ask a running node to reach a peer and measure the path",
+                          description="Ask the node behind --api to connect to PEER (direct, hole punch or "
+                                      "relay), time a round trip and push --bytes over the connection. "
+                                      "Exit 1 if the peer cannot be reached.")
+    ping.add_argument("peer", help="a peer id (addresses from the layer map) or a multiaddr ending in /p2p/<id>")
+    ping.add_argument("--api", required=True, metavar="HOST:PORT", help="the asking node's status API")
+    ping.add_argument("--bytes", type=int, default=1024 * 1024, help="bytes to push (default 1 MiB; 0: none)")
+    ping.add_argument("--json", action="store_true", help="print the raw JSON")
+
     demo = sub.add_parser("demo", help="run a local swarm: bootstrap plus peers on loopback")
     demo.add_argument("--peers", type=int, default=4, help="joining peers to start (default 4)")
     demo.add_argument("--duration", type=float, default=30.0,
@@ -154,13 +164,19 @@ def cmd_keygen(args: argparse.Namespace) -> int:
     return 0
 
 
-def _get_json(api: str, path: str) -> dict:
+def _get_json(api: str, path: str, timeout: float = STATUS_TIMEOUT) -> dict:
     from p2pswarm.api import parse_host_port
 
     host, port = parse_host_port(api)
     try:
-        with urllib.request.urlopen(f"http://{host}:{port}{path}", timeout=STATUS_TIMEOUT) as response:
+        with urllib.request.urlopen(f"http://{host}:{port}{path}", timeout=timeout) as response:
             return json.load(response)
+    except urllib.error.HTTPError as exc:  # the node answered: a bad request or an unreachable peer
+        try:
+            reason = json.load(exc).get("error", exc.reason)
+        except (ValueError, OSError, AttributeError):
+            reason = exc.reason
+        raise ConfigError(str(reason)) from None
     except (urllib.error.URLError, OSError, ValueError) as exc:
         raise ConfigError(f"no p2pswarm node answers at {api}: {getattr(exc, 'reason', exc)}") from None
 
@@ -209,6 +225,22 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def format_ping(doc: dict) -> str:
+    rate = f", {doc['mib_per_s']} MiB/s" if doc["mib_per_s"] is not None else ""
+    return (f"{doc['peer']}: reached by {doc['method']} in {doc['connect_ms']} ms, round trip {doc['rtt_ms']} ms, "
+            f"first byte after {doc['first_byte_ms']} ms; {doc['bytes']} bytes in {doc['transfer_ms']} ms{rate}; "
+            f"path now {doc['path']}")
+
+
+def cmd_ping(args: argparse.Namespace) -> int:
+    from p2pswarm.net.probe import PROBE_TIMEOUT
+
+    query = urllib.parse.urlencode({"peer": args.peer, "bytes": args.bytes})
+    doc = _get_json(args.api, f"/api/ping?{query}", timeout=PROBE_TIMEOUT + STATUS_TIMEOUT)
+    print(json.dumps(doc, indent=1, sort_keys=True) if args.json else format_ping(doc))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level, args.log_format)
@@ -217,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_keygen(args)
         if args.command == "status":
             return cmd_status(args)
+        if args.command == "ping":
+            return cmd_ping(args)
         if args.command == "demo":
             from p2pswarm.demo import run_demo
 

@@ -34,13 +34,17 @@ from p2pswarm.dht.records import Capacity, LayerRecord, sign_record
 from p2pswarm.dht.store import RecordStore
 from p2pswarm.identity import Identity, load_or_create_key
 from p2pswarm.model.catalog import ModelSpec, get_model, least_served_stage
+from p2pswarm.errors import ConfigError
 from p2pswarm.nat.autonat import AutonatService, serve_reachability
+from p2pswarm.nat.holepunch import HolePunchService, punch_stats
 from p2pswarm.nat.reachability import Reachability, ReachabilityTracker
 from p2pswarm.nat.relay_client import RelayPicker, serve_relay_reservations
 from p2pswarm.nat.relay_service import RelayConfig, serve_relay
 from p2pswarm.nat.stun import StunReport, classify_nat
+from p2pswarm.net import probe
+from p2pswarm.net.connect import Connector
 from p2pswarm.net.control import ControlService
-from p2pswarm.net.host import open_host, peer_info_from_multiaddr, set_extra_addrs
+from p2pswarm.net.host import open_host, parse_multiaddr, peer_info_from_multiaddr, set_extra_addrs
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +61,8 @@ class NodeState:
     host: object = None
     kad: object = None
     control: ControlService | None = None
+    connector: Connector | None = None
+    holepunch: HolePunchService | None = None  # DCUtR (role JOIN: the roles that can sit behind a NAT)
     index: LayerIndex | None = None
     autonat: AutonatService | None = None
     reachability: ReachabilityTracker = field(default_factory=ReachabilityTracker)
@@ -76,12 +82,24 @@ class NodeState:
     def addrs(self) -> list[str]:
         return [str(a) for a in self.host.get_addrs()] if self.host else []
 
-    async def stats_json(self) -> dict:
+    async def stats_json(self, params: dict) -> dict:
         return self.stats()
 
-    async def layers_json(self) -> dict:
+    async def layers_json(self, params: dict) -> dict:
         await current_layer_map(self)
         return self.layers_doc()
+
+    async def ping_json(self, params: dict) -> dict:
+        """/api/ping?peer=<peer id or multiaddr>&bytes=N: reach a peer and measure the path."""
+        peer, addrs = await resolve_peer(self, params.get("peer", ""))
+        try:
+            nbytes = int(params.get("bytes", "0"))
+        except ValueError:
+            raise ConfigError(f"bytes must be an integer, not {params['bytes']!r}") from None
+        if not 0 <= nbytes <= probe.MAX_PROBE_BYTES:
+            raise ConfigError(f"bytes must be between 0 and {probe.MAX_PROBE_BYTES}")
+        result = await probe.probe(self.host, self.connector, self.control, peer, addrs, nbytes)
+        return result.doc()
 
     def stats(self) -> dict:
         index, control = self.index, self.control
@@ -114,6 +132,8 @@ class NodeState:
                 "invalid_records": index.stats.invalid_records if index else 0,
             },
             "control": vars(control.stats) if control else {},
+            "connect": self.connector.stats.summary() if self.connector else {},
+            "holepunch": punch_stats(self.holepunch),
             "relay": self.relay.book.stats(time.monotonic()) if self.relay is not None else None,
             "relays": self.relay_picker.stats(time.time()) if self.relay_picker is not None else [],
             "circuit_addrs": [f"{a}/p2p/{self.identity.peer_id_text}" for a in self.circuit_addrs],
@@ -134,6 +154,21 @@ class NodeState:
                 for layer, records in self.layer_map.items()
             },
         }
+
+
+async def resolve_peer(state: NodeState, text: str) -> tuple[str, tuple[str, ...]]:
+    """A peer id and the addresses to try: from a full multiaddr, or from the layer map for an id."""
+    if not text:
+        raise ConfigError("say which peer: ?peer=<peer id or multiaddr ending in /p2p/<id>>")
+    if text.startswith("/"):
+        parse_multiaddr(text)
+        head, sep, peer = text.rpartition("/p2p/")
+        if not sep or "/" in peer:
+            raise ConfigError(f"multiaddr {text} must end in /p2p/<peer id>")
+        return peer, (head,) if head else ()
+    layer_map = await current_layer_map(state)
+    addrs = [a for records in layer_map.values() for r in records if r.peer_id == text for a in r.addrs]
+    return text, tuple(dict.fromkeys(addrs))
 
 
 def free_memory_mb() -> int:
@@ -260,6 +295,22 @@ def stop_relay_reservations(state: NodeState) -> None:
         state.relay_scope = None
 
 
+async def start_holepunch(host, nursery: trio.Nursery) -> HolePunchService:
+    """Run the DCUtR service in ``nursery`` until the node stops."""
+    from libp2p.tools.anyio_service import background_trio_service
+
+    service = HolePunchService(host)
+
+    async def run(task_status=trio.TASK_STATUS_IGNORED) -> None:
+        async with background_trio_service(service):
+            await service.event_started.wait()
+            task_status.started()
+            await trio.sleep_forever()
+
+    await nursery.start(run)
+    return service
+
+
 async def run_node(config: NodeConfig, *, on_listening: Callable[[list[str]], None] = lambda addrs: None,
                    rng: random.Random | None = None, task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Run a node until cancelled."""
@@ -277,7 +328,11 @@ async def run_node(config: NodeConfig, *, on_listening: Callable[[list[str]], No
                 state.relay_picker.add_candidate(str(peer_info_from_multiaddr(relay).peer_id), [relay])
         log.info("peer %s listening on %s", identity.peer_id_text, ", ".join(state.addrs()))
         on_listening(state.addrs())
-        state.control = ControlService(host, nursery)
+        state.connector = Connector(host, nursery)
+        state.control = ControlService(host, nursery, state.connector)
+        probe.register(host, state.control)
+        if config.role is Role.JOIN:
+            state.holepunch = await start_holepunch(host, nursery)
         state.autonat = AutonatService(host, nursery, rng)
         await nursery.start(state.autonat.serve_dialer)
         if config.role is Role.RELAY:
@@ -292,7 +347,8 @@ async def run_node(config: NodeConfig, *, on_listening: Callable[[list[str]], No
                      reached, kad.get_routing_table_size())
             if config.api:
                 state.api_address = await nursery.start(serve_api, config.api, {
-                    "/api/stats": state.stats_json, "/api/layers": state.layers_json})
+                    "/api/stats": state.stats_json, "/api/layers": state.layers_json,
+                    "/api/ping": state.ping_json})
             nursery.start_soon(state.index.serve_store_pruning)
             nursery.start_soon(serve_routing_upkeep, host, kad, bootstrap_infos)
             nursery.start_soon(serve_reachability, host, state.autonat, state.reachability, rng,

@@ -12,14 +12,20 @@ from hypothesis import strategies as st
 
 from p2pswarm import api
 from p2pswarm.api import parse_host_port, serve_api
-from p2pswarm.errors import ConfigError
+from p2pswarm.errors import ConfigError, DialError
 
-async def ok() -> dict:
+async def ok(params: dict) -> dict:
     return {"ok": 1}
 
 
-async def broken() -> dict:
+async def broken(params: dict) -> dict:
     return 1 / 0
+
+
+async def echo(params: dict) -> dict:
+    if "fail" in params:
+        raise {"config": ConfigError, "dial": DialError}[params["fail"]](f"failed: {params['fail']}")
+    return params
 
 
 ROUTES = {"/api/stats": ok}
@@ -31,6 +37,16 @@ def respond(request: bytes, routes) -> bytes:
 
 def status_of(response: bytes) -> int:
     return int(response.split(b" ", 2)[1])
+
+
+def test_query_parameters_reach_the_route_and_errors_map_to_statuses():
+    routes = {"/api/echo": echo}
+    response = respond(b"GET /api/echo?peer=Qm%2Fx&bytes=5&bytes=7 HTTP/1.1\r\n\r\n", routes)
+    assert status_of(response) == 200
+    assert json.loads(response.split(b"\r\n\r\n", 1)[1]) == {"peer": "Qm/x", "bytes": "7"}
+    assert status_of(respond(b"GET /api/echo?fail=config HTTP/1.1\r\n\r\n", routes)) == 400
+    dial = respond(b"GET /api/echo?fail=dial HTTP/1.1\r\n\r\n", routes)
+    assert status_of(dial) == 502 and b"failed: dial" in dial
 
 
 def test_routes():

@@ -43,10 +43,10 @@ from pathlib import Path
 import trio
 
 from p2pswarm.errors import ConfigError
+from p2pswarm.net.connect import HOP_PROTOCOL
 
 log = logging.getLogger(__name__)
 
-HOP_PROTOCOL = "/libp2p/circuit/relay/0.2.0/hop"
 MIB = 1024 * 1024
 
 # Status codes of the circuit relay v2 spec (libp2p/relay/circuit_v2/protocol_buffer.py).

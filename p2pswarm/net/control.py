@@ -7,6 +7,10 @@ reader task runs per stream, so a sender is never blocked on a full Yamux window
 
 A peer that sends an undecodable frame has its stream reset; a request the handler rejects
 gets an ``ErrorReply`` and the stream stays up. Nothing a peer sends can crash the node.
+
+Peers are reached through the node's ``Connector`` (direct, hole punch, relay). A channel opened
+over a relayed connection is replaced once a direct connection to the peer exists (a hole punch
+succeeded); the old one is closed when its outstanding replies are in.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import trio
 
 from p2pswarm import wire
 from p2pswarm.errors import DialError, ProtocolError, RemoteProtocolError
+from p2pswarm.net.connect import Connector, as_peer_id, has_direct
 from p2pswarm.net.streams import ByteStream, open_stream
 
 log = logging.getLogger(__name__)
@@ -49,6 +54,7 @@ class _Channel:
         self.write_lock = trio.Lock()
         self.slots = trio.Semaphore(MAX_PENDING_REQUESTS)
         self.closed = False
+        self.relayed = False  # opened while the only connection to the peer ran through a relay
 
     async def run_reader(self) -> None:
         try:
@@ -74,9 +80,10 @@ class _Channel:
 class ControlService:
     """Sends control requests to peers and answers theirs with registered handlers."""
 
-    def __init__(self, host, nursery: trio.Nursery) -> None:
+    def __init__(self, host, nursery: trio.Nursery, connector: Connector | None = None) -> None:
         self._host = host
         self._nursery = nursery
+        self._connector = connector
         self._channels: dict[str, _Channel] = {}
         self._opening: dict[str, trio.Lock] = {}
         self._handlers: dict[type[wire.Message], Handler] = {}
@@ -89,6 +96,7 @@ class ControlService:
     async def request(self, peer_id, message: wire.Message, timeout: float = REQUEST_TIMEOUT) -> wire.Message:
         """Send ``message`` to ``peer_id`` and return its reply; DialError if none comes in time."""
         key = str(peer_id)
+        peer_id = as_peer_id(peer_id)
         self.stats.requests_sent += 1
         with trio.move_on_after(timeout):
             try:
@@ -129,11 +137,28 @@ class ControlService:
         lock = self._opening.setdefault(key, trio.Lock())
         async with lock:
             channel = self._channels.get(key)
+            if channel is not None and not channel.closed and channel.relayed and has_direct(self._host, peer_id):
+                log.debug("control stream to %s moves to the direct connection", key)
+                self._nursery.start_soon(self._retire, channel)
+                channel = None
             if channel is None or channel.closed:
+                if self._connector is not None:
+                    await self._connector.connect(key)
+                relayed = not has_direct(self._host, peer_id)
                 channel = _Channel(await open_stream(self._host, peer_id, CONTROL_PROTOCOL))
+                channel.relayed = relayed
                 self._channels[key] = channel
                 self._nursery.start_soon(channel.run_reader)
             return channel
+
+    @staticmethod
+    async def _retire(channel: _Channel) -> None:
+        """Close a replaced channel once the replies it still owes are in (or overdue)."""
+        with trio.move_on_after(REQUEST_TIMEOUT):
+            while channel.pending:
+                await trio.sleep(0.05)
+        channel.closed = True
+        await channel.stream.close()
 
     async def _on_stream(self, raw_stream) -> None:
         stream = ByteStream(raw_stream)

@@ -1,0 +1,158 @@
+"""DCUtR hole punching over TCP, with one initiator and no dials to ourselves.
+
+py-libp2p's ``DCUtRProtocol`` does the CONNECT/SYNC exchange and the simultaneous TCP open (dials
+bound to our listen port, upgraded with the roles the spec fixes). Its defaults are wrong for us
+(defect 12), so ``HolePunchService`` replaces four of its methods:
+
+- ``_auto_drive_loop``: the library punches every relayed peer from both ends. Here only the side
+  that received the relayed connection initiates (``punch.initiates``), budgeted by ``PunchBook``.
+- ``_handle_dcutr_stream``: a CONNECT from a peer that should not have initiated is refused, so
+  two exchanges never cross on one connection.
+- ``_try_unilateral_upgrade``: the spec's first step (dial the other side's addresses plainly; it
+  may be public) runs alongside the exchange, capped at ``UNILATERAL_TIMEOUT``, instead of
+  before it: the library waited out every dial, ~10 s whenever one address was a black hole.
+- ``_dial_peer``: addresses that lead back to ourselves (``0.0.0.0``, our own listen addresses,
+  another host's loopback) are skipped.
+
+Once a direct connection exists new streams use it (py-libp2p prefers direct connections); the
+relayed one is kept as a fallback rather than closed after the library's 60 s grace, until the
+relay's own limits end it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import trio
+from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
+
+from p2pswarm.nat.punch import FAILED, PUNCHED, UNILATERAL, PunchBook, initiates
+from p2pswarm.net.connect import connections_to, has_direct, is_inbound, is_relayed
+from p2pswarm.net.dialplan import plan_dials
+
+log = logging.getLogger(__name__)
+
+DRIVE_PERIOD = 0.25  # how often relayed connections are checked for a punch to start
+UNILATERAL_TIMEOUT = 1.5  # a public dialer answers within a round trip; a NATed one never does
+PUNCH_DIAL_TIMEOUT = 5  # one simultaneous-open dial (the library's round lasts as long)
+
+
+class HolePunchService(DCUtRProtocol):
+    """The DCUtR service of a node; run it with ``background_trio_service``."""
+
+    def __init__(self, host, book: PunchBook | None = None, clock=time.monotonic) -> None:
+        super().__init__(host, dial_timeout=PUNCH_DIAL_TIMEOUT)
+        self.book = book or PunchBook()
+        self._clock = clock
+        self._plain_dialing: set[str] = set()  # peers with plain (unilateral) dials in flight
+
+    # ------------------------------------------------------------------ who initiates
+
+    def _we_initiate(self, peer_id) -> bool:
+        conns = connections_to(self.host, peer_id)
+        relayed = [c for c in conns if is_relayed(c)]
+        return initiates(inbound_relayed=any(is_inbound(c) for c in relayed),
+                         outbound_relayed=any(not is_inbound(c) for c in relayed),
+                         direct=len(relayed) < len(conns),
+                         our_id=str(self.host.get_id()), their_id=str(peer_id))
+
+    async def _auto_drive_loop(self) -> None:
+        while True:
+            await trio.sleep(DRIVE_PERIOD)
+            now = self._clock()
+            peers = list(self.host.get_network().connections.keys())
+            for known in self.book.known():
+                if known not in {str(p) for p in peers}:
+                    self.book.forget(known)
+            for peer_id in peers:
+                if self.book.due(str(peer_id), now) and self._identified(peer_id) and self._we_initiate(peer_id):
+                    self.book.started(str(peer_id), now)
+                    self._nursery.start_soon(self._punch, peer_id)
+
+    def _identified(self, peer_id) -> bool:
+        """Identify has told us the peer's listen addresses: what the plain dial and punch need."""
+        try:
+            return any("/p2p-circuit" not in str(a) for a in self.host.get_peerstore().addrs(peer_id))
+        except Exception:  # PeerStoreError: nothing known about the peer yet
+            return False
+
+    async def _punch(self, peer_id) -> None:
+        began = self._clock()
+        try:
+            await self.initiate_hole_punch(peer_id)
+        except Exception as exc:  # a library error ends this attempt, never the service
+            log.info("hole punch to %s failed: %s: %s", peer_id, type(exc).__name__, exc)
+        finally:
+            with trio.move_on_after(UNILATERAL_TIMEOUT):  # the plain dial may still be on its way
+                await self._plain_dials_done(peer_id)
+            outcome = self._outcome(peer_id)
+            seconds = self._clock() - began
+            self.book.finished(str(peer_id), self._clock(), outcome, seconds)
+            log.info("hole punch to %s: %s after %.2f s", peer_id, outcome, seconds)
+
+    def _outcome(self, peer_id) -> str:
+        """Whichever got there: a direct connection we dialed as initiator came from the plain
+        dial; a punched one is upgraded as responder (the spec's roles) or arrived inbound."""
+        direct = [c for c in connections_to(self.host, peer_id) if not is_relayed(c)]
+        if not direct:
+            return FAILED
+        return UNILATERAL if any(not is_inbound(c) for c in direct) else PUNCHED
+
+    async def _plain_dials_done(self, peer_id) -> None:
+        while str(peer_id) in self._plain_dialing and not has_direct(self.host, peer_id):
+            await trio.sleep(0.02)
+
+    async def _handle_dcutr_stream(self, stream) -> None:
+        peer_id = stream.muxed_conn.peer_id
+        if self._we_initiate(peer_id):
+            self.book.refused += 1
+            log.info("refusing a DCUtR exchange started by %s: the receiving side initiates", peer_id)
+            with trio.move_on_after(1):
+                await stream.reset()
+            return
+        await super()._handle_dcutr_stream(stream)
+
+    # ------------------------------------------------------------------ what is dialed
+
+    def _dialable(self, peer_id, addr) -> bool:
+        own = [str(a) for a in self.host.get_addrs()]
+        return bool(plan_dials(str(peer_id), [str(addr)], own).direct)
+
+    async def _dial_peer(self, peer_id, addr, source=None, as_responder: bool = False) -> None:
+        if not self._dialable(peer_id, addr):
+            log.debug("hole punch: not dialing %s (leads back to us)", addr)
+            return
+        await super()._dial_peer(peer_id, addr, source, as_responder)
+
+    async def _try_unilateral_upgrade(self, peer_id) -> bool:
+        """Start the plain dials in the background and go straight on to the exchange: they race.
+
+        The spec dials first and punches after; waiting costs the NATed-to-NATed case (the common
+        one) up to UNILATERAL_TIMEOUT before the punch even starts.
+        """
+        try:
+            known = self.host.get_peerstore().addrs(peer_id)
+        except Exception:  # PeerStoreError: no addresses known
+            known = []
+        addrs = [a for a in known if "/p2p-circuit" not in str(a) and self._dialable(peer_id, a)]
+        if addrs and self._nursery is not None:
+            self._plain_dialing.add(str(peer_id))
+            self._nursery.start_soon(self._dial_unilaterally, peer_id, addrs)
+        return False
+
+    async def _dial_unilaterally(self, peer_id, addrs) -> None:
+        try:
+            with trio.move_on_after(UNILATERAL_TIMEOUT):
+                async with trio.open_nursery() as nursery:
+                    for addr in addrs:
+                        nursery.start_soon(self._dial_peer, peer_id, addr)
+        finally:
+            self._plain_dialing.discard(str(peer_id))
+
+    def _schedule_relay_close(self, peer_id) -> None:
+        """Keep the relayed connection as a fallback (the library closes it after 60 s)."""
+
+
+def punch_stats(service: HolePunchService | None) -> dict:
+    return service.book.summary() if service is not None else PunchBook().summary()

@@ -1,0 +1,149 @@
+"""Can we reach that peer, how, and how fast: connect, one control round trip, a timed push.
+
+``p2pswarm ping PEER`` asks a running node (through its API) to probe a peer: ``connect()``
+(direct, hole punch or relay), a Ping/Pong over the control stream (time to first byte is
+connect plus this round trip), then ``bytes`` pushed over a fresh probe stream and acknowledged.
+The answer says which method connected and whether the path is direct or relayed now. The NAT
+lab tests and ``bench/nat_matrix.py`` measure connection success, time to first byte and relayed
+against direct throughput with it.
+
+Probe stream (``/p2pswarm/probe/1.0.0``): the client sends ``ProbeData`` frames of at most
+``PROBE_CHUNK`` payload bytes, the last one flagged, and the server answers one ``ProbeAck``
+with the byte count. A server accepts at most ``MAX_PROBE_BYTES`` per stream.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass
+
+import trio
+
+from p2pswarm import wire
+from p2pswarm.errors import DialError, RemoteProtocolError
+from p2pswarm.net.connect import Connector, as_peer_id, connections_to, has_direct
+from p2pswarm.net.control import ControlService
+from p2pswarm.net.streams import ByteStream, open_stream
+
+log = logging.getLogger(__name__)
+
+PROBE_PROTOCOL = "/p2pswarm/probe/1.0.0"
+PROBE_CHUNK = 256 * 1024  # bytes per frame: large enough to measure, small enough to interleave
+MAX_PROBE_BYTES = 64 * 1024 * 1024  # per probe stream: a measurement, not a way to flood a peer
+PROBE_TIMEOUT = 60.0  # a whole probe; a relay's byte limit ends a longer one anyway
+
+
+@wire.message("probe-data")
+class ProbeData(wire.Message):
+    """A chunk of probe bytes (the payload); ``last`` asks for the acknowledgement."""
+
+    last: bool
+
+    def check(self, payload_len: int) -> None:
+        if payload_len > PROBE_CHUNK:
+            raise RemoteProtocolError(f"probe chunk of {payload_len} bytes exceeds {PROBE_CHUNK}")
+
+
+@wire.message("probe-ack")
+class ProbeAck(wire.Message):
+    """How many probe bytes arrived."""
+
+    received: int
+
+    def check(self, payload_len: int) -> None:
+        if payload_len or self.received < 0:
+            raise RemoteProtocolError("probe-ack carries no payload and a non-negative count")
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    peer: str
+    method: str  # how connect() got there: connected (already), direct or relay
+    connect_ms: float
+    rtt_ms: float
+    bytes: int
+    transfer_ms: float
+    path: str  # what the connection is when the probe ends: direct or relayed
+
+    def doc(self) -> dict:
+        rate = self.bytes / (self.transfer_ms / 1000) / 2**20 if self.bytes and self.transfer_ms else None
+        return {"peer": self.peer, "method": self.method, "connect_ms": round(self.connect_ms, 1),
+                "rtt_ms": round(self.rtt_ms, 2), "first_byte_ms": round(self.connect_ms + self.rtt_ms, 1),
+                "bytes": self.bytes, "transfer_ms": round(self.transfer_ms, 1),
+                "mib_per_s": None if rate is None else round(rate, 2), "path": self.path}
+
+
+async def answer_ping(peer: str, message: wire.Ping) -> wire.Pong:
+    return wire.Pong(nonce=message.nonce)
+
+
+async def serve_probe_stream(raw_stream) -> None:
+    """Count a peer's probe bytes and acknowledge them; a peer that overruns the limit is dropped."""
+    stream = ByteStream(raw_stream)
+    received = 0
+    try:
+        with trio.fail_after(PROBE_TIMEOUT):
+            while True:
+                frame = await wire.read_frame(stream, max_payload=PROBE_CHUNK)
+                if frame is None:
+                    return
+                message, payload = frame
+                if not isinstance(message, ProbeData):
+                    raise RemoteProtocolError(f"expected probe-data, got {message.TYPE}")
+                received += len(payload)
+                if received > MAX_PROBE_BYTES:
+                    raise RemoteProtocolError(f"probe exceeds {MAX_PROBE_BYTES} bytes")
+                if message.last:
+                    await wire.write_frame(stream, ProbeAck(received=received))
+                    await stream.close()  # a reset here could drop the acknowledgement in flight
+                    return
+    except (RemoteProtocolError, trio.TooSlowError) as exc:
+        log.info("probe from %s dropped: %s", stream.remote_peer, exc)
+    except DialError:
+        pass  # the peer went away
+    await stream.reset()
+
+
+def register(host, control: ControlService) -> None:
+    control.handle(wire.Ping, answer_ping)
+    host.set_stream_handler(PROBE_PROTOCOL, serve_probe_stream)
+
+
+async def probe(host, connector: Connector, control: ControlService, peer: str,
+                addrs: tuple[str, ...] = (), nbytes: int = 0, rng: random.Random | None = None) -> ProbeResult:
+    """Reach ``peer``, time a round trip and push ``nbytes``; DialError when it cannot be reached."""
+    if not 0 <= nbytes <= MAX_PROBE_BYTES:
+        raise DialError(f"bytes must be between 0 and {MAX_PROBE_BYTES}")
+    with trio.fail_after(PROBE_TIMEOUT):
+        began = time.monotonic()
+        method = await connector.connect(peer, addrs)
+        connected = time.monotonic()
+        nonce = (rng or random.Random()).getrandbits(32)
+        reply = await control.request(peer, wire.Ping(nonce=nonce))
+        if reply != wire.Pong(nonce=nonce):
+            raise DialError(f"{peer} answered the ping with {reply}")
+        answered = time.monotonic()
+        if nbytes:
+            await _push(host, peer, nbytes)
+        done = time.monotonic()
+    path = "direct" if has_direct(host, as_peer_id(peer)) else ("relayed" if connections_to(host, as_peer_id(peer)) else "gone")
+    return ProbeResult(peer, method, 1000 * (connected - began), 1000 * (answered - connected),
+                       nbytes, 1000 * (done - answered), path)
+
+
+async def _push(host, peer: str, nbytes: int) -> None:
+    stream = await open_stream(host, as_peer_id(peer), PROBE_PROTOCOL)
+    try:
+        chunk = bytes(PROBE_CHUNK)
+        sent = 0
+        while sent < nbytes:
+            size = min(PROBE_CHUNK, nbytes - sent)
+            sent += size
+            await wire.write_frame(stream, ProbeData(last=sent == nbytes), chunk[:size])
+        frame = await wire.read_frame(stream, max_payload=0)
+        if frame is None or frame[0] != ProbeAck(received=nbytes):
+            raise DialError(f"{peer} acknowledged {frame[0] if frame else 'nothing'} for {nbytes} bytes")
+    finally:
+        await stream.reset()
