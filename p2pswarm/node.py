@@ -48,6 +48,7 @@ from p2pswarm.net.host import open_host, parse_multiaddr, peer_info_from_multiad
 
 log = logging.getLogger(__name__)
 
+MAX_UPGRADE_WAIT = 30.0  # /api/ping?upgrade_wait=S: longest wait for a relayed connection to turn direct
 LAYER_MAP_BUILD_TIMEOUT = 2 * LOOKUP_TIMEOUT  # closest-peer search plus one fetch round, each bounded
 
 
@@ -90,7 +91,8 @@ class NodeState:
         return self.layers_doc()
 
     async def ping_json(self, params: dict) -> dict:
-        """/api/ping?peer=<peer id or multiaddr>&bytes=N: reach a peer and measure the path."""
+        """/api/ping?peer=<peer id or multiaddr>&bytes=N[&fresh=1][&upgrade_wait=S]: reach a peer
+        (anew with fresh=1) and measure the path; see net/probe.py."""
         peer, addrs = await resolve_peer(self, params.get("peer", ""))
         try:
             nbytes = int(params.get("bytes", "0"))
@@ -98,7 +100,14 @@ class NodeState:
             raise ConfigError(f"bytes must be an integer, not {params['bytes']!r}") from None
         if not 0 <= nbytes <= probe.MAX_PROBE_BYTES:
             raise ConfigError(f"bytes must be between 0 and {probe.MAX_PROBE_BYTES}")
-        result = await probe.probe(self.host, self.connector, self.control, peer, addrs, nbytes)
+        try:
+            upgrade_wait = float(params.get("upgrade_wait", "0"))
+        except ValueError:
+            raise ConfigError(f"upgrade_wait must be seconds, not {params['upgrade_wait']!r}") from None
+        if not 0 <= upgrade_wait <= MAX_UPGRADE_WAIT:
+            raise ConfigError(f"upgrade_wait must be between 0 and {MAX_UPGRADE_WAIT:.0f} s")
+        result = await probe.probe(self.host, self.connector, self.control, peer, addrs, nbytes,
+                                   fresh=params.get("fresh") == "1", upgrade_wait=upgrade_wait)
         return result.doc()
 
     def stats(self) -> dict:

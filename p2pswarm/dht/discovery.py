@@ -202,7 +202,7 @@ class LayerIndex:
                 if peer_id == self._host.get_id():
                     reply = handle_store(self.store, message, self._clock())
                 else:
-                    reply = await self._control.request(peer_id, message, LOOKUP_TIMEOUT)
+                    reply = await self._control.request(peer_id, message, LOOKUP_TIMEOUT, via_relay=False)
             except DialError as exc:
                 self.stats.stores_failed += 1
                 return self._forget(peer_id, exc)
@@ -236,7 +236,7 @@ class LayerIndex:
                 reply = handle_fetch(self.store, request, self._clock())
             else:
                 try:
-                    reply = await self._control.request(peer_id, request, LOOKUP_TIMEOUT)
+                    reply = await self._control.request(peer_id, request, LOOKUP_TIMEOUT, via_relay=False)
                 except DialError as exc:
                     return self._forget(peer_id, exc)
             self._forget_if_not_a_server(peer_id, reply)

@@ -14,9 +14,10 @@ bound to our listen port, upgraded with the roles the spec fixes). Its defaults 
 - ``_dial_peer``: addresses that lead back to ourselves (``0.0.0.0``, our own listen addresses,
   another host's loopback) are skipped.
 
-Once a direct connection exists new streams use it (py-libp2p prefers direct connections); the
-relayed one is kept as a fallback rather than closed after the library's 60 s grace, until the
-relay's own limits end it.
+Once a direct connection exists new streams use it (py-libp2p prefers direct connections) and the
+initiator closes the relayed connection ``RELAY_CLOSE_GRACE`` later, freeing the relay's circuit
+slot (a per-peer limit). The reservation stays: should the direct connection die, ``connect()``
+reaches the peer through the relay again.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ log = logging.getLogger(__name__)
 
 DRIVE_PERIOD = 0.25  # how often relayed connections are checked for a punch to start
 UNILATERAL_TIMEOUT = 1.5  # a public dialer answers within a round trip; a NATed one never does
+RELAY_CLOSE_GRACE = 10.0  # streams opened on the relayed connection before the upgrade get this long
 PUNCH_DIAL_TIMEOUT = 5  # one simultaneous-open dial (the library's round lasts as long)
 
 
@@ -87,6 +89,8 @@ class HolePunchService(DCUtRProtocol):
             with trio.move_on_after(UNILATERAL_TIMEOUT):  # the plain dial may still be on its way
                 await self._plain_dials_done(peer_id)
             outcome = self._outcome(peer_id)
+            if outcome != FAILED:
+                self._nursery.start_soon(self._close_relayed_conns_after_grace, peer_id, RELAY_CLOSE_GRACE)
             seconds = self._clock() - began
             self.book.finished(str(peer_id), self._clock(), outcome, seconds)
             log.info("hole punch to %s: %s after %.2f s", peer_id, outcome, seconds)
@@ -151,7 +155,8 @@ class HolePunchService(DCUtRProtocol):
             self._plain_dialing.discard(str(peer_id))
 
     def _schedule_relay_close(self, peer_id) -> None:
-        """Keep the relayed connection as a fallback (the library closes it after 60 s)."""
+        """Not here: ``_punch`` closes the relayed connection after RELAY_CLOSE_GRACE, whichever
+        dial won (the library does it only after a punch, and only after 60 s)."""
 
 
 def punch_stats(service: HolePunchService | None) -> dict:

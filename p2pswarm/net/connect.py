@@ -5,8 +5,8 @@ the peer has no direct address or every direct dial already failed); the first c
 and the other attempt is cancelled. A NATed peer that receives a relayed connection then
 upgrades it to a direct one by hole punching (DCUtR: only the receiving side initiates, see
 ``nat/holepunch.py``); here the dialing side watches for that upgrade and counts it. New streams
-prefer a direct connection (py-libp2p picks direct over relayed); the relayed one is kept as a
-fallback until the relay's own limits end it.
+prefer a direct connection (py-libp2p picks direct over relayed); the relayed one is closed a
+grace period later, and the peer's relay reservation remains the fallback path.
 
 The relayed dial is ours, not ``CircuitV2Transport.dial``: that one consults the peerstore,
 a relay-selection heuristic and a DHT, and leaves the new connection untagged, so nothing can
@@ -38,7 +38,7 @@ from p2pswarm.net.host import parse_multiaddr
 log = logging.getLogger(__name__)
 
 HOP_PROTOCOL = "/libp2p/circuit/relay/0.2.0/hop"  # circuit relay v2; the relay service serves it
-RELAY_HEAD_START = 0.5  # go-libp2p's dial ranker delays relay addresses by 500 ms when direct ones exist
+RELAY_HEAD_START = 0.25  # happy-eyeballs delay (RFC 8305): a reachable direct address answers well inside it
 RELAY_DIAL_TIMEOUT = 10.0  # dial the relay, CONNECT through it, then Noise + Yamux over the circuit
 UPGRADE_WATCH = 20.0  # how long the dialer watches a relayed connection for a direct upgrade
 UPGRADE_POLL = 0.1
@@ -159,13 +159,18 @@ class Connector:
         own = [str(a) for a in self._host.get_addrs()]
         return plan_dials(peer_id, known, own)
 
-    async def connect(self, peer_id: str, addrs: Sequence[str] = ()) -> str:
-        """Ensure a connection to ``peer_id``; returns how: "connected" (one existed), direct or relay."""
+    async def connect(self, peer_id: str, addrs: Sequence[str] = (), *, via_relay: bool = True) -> str:
+        """Ensure a connection to ``peer_id``; returns how: "connected" (one existed), direct or relay.
+
+        ``via_relay=False``: direct dials only (see ControlService.request).
+        """
         pid = as_peer_id(str(peer_id))
         if connections_to(self._host, pid):
             self.stats.reused += 1
             return "connected"
         plan = self.plan(str(peer_id), addrs)
+        if not via_relay:
+            plan = DialPlan(plan.direct, ())
         if plan.empty():
             raise DialError(f"cannot reach {peer_id}: no dialable address known")
         return await self._race(pid, plan)

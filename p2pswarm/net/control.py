@@ -93,22 +93,27 @@ class ControlService:
     def handle(self, message_type: type[wire.Message], handler: Handler) -> None:
         self._handlers[message_type] = handler
 
-    async def request(self, peer_id, message: wire.Message, timeout: float = REQUEST_TIMEOUT) -> wire.Message:
-        """Send ``message`` to ``peer_id`` and return its reply; DialError if none comes in time."""
+    async def request(self, peer_id, message: wire.Message, timeout: float = REQUEST_TIMEOUT, *,
+                      via_relay: bool = True) -> wire.Message:
+        """Send ``message`` to ``peer_id`` and return its reply; DialError if none comes in time.
+
+        ``via_relay=False`` never opens a relayed connection for it (DHT traffic: a server is
+        publicly reachable by definition, and circuits are a relay's scarcest resource).
+        """
         key = str(peer_id)
         peer_id = as_peer_id(peer_id)
         self.stats.requests_sent += 1
         with trio.move_on_after(timeout):
             try:
-                return await self._exchange(peer_id, key, message)
+                return await self._exchange(peer_id, key, message, via_relay)
             except DialError:
                 self.stats.requests_failed += 1
                 raise
         self.stats.requests_failed += 1
         raise DialError(f"{message.TYPE} to {key}: no reply within {timeout:.1f} s")
 
-    async def _exchange(self, peer_id, key: str, message: wire.Message) -> wire.Message:
-        channel = await self._channel(peer_id, key)
+    async def _exchange(self, peer_id, key: str, message: wire.Message, via_relay: bool) -> wire.Message:
+        channel = await self._channel(peer_id, key, via_relay)
         send, receive = trio.open_memory_channel(1)
         async with channel.slots, receive:
             async with channel.write_lock:
@@ -133,7 +138,7 @@ class ControlService:
                 channel.closed = True
                 raise DialError(f"{message.TYPE}: write to {channel.stream.remote_peer} stalled")
 
-    async def _channel(self, peer_id, key: str) -> _Channel:
+    async def _channel(self, peer_id, key: str, via_relay: bool = True) -> _Channel:
         lock = self._opening.setdefault(key, trio.Lock())
         async with lock:
             channel = self._channels.get(key)
@@ -143,7 +148,7 @@ class ControlService:
                 channel = None
             if channel is None or channel.closed:
                 if self._connector is not None:
-                    await self._connector.connect(key)
+                    await self._connector.connect(key, via_relay=via_relay)
                 relayed = not has_direct(self._host, peer_id)
                 channel = _Channel(await open_stream(self._host, peer_id, CONTROL_PROTOCOL))
                 channel.relayed = relayed

@@ -2,14 +2,16 @@
 
 A peer advertises a mix of direct addresses (``/ip4/<ip>/tcp/<port>``) and relayed ones
 (``<relay addr>/p2p/<relay id>/p2p-circuit``). ``plan_dials`` sorts them, drops the ones that
-can only lead back to ourselves (``0.0.0.0``, port 0, our own listen addresses, a loopback address
-when we have a real one) and caps how many are tried. ``ConnectStats`` counts, per method, the
+can only lead back to ourselves (an unspecified IP such as ``0.0.0.0``, port 0, our own listen
+addresses), puts another host's loopback address last when we have a real one, and caps how
+many are tried. ``ConnectStats`` counts, per method, the
 attempts that finished, the successes and the time each success took. No trio, no sockets:
 ``net/connect.py`` drives it.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import math
 from collections import deque
 from collections.abc import Iterable
@@ -24,8 +26,6 @@ MAX_DIRECT_ADDRS = 8  # a peer lists its interfaces and observed addresses; more
 MAX_CIRCUIT_ADDRS = 4  # two relays, two addresses each (relay_client.MAX_ADDRS_PER_RELAY)
 SAMPLE_WINDOW = 512  # recent timings kept per method for the percentiles
 CIRCUIT = "/p2p-circuit"
-UNSPECIFIED_PREFIXES = ("/ip4/0.0.0.0/", "/ip6/::/")
-LOOPBACK_PREFIXES = ("/ip4/127.", "/ip6/::1/")
 
 
 @dataclass(frozen=True)
@@ -44,10 +44,34 @@ def _strip_peer(addr: str, peer_id: str) -> str:
     return addr.removesuffix(suffix)
 
 
+def _ip(addr: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    parts = addr.split("/")
+    if len(parts) < 3 or parts[1] not in ("ip4", "ip6"):
+        return None
+    try:
+        return ipaddress.ip_address(parts[2])
+    except ValueError:
+        return None
+
+
+def _tcp_port(addr: str) -> int | None:
+    parts = addr.split("/")
+    if "tcp" not in parts[:-1]:
+        return None
+    port = parts[parts.index("tcp") + 1]
+    return int(port) if port.isdigit() and len(port) <= 5 else None
+
+
+def _unspecified(addr: str) -> bool:
+    ip = _ip(addr)
+    return addr.startswith(("/ip4/", "/ip6/")) and (ip is None or ip.is_unspecified)
+
+
 def _is_direct(addr: str) -> bool:
-    return (addr.startswith(("/ip4/", "/ip6/", "/dns4/", "/dns6/", "/dns/")) and "/tcp/" in addr
-            and "/p2p/" not in addr and not addr.startswith(UNSPECIFIED_PREFIXES)
-            and not addr.endswith("/tcp/0"))
+    if not addr.startswith(("/ip4/", "/ip6/", "/dns4/", "/dns6/", "/dns/")) or "/p2p/" in addr or _unspecified(addr):
+        return False
+    port = _tcp_port(addr)
+    return port is not None and 0 < port < 65536
 
 
 def _is_circuit(addr: str, peer_id: str) -> bool:
@@ -59,13 +83,15 @@ def _is_circuit(addr: str, peer_id: str) -> bool:
 
 
 def _loopback(addr: str) -> bool:
-    return addr.startswith(LOOPBACK_PREFIXES)
+    ip = _ip(addr)
+    return (ip is not None and ip.is_loopback) or addr.startswith(("/dns4/localhost/", "/dns6/localhost/",
+                                                                   "/dns/localhost/"))
 
 
 def plan_dials(peer_id: str, addrs: Iterable[str], own_addrs: Iterable[str]) -> DialPlan:
     """The addresses of ``peer_id`` worth dialing from a node listening on ``own_addrs`` (bare)."""
     own = {str(a) for a in own_addrs}
-    own_real = any(not _loopback(a) for a in own if not a.startswith(UNSPECIFIED_PREFIXES))
+    own_real = any(not _loopback(a) and not _unspecified(a) for a in own)
     direct: list[str] = []
     circuits: list[str] = []
     for raw in addrs:

@@ -65,14 +65,17 @@ class ProbeResult:
     rtt_ms: float
     bytes: int
     transfer_ms: float
-    path: str  # what the connection is when the probe ends: direct or relayed
+    push_path: str  # the connection the bytes went over: direct or relayed
+    path: str  # what the connection is when the probe ends: direct, relayed or gone
+    upgrade_ms: float | None = None  # connected -> a direct connection exists (when waited for)
 
     def doc(self) -> dict:
         rate = self.bytes / (self.transfer_ms / 1000) / 2**20 if self.bytes and self.transfer_ms else None
         return {"peer": self.peer, "method": self.method, "connect_ms": round(self.connect_ms, 1),
                 "rtt_ms": round(self.rtt_ms, 2), "first_byte_ms": round(self.connect_ms + self.rtt_ms, 1),
                 "bytes": self.bytes, "transfer_ms": round(self.transfer_ms, 1),
-                "mib_per_s": None if rate is None else round(rate, 2), "path": self.path}
+                "mib_per_s": None if rate is None else round(rate, 2), "push_path": self.push_path,
+                "path": self.path, "upgrade_ms": None if self.upgrade_ms is None else round(self.upgrade_ms, 1)}
 
 
 async def answer_ping(peer: str, message: wire.Ping) -> wire.Pong:
@@ -112,25 +115,59 @@ def register(host, control: ControlService) -> None:
 
 
 async def probe(host, connector: Connector, control: ControlService, peer: str,
-                addrs: tuple[str, ...] = (), nbytes: int = 0, rng: random.Random | None = None) -> ProbeResult:
-    """Reach ``peer``, time a round trip and push ``nbytes``; DialError when it cannot be reached."""
+                addrs: tuple[str, ...] = (), nbytes: int = 0, *, fresh: bool = False, upgrade_wait: float = 0.0,
+                rng: random.Random | None = None) -> ProbeResult:
+    """Reach ``peer``, time a round trip and push ``nbytes``; DialError when it cannot be reached.
+
+    ``fresh`` closes existing connections to the peer first, so the connection is made anew;
+    ``upgrade_wait`` waits up to that many seconds for a relayed connection to become direct.
+    """
     if not 0 <= nbytes <= MAX_PROBE_BYTES:
         raise DialError(f"bytes must be between 0 and {MAX_PROBE_BYTES}")
-    with trio.fail_after(PROBE_TIMEOUT):
+    pid = as_peer_id(peer)
+    direct_at: list[float] = []
+
+    async def watch_for_direct() -> None:
+        while not has_direct(host, pid):
+            await trio.sleep(0.02)
+        direct_at.append(time.monotonic())
+
+    with trio.fail_after(PROBE_TIMEOUT + upgrade_wait):
+        if fresh:
+            await disconnect(host, pid)
         began = time.monotonic()
         method = await connector.connect(peer, addrs)
         connected = time.monotonic()
-        nonce = (rng or random.Random()).getrandbits(32)
-        reply = await control.request(peer, wire.Ping(nonce=nonce))
-        if reply != wire.Pong(nonce=nonce):
-            raise DialError(f"{peer} answered the ping with {reply}")
-        answered = time.monotonic()
-        if nbytes:
-            await _push(host, peer, nbytes)
-        done = time.monotonic()
-    path = "direct" if has_direct(host, as_peer_id(peer)) else ("relayed" if connections_to(host, as_peer_id(peer)) else "gone")
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch_for_direct)
+            nonce = (rng or random.Random()).getrandbits(32)
+            reply = await control.request(peer, wire.Ping(nonce=nonce))
+            if reply != wire.Pong(nonce=nonce):
+                raise DialError(f"{peer} answered the ping with {reply}")
+            answered = time.monotonic()
+            push_path = _path(host, pid)
+            if nbytes:
+                await _push(host, peer, nbytes)
+            done = time.monotonic()
+            with trio.move_on_after(upgrade_wait):
+                while not direct_at:
+                    await trio.sleep(0.02)
+            nursery.cancel_scope.cancel()
+    upgrade_ms = 1000 * (direct_at[0] - connected) if direct_at else None
     return ProbeResult(peer, method, 1000 * (connected - began), 1000 * (answered - connected),
-                       nbytes, 1000 * (done - answered), path)
+                       nbytes, 1000 * (done - answered), push_path, _path(host, pid), upgrade_ms)
+
+
+def _path(host, pid) -> str:
+    return "direct" if has_direct(host, pid) else ("relayed" if connections_to(host, pid) else "gone")
+
+
+async def disconnect(host, pid, timeout: float = 5.0) -> None:
+    """Close every connection to ``pid`` and wait until the swarm has let go of them."""
+    with trio.move_on_after(timeout):
+        await host.disconnect(pid)
+        while connections_to(host, pid):
+            await trio.sleep(0.02)
 
 
 async def _push(host, peer: str, nbytes: int) -> None:

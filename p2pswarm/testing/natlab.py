@@ -65,9 +65,10 @@ class _Router:
     home: Host
 
 
-_GET_STATS = """import urllib.request
+_GET_JSON = """import json, sys, urllib.error, urllib.request
 try:
-    with urllib.request.urlopen("http://%s/api/stats", timeout=2) as r: print(r.read().decode())
+    with urllib.request.urlopen(sys.argv[1], timeout=float(sys.argv[2])) as r: print(r.read().decode())
+except urllib.error.HTTPError as e: print(json.dumps({"http_status": e.code, **json.load(e)}))
 except OSError: print("null")
 """
 
@@ -299,7 +300,13 @@ class NatLab:
 
     def node_stats(self, host: Host, api: str) -> dict | None:
         """GET /api/stats of the p2pswarm node whose API is ``api`` on ``host``'s own loopback."""
-        return json.loads(self.exec(host, [sys.executable, "-c", _GET_STATS % api]).stdout)
+        return self.node_get(host, api, "/api/stats")
+
+    def node_get(self, host: Host, api: str, path: str, timeout: float = 2.0) -> dict | None:
+        """GET ``path`` of the node's API (on ``host``'s loopback): its JSON, with ``http_status``
+        added when the answer is an error, or None when nothing answers."""
+        argv = [sys.executable, "-c", _GET_JSON, f"http://{api}{path}", str(timeout)]
+        return json.loads(self.exec(host, argv, timeout=timeout + 5).stdout)
 
     def _check_own(self, host: Host) -> None:
         if host.name not in self.namespaces:

@@ -1,0 +1,69 @@
+"""connect() through real NAT routers: who reaches whom, how, and whether data still flows.
+
+One swarm: a bootstrap node, a relay and a public peer on the lab internet; two peers behind
+easy NATs and two behind symmetric NATs, all real ``p2pswarm`` processes. Once the NATed peers are
+PRIVATE and hold a relay reservation, peers ping each other by peer id (addresses from the layer
+map) over fresh connections:
+
+- public -> easy: relayed first, then direct (the easy peer dials the public one back);
+- easy -> easy: relayed first, then direct by hole punch (DCUtR, started by the receiving side);
+- easy -> symmetric and symmetric -> symmetric: punching cannot work, the relayed connection
+  carries the data;
+- easy -> public: direct.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from p2pswarm.testing.labswarm import LabSwarm
+from p2pswarm.testing.natlab import NatKind
+
+pytestmark = pytest.mark.timeout(240)
+
+READY_TIMEOUT = 110.0  # PRIVATE after ~20 s, then a reservation round; slower on a loaded 2-core machine
+MAP_TIMEOUT = 30.0  # records are re-announced every 5 s
+NBYTES = 512 * 1024  # well inside the relay's per-circuit byte limit
+UPGRADE_WAIT = 10.0
+
+
+def test_connection_matrix_direct_punched_and_relayed(lab, tmp_path):
+    swarm = LabSwarm(lab, tmp_path, proc_timeout=230)
+    boot = swarm.start_public("boot", lab.public_host("boot"), ["bootstrap"])
+    relay = swarm.start_public("relay", lab.public_host("relay"), ["relay", "--bootstrap", boot.addr])
+    join = ["join", "--bootstrap", boot.addr, "--layers", "0:2", "--relay", relay.addr]
+    swarm.start("pub", lab.public_host("pub"), join)
+    natted = {"easy1": NatKind.EASY, "easy2": NatKind.EASY, "sym1": NatKind.SYMMETRIC, "sym2": NatKind.SYMMETRIC}
+    for name, kind in natted.items():
+        swarm.start(name, lab.nat_host(name, kind), join)
+
+    ready = swarm.wait_relayed(list(natted), READY_TIMEOUT)
+    logs = {name: swarm.log_tail(name, 800) for name in natted}
+    assert all(doc.get("circuit_addrs") for doc in ready.values()), (ready, logs)
+    swarm.stats("pub")
+
+    results = {}
+    for src, dst in [("pub", "easy1"), ("easy1", "easy2"), ("easy1", "sym1"), ("sym1", "sym2"), ("easy2", "pub")]:
+        if dst in natted:
+            assert swarm.wait_in_layer_map(src, dst, MAP_TIMEOUT), f"{src} never saw {dst}'s circuit address"
+        results[src, dst] = swarm.ping(src, dst, NBYTES, upgrade_wait=UPGRADE_WAIT if dst in natted else 0)
+        print(src, "->", dst, results[src, dst])
+    for pair, doc in results.items():
+        assert doc.get("bytes") == NBYTES, (pair, doc, swarm.log_tail(pair[0]))
+    for pair in [("pub", "easy1"), ("easy1", "easy2")]:
+        doc = results[pair]
+        assert doc["method"] == "relay" and doc["push_path"] == "relayed", (pair, doc)
+        assert doc["path"] == "direct" and doc["upgrade_ms"] is not None, (pair, doc, swarm.log_tail(pair[1]))
+    for pair in [("easy1", "sym1"), ("sym1", "sym2")]:
+        doc = results[pair]
+        assert doc["method"] == "relay" and doc["path"] == "relayed" and doc["upgrade_ms"] is None, (pair, doc)
+    assert results["easy2", "pub"]["method"] == "direct" and results["easy2", "pub"]["path"] == "direct"
+
+    # Who upgraded: the receiving side, once per connection, never both (no crossed exchanges).
+    stats = {name: swarm.stats(name) for name in ["pub", *natted]}
+    assert stats["easy1"]["holepunch"]["unilateral"] >= 1, stats["easy1"]["holepunch"]  # dialed pub back
+    assert stats["easy2"]["holepunch"]["punched"] >= 1, stats["easy2"]["holepunch"]
+    sym2 = stats["sym2"]["holepunch"]  # it tried (a failing punch takes ~20 s: three rounds) and never got through
+    assert sym2["punched"] == sym2["unilateral"] == 0 and sym2["failed"] + sym2["running"] >= 1, sym2
+    assert all(doc["holepunch"]["refused_second_initiator"] == 0 for doc in stats.values()), stats
+    assert stats["pub"]["connect"]["relay"]["successes"] >= 1 and stats["pub"]["connect"]["holepunch"]["successes"] >= 1
