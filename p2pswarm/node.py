@@ -28,6 +28,7 @@ from p2pswarm.dht.discovery import (
     LayerIndex,
     join_network,
     open_kademlia,
+    push_identify,
     serve_routing_upkeep,
 )
 from p2pswarm.dht.records import Capacity, LayerRecord, sign_record
@@ -44,7 +45,7 @@ from p2pswarm.nat.stun import StunReport, classify_nat
 from p2pswarm.net import probe
 from p2pswarm.net.connect import Connector
 from p2pswarm.net.control import ControlService
-from p2pswarm.net.host import open_host, parse_multiaddr, peer_info_from_multiaddr, set_extra_addrs
+from p2pswarm.net.host import listen_addrs, open_host, parse_multiaddr, peer_info_from_multiaddr, set_extra_addrs
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,7 @@ class NodeState:
     relay_picker: RelayPicker | None = None  # our reservations on relays (role JOIN)
     relay_scope: trio.CancelScope | None = None  # the reservation driver, running exactly while PRIVATE
     circuit_addrs: list[str] = field(default_factory=list)  # advertised /p2p-circuit addrs (no /p2p/<us>)
+    public_addrs: list[str] = field(default_factory=list)  # addresses dial-backs reached (e.g. a DMZ router's)
     nursery: trio.Nursery | None = None
     layers: tuple[int, int] | None = None
     api_address: str | None = None
@@ -190,17 +192,21 @@ def free_memory_mb() -> int:
 MAX_RECORD_ADDRS = 8  # addresses in a layer record; well inside the record's size limit
 
 
-def record_addrs(addrs: list[str], limit: int = MAX_RECORD_ADDRS) -> tuple[str, ...]:
-    """The addresses a layer record carries: relay circuits first, since a NATed peer's own
-    listen addresses (listed first by the host) are the ones nobody outside can dial."""
-    return tuple(sorted(addrs, key=lambda addr: "/p2p-circuit" not in addr)[:limit])
+def record_addrs(addrs: list[str], limit: int = MAX_RECORD_ADDRS, public: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The addresses a layer record carries: those dial-backs confirmed first, then relay
+    circuits, since a NATed peer's own listen addresses (listed first by the host) are the ones
+    nobody outside can dial."""
+    def rank(addr: str) -> int:
+        return 0 if addr.split("/p2p/")[0] in public else 1 if "/p2p-circuit" in addr else 2
+
+    return tuple(sorted(addrs, key=rank)[:limit])
 
 
 def make_record(state: NodeState, now: float) -> LayerRecord:
     start, end = state.layers
     return LayerRecord(
         peer_id=state.identity.peer_id_text,
-        addrs=record_addrs(state.addrs()),
+        addrs=record_addrs(state.addrs(), public=tuple(state.public_addrs)),
         model=state.model.name,
         start=start,
         end=end,
@@ -268,6 +274,11 @@ async def on_reachability(state: NodeState, verdict: Reachability) -> None:
     (UNKNOWN keeps whatever runs: a verdict that lapsed says nothing new about the NAT).
     """
     log.info("reachability: %s", verdict.value)
+    public = state.reachability.reachable_addresses(time.time()) if verdict is Reachability.PUBLIC else []
+    if public != state.public_addrs:
+        log.info("advertising dial-back-confirmed address(es): %s", ", ".join(public) or "none")
+        state.public_addrs = public
+        _publish_extra_addrs(state)
     if state.config.dht_mode is DhtMode.AUTO and state.config.role is Role.JOIN:
         await state.index.set_server(verdict is not Reachability.PRIVATE)
     if state.config.role is Role.JOIN:
@@ -279,7 +290,17 @@ async def on_reachability(state: NodeState, verdict: Reachability) -> None:
 
 def _set_circuit_addrs(state: NodeState, addrs: list[str]) -> None:
     state.circuit_addrs = list(addrs)
-    set_extra_addrs(state.host, addrs)
+    _publish_extra_addrs(state)
+
+
+def _publish_extra_addrs(state: NodeState) -> None:
+    """Advertise, besides the listen addresses: confirmed public ones (a port-forwarding or DMZ
+    router's address, which the host cannot see) and relay circuits."""
+    listening = set(listen_addrs(state.host))
+    public = [a for a in state.public_addrs if a not in listening]
+    set_extra_addrs(state.host, public + state.circuit_addrs)
+    if state.nursery is not None:
+        state.nursery.start_soon(push_identify, state.host)  # peers learn the new addresses now
 
 
 def start_relay_reservations(state: NodeState) -> None:

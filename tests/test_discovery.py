@@ -80,3 +80,13 @@ def test_record_keeps_circuit_addresses_even_with_many_interfaces():
     chosen = record_addrs(listen + circuits)
     assert len(chosen) == MAX_RECORD_ADDRS and chosen[0] == circuits[0]
     assert record_addrs(listen[:3]) == tuple(listen[:3])  # order kept otherwise
+
+
+def test_record_puts_dial_back_confirmed_addresses_first():
+    from p2pswarm.node import record_addrs
+
+    listen = [f"/ip4/10.0.{i}.2/tcp/4001/p2p/12D3KooWself" for i in range(3)]
+    forwarded = "/ip4/203.0.113.9/tcp/4001/p2p/12D3KooWself"  # a DMZ router's address, confirmed
+    circuit = "/ip4/203.0.113.5/tcp/4001/p2p/12D3KooWrelay/p2p-circuit/p2p/12D3KooWself"
+    chosen = record_addrs([*listen, circuit, forwarded], public=("/ip4/203.0.113.9/tcp/4001",))
+    assert chosen == (forwarded, circuit, *listen)

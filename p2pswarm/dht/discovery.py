@@ -55,8 +55,25 @@ async def open_kademlia(host, server: bool) -> AsyncIterator[object]:
     from libp2p.tools.anyio_service import background_trio_service
 
     kad = KadDHT(host, DHTMode.SERVER if server else DHTMode.CLIENT, enable_random_walk=False)
+    add_peer = kad.add_peer
+
+    async def add_servers_only(peer_id, *, skip_server_mode_check: bool = False) -> bool:
+        # py-libp2p adds every peer that opens a Kademlia stream ("so they MUST support KAD
+        # server mode"), but clients query too: NATed clients then fill servers' tables and
+        # every lookup waits on them. Check identify's protocol list always.
+        return await add_peer(peer_id, skip_server_mode_check=False)
+
+    kad.add_peer = add_servers_only
     async with background_trio_service(kad):
         yield kad
+
+
+async def push_identify(host) -> None:
+    """Tell connected peers our protocols and addresses changed (identify/push)."""
+    push = getattr(host, "_push_identify_to_all_peers", None)
+    if push is not None:
+        with trio.move_on_after(LOOKUP_TIMEOUT):
+            await push()
 
 
 async def join_network(host, kad, bootstrap_infos, timeout: float) -> int:
@@ -84,9 +101,11 @@ async def serve_routing_upkeep(host, kad, bootstrap_infos) -> None:
     py-libp2p removes a peer from the routing table when one FIND_NODE stream to it fails; in a
     burst of joins that can empty a node's table (bootstrap peers included) and cut it off from
     the DHT for good. Checking every ROUTING_CHECK_PERIOD heals such a node within seconds.
+    Peers that turned out to be clients (see ``known_client``) are dropped on the same round.
     """
     while True:
         await trio.sleep(ROUTING_CHECK_PERIOD)
+        drop_clients(host, kad)
         size = kad.get_routing_table_size()
         if bootstrap_infos and size < MIN_ROUTING_PEERS:
             log.info("routing table holds only %d peer(s); re-joining through the bootstrap peers", size)
@@ -94,6 +113,31 @@ async def serve_routing_upkeep(host, kad, bootstrap_infos) -> None:
                 await join_network(host, kad, bootstrap_infos, ROUTING_CHECK_PERIOD)
             except StartupError as exc:
                 log.warning("re-join failed, will retry: %s", exc)
+
+
+def known_client(host, peer_id) -> bool:
+    """A peer that cannot hold records: identify lists no Kademlia, or it advertises relay
+    circuits (only an unreachable peer does, and it runs as a DHT client)."""
+    peerstore = host.get_peerstore()
+    try:
+        protocols = peerstore.get_protocols(peer_id)
+        addrs = peerstore.addrs(peer_id)
+    except Exception:  # unknown peer: no identify yet, give it the benefit of the doubt
+        return False
+    if any("/p2p-circuit" in str(a) for a in addrs):
+        return True
+    return bool(protocols) and KADEMLIA_PROTOCOL not in protocols
+
+
+def drop_clients(host, kad) -> int:
+    """Remove known clients from the routing table: they entered before identify said so, and
+    every lookup that asks them waits out a dial to an address nobody can reach."""
+    dropped = 0
+    for peer_id in kad.routing_table.get_peer_ids():
+        if known_client(host, peer_id):
+            kad.routing_table.remove_peer(peer_id)
+            dropped += 1
+    return dropped
 
 
 @dataclass
@@ -128,6 +172,7 @@ class LayerIndex:
             self.server = server
             await self._kad.switch_mode(DHTMode.SERVER if server else DHTMode.CLIENT)
             log.info("DHT mode: %s", "server" if server else "client")
+            await push_identify(self._host)  # so servers drop us from their tables (see _may_hold_records)
 
     async def _on_store(self, peer: str, message: StoreRecord) -> StoreReply | ErrorReply:
         if not self.server:
@@ -152,6 +197,7 @@ class LayerIndex:
         """The ``count`` peers closest to ``key``, ourselves included when we are a server."""
         from libp2p.kad_dht.utils import sort_peer_ids_by_distance
 
+        drop_clients(self._host, self._kad)
         found = None
         with trio.move_on_after(LOOKUP_TIMEOUT):
             try:
@@ -167,15 +213,12 @@ class LayerIndex:
         return sort_peer_ids_by_distance(key, candidates)[:count]
 
     def _may_hold_records(self, peer_id) -> bool:
-        """False for peers known to be DHT clients: their identify lists no Kademlia, or they said so."""
+        """False for peers known to be DHT clients: their identify lists no Kademlia, they said so,
+        or they advertise relay circuits (only an unreachable peer does, and it is a client)."""
         said_at = self._not_servers.get(peer_id)
         if said_at is not None and self._clock() - said_at < NOT_A_SERVER_MEMORY:
             return False
-        try:
-            protocols = self._host.get_peerstore().get_protocols(peer_id)
-        except Exception:  # unknown peer: no identify yet, give it the benefit of the doubt
-            return True
-        return not protocols or KADEMLIA_PROTOCOL in protocols
+        return not known_client(self._host, peer_id)
 
     def _forget(self, peer_id, exc: Exception) -> None:
         log.debug("peer %s failed a layer request, removing it from the routing table: %s", peer_id, exc)

@@ -175,7 +175,10 @@ async def _reserve(host, transport, peer: str, addrs: Sequence[str]) -> float | 
             return None
         expiry = transport._reservations.pop(relay_id, None)
         transport._reservation_proofs.pop(relay_id, None)
-        return float(expiry) if ok and expiry else None
+        if not ok or not expiry:
+            log.info("relay client: cannot reserve on %s: refused (full, or limits for our IP)", peer)
+            return None
+        return float(expiry)
     log.info("relay client: reservation on %s timed out", peer)
     return None
 

@@ -137,6 +137,7 @@ def build_host(identity: Identity, limits: HostLimits = DEFAULT_LIMITS):
         enable_upnp=False,
     )
     host.get_network().auto_connector.start = _auto_connector_stays_off
+    host.get_network().dial_peer = _dial_every_address(host)
     host.p2pswarm_extra_addrs = extra_addrs
     listen_addrs = host.get_addrs
 
@@ -144,17 +145,69 @@ def build_host(identity: Identity, limits: HostLimits = DEFAULT_LIMITS):
         # Not through addrs_factory: BasicHost.get_addrs() strips the last /p2p/<id> of every
         # address before appending ours, which turns <relay>/p2p/<relay id>/p2p-circuit into the
         # relay's own address.
+        # Confirmed public addresses (a DMZ router's) first: many dialers try only the first.
         ours = multiaddr.Multiaddr(f"/p2p/{host.get_id()!s}")
-        return list(listen_addrs()) + [a.encapsulate(ours) for a in extra_addrs]
+        extra = [a.encapsulate(ours) for a in extra_addrs]
+        public = [a for a in extra if "/p2p-circuit" not in str(a)]
+        return public + list(listen_addrs()) + [a for a in extra if a not in public]
 
     host.get_addrs = get_addrs
+    host.p2pswarm_listen_addrs = listen_addrs
     return host
 
 
+def _dial_every_address(host):
+    """A replacement for ``Swarm.dial_peer`` that tries every known address (see ``connect``).
+
+    Every dial the library makes on its own (Kademlia queries, ``new_stream`` to a peer not yet
+    connected) goes through ``dial_peer``, which tries one TCP address: the first in the
+    peerstore, often an unreachable LAN address.
+    """
+    from libp2p.network.exceptions import SwarmException
+    from libp2p.peer.peerinfo import PeerInfo
+
+    from p2pswarm.net.dialplan import plan_dials
+
+    network = host.get_network()
+    locks: dict = {}
+
+    async def dial_peer(peer_id) -> list:
+        lock = locks.setdefault(peer_id, trio.Lock())
+        try:
+            async with lock:
+                existing = [c for c in network.get_connections(peer_id) if not c.is_closed]
+                if existing:
+                    return existing
+                try:
+                    known = [str(a) for a in host.get_peerstore().addrs(peer_id)]
+                except Exception:  # PeerStoreError: nothing known
+                    known = []
+                own = [str(a).split("/p2p/")[0] for a in host.p2pswarm_listen_addrs()]
+                plan = plan_dials(str(peer_id), known, own)
+                if not plan.direct:
+                    raise SwarmException(f"no dialable address known for {peer_id}")
+                try:
+                    await connect(host, PeerInfo(peer_id, [multiaddr.Multiaddr(a) for a in plan.direct]))
+                except DialError as exc:
+                    raise SwarmException(str(exc)) from None
+                return [c for c in network.get_connections(peer_id) if not c.is_closed]
+        finally:
+            if not lock.locked() and not lock.statistics().tasks_waiting:
+                locks.pop(peer_id, None)
+
+    return dial_peer
+
+
 def set_extra_addrs(host, addrs: Sequence[str]) -> None:
-    """Advertise ``addrs`` (without our /p2p suffix) in ``host.get_addrs()`` after the listen ones."""
+    """Advertise ``addrs`` (without our /p2p suffix) in ``host.get_addrs()``: direct ones before
+    the listen addresses, /p2p-circuit ones after them."""
     extra = host.p2pswarm_extra_addrs
     extra[:] = [parse_multiaddr(a) for a in addrs]
+
+
+def listen_addrs(host) -> list[str]:
+    """The addresses the host listens on (wildcards expanded), without /p2p/<id> or extras."""
+    return [str(a).split("/p2p/")[0] for a in host.p2pswarm_listen_addrs()]
 
 
 async def _auto_connector_stays_off() -> None:
@@ -226,14 +279,58 @@ def peer_info_from_multiaddr(addr: str):
         raise ConfigError(f"multiaddr {addr} must end in /p2p/<peer id>") from None
 
 
+HAPPY_EYEBALLS_DELAY = 0.25  # RFC 8305: the next address is tried this long after the previous one
+
+
 async def connect(host, peer_info, timeout: float = DEFAULT_LIMITS.dial_timeout) -> None:
-    """Connect to a peer, translating every libp2p failure into DialError."""
+    """Connect to a peer by dialing the addresses in ``peer_info``, in order; DialError if none answers.
+
+    Not ``host.connect``: py-libp2p dials only the first TCP address in its peerstore (at most
+    one address per transport), so a peer that lists its LAN address before its public one can
+    never be reached, and an AutoNAT dial-back may test a different address than the one asked.
+    Here each given address gets a single attempt, the next one starting HAPPY_EYEBALLS_DELAY
+    later or as soon as the previous one failed; the first connection wins.
+    """
+    if list(host.get_network().get_connections(peer_info.peer_id)):
+        return
+    addrs = list(peer_info.addrs)
+    if not addrs:
+        raise DialError(f"cannot reach {peer_info.peer_id}: no address given")
+    host.get_peerstore().add_addrs(peer_info.peer_id, addrs, PEERSTORE_ADDR_TTL)
+    errors: list[str] = []
+    won = []
     with trio.move_on_after(timeout) as scope:
-        try:
-            await host.connect(peer_info)
-        except trio.Cancelled:
-            raise
-        except Exception as exc:
-            raise DialError(f"cannot reach {peer_info.peer_id}: {_root_cause(exc)}") from None
-    if scope.cancelled_caught:
+        async with trio.open_nursery() as nursery:
+            for addr in addrs:
+                failed = trio.Event()
+                nursery.start_soon(_dial_one, host, peer_info.peer_id, addr, failed, errors, won, nursery.cancel_scope)
+                with trio.move_on_after(HAPPY_EYEBALLS_DELAY):
+                    await failed.wait()
+    if won:
+        schedule_identify = getattr(host, "_schedule_identify", None)
+        if schedule_identify is not None:
+            schedule_identify(peer_info.peer_id, reason="connect")
+        return
+    if scope.cancelled_caught and not errors:
         raise DialError(f"cannot reach {peer_info.peer_id}: no answer within {timeout:.0f} s")
+    raise DialError(f"cannot reach {peer_info.peer_id}: " + ("; ".join(errors) or f"no answer within {timeout:.0f} s"))
+
+
+PEERSTORE_ADDR_TTL = 120  # seconds, as host.connect keeps the addresses it is given
+
+
+async def _dial_one(host, peer_id, addr, failed: trio.Event, errors: list[str], won: list,
+                    cancel_scope: trio.CancelScope) -> None:
+    try:
+        conn = await host.get_network()._dial_addr_single_attempt(addr, peer_id)
+        event_started = getattr(conn, "event_started", None)
+        if event_started is not None:
+            await event_started.wait()
+    except trio.Cancelled:
+        raise
+    except Exception as exc:
+        errors.append(f"{addr}: {_root_cause(exc)}")
+        failed.set()
+        return
+    won.append(conn)
+    cancel_scope.cancel()

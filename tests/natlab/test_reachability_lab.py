@@ -59,3 +59,5 @@ def test_reachability_verdicts_across_nat_kinds(lab, tmp_path):
     # What a PUBLIC verdict rests on: the router's WAN address for the DMZ peer.
     dmz_wan = lab.router(natted[NatKind.DMZ]).ip
     assert any(f"/ip4/{dmz_wan}/tcp/{PORT}" == a for a in final["dmz"]["reachable_addrs"]), final["dmz"]
+    # ... and it is advertised, since the host itself only sees its LAN address
+    assert f"/ip4/{dmz_wan}/tcp/{PORT}/p2p/{final['dmz']['peer_id']}" in final["dmz"]["addrs"], final["dmz"]
