@@ -73,7 +73,7 @@ class NodeState:
     relay_picker: RelayPicker | None = None  # our reservations on relays (role JOIN)
     relay_scope: trio.CancelScope | None = None  # the reservation driver, running exactly while PRIVATE
     circuit_addrs: list[str] = field(default_factory=list)  # advertised /p2p-circuit addrs (no /p2p/<us>)
-    public_addrs: list[str] = field(default_factory=list)  # addresses dial-backs reached (e.g. a DMZ router's)
+    public_addrs: list[str] = field(default_factory=list)  # dial-back-confirmed, not our listen addrs (DMZ)
     nursery: trio.Nursery | None = None
     layers: tuple[int, int] | None = None
     api_address: str | None = None
@@ -274,7 +274,8 @@ async def on_reachability(state: NodeState, verdict: Reachability) -> None:
     (UNKNOWN keeps whatever runs: a verdict that lapsed says nothing new about the NAT).
     """
     log.info("reachability: %s", verdict.value)
-    public = state.reachability.reachable_addresses(time.time()) if verdict is Reachability.PUBLIC else []
+    confirmed = state.reachability.reachable_addresses(time.time()) if verdict is Reachability.PUBLIC else []
+    public = [a for a in confirmed if a not in listen_addrs(state.host)]  # e.g. a DMZ router's address
     if public != state.public_addrs:
         log.info("advertising dial-back-confirmed address(es): %s", ", ".join(public) or "none")
         state.public_addrs = public
@@ -296,9 +297,7 @@ def _set_circuit_addrs(state: NodeState, addrs: list[str]) -> None:
 def _publish_extra_addrs(state: NodeState) -> None:
     """Advertise, besides the listen addresses: confirmed public ones (a port-forwarding or DMZ
     router's address, which the host cannot see) and relay circuits."""
-    listening = set(listen_addrs(state.host))
-    public = [a for a in state.public_addrs if a not in listening]
-    set_extra_addrs(state.host, public + state.circuit_addrs)
+    set_extra_addrs(state.host, state.public_addrs + state.circuit_addrs)
     if state.nursery is not None:
         state.nursery.start_soon(push_identify, state.host)  # peers learn the new addresses now
 

@@ -237,7 +237,10 @@ def test_idle_circuit_is_closed_at_its_duration():
                 assert await stream.read(100) == b""
             except Exception:
                 pass  # reset: the source sees the end too
-        assert protocol.book.closed_at_duration == 1 and not protocol.book.circuits
+        with trio.fail_after(5):
+            while protocol.book.circuits:  # released once both directions have stopped
+                await trio.sleep(0.02)
+        assert protocol.book.closed_at_duration == 1
 
     with_relay(RelayConfig(circuit_duration=1.0), test)
 
@@ -290,3 +293,33 @@ def test_relay_prints_its_address_and_stops_on_sigint(tmp_path):
     assert process.returncode == 0, stderr
     with socket.socket() as probe:
         assert probe.connect_ex(("127.0.0.1", port)) != 0, "the listener outlived the node"
+
+
+def test_an_older_circuit_ending_leaves_the_newer_one_to_the_same_peer_alone():
+    """py-libp2p keeps one circuit per peer in ``_active_relays``: when a peer's older circuit
+    ended, the library closed the streams of its newer one (a reconnect died seconds later)."""
+
+    async def test(protocol, relay_host, clients):
+        source, destination = clients
+        received, closed = [], trio.Event()
+        accept_circuits(destination, received, closed)
+        relay_id = relay_host.get_id()
+        assert await raw_reserve(destination, relay_id) == STATUS_OK
+        older, reply = await open_circuit(source, relay_id, destination.get_id())
+        assert reply.status == STATUS_OK
+        newer, reply = await open_circuit(source, relay_id, destination.get_id())
+        assert reply.status == STATUS_OK
+        await older.write(b"ping")
+        with trio.fail_after(10):
+            assert await older.read(4) == b"pong"
+            await closed.wait()  # the destination ended the older circuit
+            while len(protocol.book.circuits) > 1:
+                await trio.sleep(0.02)
+        await trio.sleep(0.5)
+        await newer.write(b"still here")
+        with trio.fail_after(5):
+            while b"still here" not in received:
+                await trio.sleep(0.02)
+        assert len(protocol.book.circuits) == 1
+
+    with_relay(RelayConfig(), test)

@@ -22,9 +22,13 @@ Exactly what is hooked in py-libp2p (``libp2p/relay/circuit_v2/protocol.py``), a
   ``trio.move_on_after(circuit_duration)``: when the timer fires, the relay resets both streams
   whether or not data flows. The clock starts when the CONNECT is admitted, so the destination
   handshake (bounded by the library at 15 s) counts against the duration.
-- ``_relay_data`` is wrapped only to learn the destination stream of the circuit (through a
+- ``_relay_data`` is wrapped to learn the destination stream of the circuit (through a
   context variable set by ``_handle_connect``; trio copies it into child tasks), so that a
-  circuit cut by the timer has both its streams reset.
+  circuit cut by the timer has both its streams reset, and to end a circuit in both
+  directions when one direction ends.
+- ``_active_relays`` is replaced by a map that stores nothing: the library keys it by peer,
+  so when a peer's older circuit ended it closed the streams of that peer's newer circuit
+  (a reconnect through the relay died seconds later).
 
 Reservations are forgotten when their TTL ends (the library's own bookkeeping uses the same
 TTL); they are not dropped early when the client disconnects.
@@ -175,9 +179,19 @@ class RelayBook:
         }
 
 
+class _NoCircuitIndex(dict):
+    """Replaces the library's ``_active_relays`` (peer -> streams of its circuit), which holds one
+    circuit per peer: when a peer's older circuit ends, the library closes the streams stored
+    under that peer, i.e. its newer circuit. Nothing is stored; ``_relay_data`` ends circuits."""
+
+    def __setitem__(self, key, value) -> None:
+        pass
+
+
 @dataclass
 class _Circuit:
     streams: list = field(default_factory=list)
+    directions: list = field(default_factory=list)  # cancel scopes of the two relaying tasks
 
 
 _CURRENT_CIRCUIT: contextvars.ContextVar[_Circuit | None] = contextvars.ContextVar("relay_circuit", default=None)
@@ -239,24 +253,31 @@ def make_relay_protocol(host, config: RelayConfig, book: RelayBook | None = None
                     log.info("relay: circuit %s -> %s closed after %.0f s", src, dst, self.config.circuit_duration)
                     for s in circuit.streams:
                         await _reset_quietly(s)
-                    for peer in (src, dst):
-                        if self._active_relays.get(peer, (None,))[0] is stream:
-                            del self._active_relays[peer]
             finally:
                 _CURRENT_CIRCUIT.reset(token)
                 self.book.close_circuit(admitted)
 
         async def _relay_data(self, src_stream, dst_stream, *args, **kwargs) -> None:
-            circuit = _CURRENT_CIRCUIT.get()
-            if circuit is not None and dst_stream not in circuit.streams:
+            circuit = _CURRENT_CIRCUIT.get() or _Circuit()
+            if dst_stream not in circuit.streams:
                 circuit.streams.append(dst_stream)
-            await super()._relay_data(src_stream, dst_stream, *args, **kwargs)
+            direction = trio.CancelScope()
+            circuit.directions.append(direction)
+            try:
+                with direction:
+                    await super()._relay_data(src_stream, dst_stream, *args, **kwargs)
+            finally:  # one direction ended: end this circuit (and only this one) in both directions
+                for other in circuit.directions:  # a read blocked on a locally reset stream never wakes
+                    other.cancel()
+                await _reset_quietly(src_stream)
+                await _reset_quietly(dst_stream)
 
     limits = RelayLimits(duration=int(config.circuit_duration), data=config.circuit_bytes,
                          max_circuit_conns=config.max_circuits_per_peer,
                          max_reservations=config.max_reservations,
                          reservation_ttl=int(config.reservation_ttl))
     protocol = EnforcingRelayProtocol(host, limits=limits, allow_hop=True)
+    protocol._active_relays = _NoCircuitIndex()
     protocol.config = config
     protocol.book = book if book is not None else RelayBook(config)
     protocol.clock = clock
