@@ -16,6 +16,7 @@ Run as root: ``python bench/nat_matrix.py [--trials N]`` (~10 min at 20 trials).
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import tempfile
 import time
@@ -66,6 +67,9 @@ def run_trials(swarm: LabSwarm, trials: int) -> dict[tuple[str, str], list[dict]
             results[src, dst].append(swarm.ping(src, dst, PUSH_BYTES, upgrade_wait=UPGRADE_WAIT))
         line = ", ".join(f"{s}>{d} {_short(results[s, d][-1])}" for s, d in PAIRS)
         print(f"trial {number + 1}: {line}", flush=True)
+        for s, d in PAIRS:
+            if "bytes" not in results[s, d][-1]:
+                print(f"  {s} -> {d} failed: {results[s, d][-1]}", flush=True)
     return results
 
 
@@ -116,6 +120,7 @@ def main() -> None:
     reason = lab_available()
     if reason:
         sys.exit(f"the NAT lab cannot run here: {reason}")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the lab is torn down
     print(machine_line())
     began = time.monotonic()
     with NatLab() as lab, tempfile.TemporaryDirectory() as tmp:

@@ -30,7 +30,8 @@ from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
 
 from p2pswarm.nat.punch import FAILED, PUNCHED, UNILATERAL, PunchBook, initiates
 from p2pswarm.net.connect import connections_to, has_direct, is_inbound, is_relayed
-from p2pswarm.net.dialplan import plan_dials
+from p2pswarm.net.dialplan import is_loopback, plan_dials
+from p2pswarm.net.host import listen_addrs
 
 log = logging.getLogger(__name__)
 
@@ -120,8 +121,22 @@ class HolePunchService(DCUtRProtocol):
     # ------------------------------------------------------------------ what is dialed
 
     def _dialable(self, peer_id, addr) -> bool:
-        own = [str(a) for a in self.host.get_addrs()]
-        return bool(plan_dials(str(peer_id), [str(addr)], own).direct)
+        """Not ours, not unspecified, and not a loopback address unless we only have loopback:
+        a remote peer's 127.0.0.1 is this machine."""
+        own = listen_addrs(self.host)
+        if not plan_dials(str(peer_id), [str(addr)], own).direct:
+            return False
+        return not is_loopback(str(addr)) or all(is_loopback(a) for a in own)
+
+    async def _get_observed_addrs(self) -> list[bytes]:
+        """The library's CONNECT addresses, less loopback ones when we have a real address."""
+        from multiaddr import Multiaddr
+
+        encoded = await super()._get_observed_addrs()
+        own = listen_addrs(self.host)
+        if all(is_loopback(a) for a in own):
+            return encoded
+        return [raw for raw in encoded if not is_loopback(str(Multiaddr(raw)))]
 
     async def _dial_peer(self, peer_id, addr, source=None, as_responder: bool = False) -> None:
         if not self._dialable(peer_id, addr):

@@ -72,8 +72,10 @@ class RelayConfig:
     # Spec default is 1 h; 30 min makes slots of vanished peers return twice as fast while a
     # live client (py-libp2p refreshes before expiry) never notices.
     reservation_ttl: float = 1800.0
-    # Circuits carry a DCUtR handshake or a short exchange; 4 per peer covers its few partners.
-    max_circuits_per_peer: int = 4
+    # go-libp2p's default. A peer holds one circuit per partner until a punch upgrades it (the
+    # circuit is given back 10 s later) and for good towards symmetric NATs; a trainer meeting
+    # a stage's replicas at start-up opens several within seconds (4 was hit in the NAT lab).
+    max_circuits_per_peer: int = 16
     # Bounds bandwidth: worst case = max_circuits × circuit_bytes / circuit_duration.
     max_circuits: int = 64
     # A hole punch finishes in seconds; 2 min leaves room for a fallback exchange.

@@ -82,7 +82,7 @@ def _is_circuit(addr: str, peer_id: str) -> bool:
     return bool(relay_id) and "/" not in relay_id and relay_id != peer_id and _is_direct(relay.rsplit("/p2p/", 1)[0])
 
 
-def _loopback(addr: str) -> bool:
+def is_loopback(addr: str) -> bool:
     ip = _ip(addr)
     return (ip is not None and ip.is_loopback) or addr.startswith(("/dns4/localhost/", "/dns6/localhost/",
                                                                    "/dns/localhost/"))
@@ -91,7 +91,7 @@ def _loopback(addr: str) -> bool:
 def plan_dials(peer_id: str, addrs: Iterable[str], own_addrs: Iterable[str]) -> DialPlan:
     """The addresses of ``peer_id`` worth dialing from a node listening on ``own_addrs`` (bare)."""
     own = {str(a) for a in own_addrs}
-    own_real = any(not _loopback(a) and not _unspecified(a) for a in own)
+    own_real = any(not is_loopback(a) and not _unspecified(a) for a in own)
     direct: list[str] = []
     circuits: list[str] = []
     for raw in addrs:
@@ -102,7 +102,7 @@ def plan_dials(peer_id: str, addrs: Iterable[str], own_addrs: Iterable[str]) -> 
         elif _is_direct(addr) and addr not in own and addr not in direct:
             direct.append(addr)
     if own_real:  # someone else's 127.0.0.1 is our own machine: try it last, if room is left
-        direct.sort(key=_loopback)
+        direct.sort(key=is_loopback)
     return DialPlan(tuple(direct[:MAX_DIRECT_ADDRS]), tuple(circuits[:MAX_CIRCUIT_ADDRS]))
 
 
