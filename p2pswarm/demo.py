@@ -17,7 +17,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from p2pswarm.errors import StartupError
+from p2pswarm.errors import ConfigError, StartupError
 from p2pswarm.model.catalog import DEFAULT_MODEL, get_model
 
 FORM_TIMEOUT = 60.0  # seconds for the swarm to announce every layer on a loaded 2-core machine
@@ -71,6 +71,9 @@ def stop_all(processes: list[subprocess.Popen]) -> None:
 
 def run_demo(peers: int, duration: float, directory: Path | None) -> int:
     model = get_model(DEFAULT_MODEL)
+    if peers < model.n_stages:
+        raise ConfigError(f"--peers must be at least {model.n_stages}: {model.name} has {model.n_stages} "
+                          f"stages and each peer serves one")
     workdir = Path(directory or tempfile.mkdtemp(prefix="p2pswarm-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
     print(f"demo: {peers} peers training {model.name} ({model.n_layers} layers, {model.n_stages} stages); "

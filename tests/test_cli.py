@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
+import time
 import sys
 
 import pytest
@@ -91,7 +92,36 @@ def test_status_without_a_node():
     assert_one_line_error(run("status", "--api", f"127.0.0.1:{port}"), "no p2pswarm node")
 
 
-@pytest.mark.parametrize("command", ["bootstrap", "relay", "join", "status", "keygen", "demo"])
+def test_ping_without_a_node_and_demo_with_too_few_peers():
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    assert_one_line_error(run("ping", "12D3KooWabc", "--api", f"127.0.0.1:{port}"), "no p2pswarm node")
+    assert_one_line_error(run("demo", "--peers", "2"), "--peers must be at least 4")
+
+
+def test_ping_reports_what_the_node_answers(tmp_path):
+    """A bad peer is a 400 from the node, an unreachable one a 502: both one line and exit 1."""
+    node = subprocess.Popen([sys.executable, "-m", "p2pswarm", "bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0",
+                             "--api", "127.0.0.1:0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        api = None
+        deadline = time.monotonic() + 30
+        while api is None and time.monotonic() < deadline:
+            line = node.stderr.readline()
+            if "status API on http://" in line:
+                api = line.split("http://", 1)[1].split("/", 1)[0]
+        assert api, "the node never served its API"
+        assert_one_line_error(run("ping", "/ip4/1.2.3.4/tcp/1", "--api", api), "must end in /p2p/")
+        unknown = "12D3KooWQYhTNQdmr3ArTeUHRYzFg94BKyTkoWBDWez9kSCVe2Xo"
+        assert_one_line_error(run("ping", unknown, "--api", api), "cannot reach")
+    finally:
+        node.terminate()
+        node.wait(timeout=20)
+
+
+@pytest.mark.parametrize("command", ["bootstrap", "relay", "join", "status", "keygen", "demo", "ping"])
 def test_help_explains_each_command(command):
     result = run(command, "--help")
     assert result.returncode == 0
