@@ -22,7 +22,7 @@ class Role(enum.Enum):
 
 
 class DhtMode(enum.Enum):
-    AUTO = "auto"  # server until reachability detection says we are behind a NAT
+    AUTO = "auto"  # a joining peer is a client until reachability detection says it is public
     SERVER = "server"
     CLIENT = "client"
 
@@ -48,7 +48,12 @@ class NodeConfig:
 
     @property
     def dht_server(self) -> bool:
-        return self.dht_mode is not DhtMode.CLIENT
+        """Kademlia server mode at start. A joining peer in auto mode starts as a client (as
+        go-libp2p does): were it a server until found NATed, it would enter other peers' routing
+        tables with addresses nobody can dial, and their lookups would wait on it."""
+        if self.dht_mode is DhtMode.AUTO:
+            return self.role is not Role.JOIN
+        return self.dht_mode is DhtMode.SERVER
 
     def resolved_key_path(self) -> Path | None:
         if self.key_path is not None:

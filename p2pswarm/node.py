@@ -35,7 +35,7 @@ from p2pswarm.dht.records import Capacity, LayerRecord, sign_record
 from p2pswarm.dht.store import RecordStore
 from p2pswarm.identity import Identity, load_or_create_key
 from p2pswarm.model.catalog import ModelSpec, get_model, least_served_stage
-from p2pswarm.errors import ConfigError
+from p2pswarm.errors import ConfigError, DialError
 from p2pswarm.nat.autonat import AutonatService, serve_reachability
 from p2pswarm.nat.holepunch import HolePunchService, punch_stats
 from p2pswarm.nat.reachability import Reachability, ReachabilityTracker
@@ -267,8 +267,31 @@ async def ask_stun(state: NodeState) -> None:
              state.stun.nat_type.value, state.stun.public, state.stun.packets_sent)
 
 
+async def connect_to_known_peers(state: NodeState, rng: random.Random, want: int) -> None:
+    """Connect (directly) to up to ``want`` peers of the layer map we are not connected to.
+
+    A joining peer starts as a DHT client and talks to the bootstrap peers only; reachability
+    needs two dial-back servers, so it meets a few of the swarm's other peers.
+    """
+    connected = {str(p) for p in state.host.get_connected_peers()} | {state.identity.peer_id_text}
+    layer_map = await current_layer_map(state)
+    records = {r.peer_id: r for rs in layer_map.values() for r in rs if r.peer_id not in connected}
+    chosen = rng.sample(sorted(records), min(want, len(records)))
+
+    async def meet(peer: str) -> None:
+        try:
+            await state.connector.connect(peer, records[peer].addrs, via_relay=False)
+        except DialError:
+            pass  # a NATed peer: someone else will do
+
+    async with trio.open_nursery() as nursery:
+        for peer in chosen:
+            nursery.start_soon(meet, peer)
+
+
 async def on_reachability(state: NodeState, verdict: Reachability) -> None:
-    """Log a new verdict; with --dht-mode auto, be a DHT client exactly while PRIVATE.
+    """Log a new verdict; with --dht-mode auto, a joining peer is a DHT server once PUBLIC and a
+    client once PRIVATE (UNKNOWN changes nothing).
 
     A joining peer holds relay reservations from the first PRIVATE verdict until a PUBLIC one
     (UNKNOWN keeps whatever runs: a verdict that lapsed says nothing new about the NAT).
@@ -280,8 +303,8 @@ async def on_reachability(state: NodeState, verdict: Reachability) -> None:
         log.info("advertising dial-back-confirmed address(es): %s", ", ".join(public) or "none")
         state.public_addrs = public
         _publish_extra_addrs(state)
-    if state.config.dht_mode is DhtMode.AUTO and state.config.role is Role.JOIN:
-        await state.index.set_server(verdict is not Reachability.PRIVATE)
+    if state.config.dht_mode is DhtMode.AUTO and state.config.role is Role.JOIN and verdict is not Reachability.UNKNOWN:
+        await state.index.set_server(verdict is Reachability.PUBLIC)
     if state.config.role is Role.JOIN:
         if verdict is Reachability.PRIVATE:
             start_relay_reservations(state)
@@ -380,8 +403,10 @@ async def run_node(config: NodeConfig, *, on_listening: Callable[[list[str]], No
                     "/api/ping": state.ping_json})
             nursery.start_soon(state.index.serve_store_pruning)
             nursery.start_soon(serve_routing_upkeep, host, kad, bootstrap_infos)
-            nursery.start_soon(serve_reachability, host, state.autonat, state.reachability, rng,
-                               functools.partial(on_reachability, state))
+            nursery.start_soon(functools.partial(
+                serve_reachability, host, state.autonat, state.reachability, rng,
+                functools.partial(on_reachability, state),
+                find_servers=functools.partial(connect_to_known_peers, state, rng)))
             if config.serves_layers:
                 state.layers = await choose_layers(state, rng)
                 nursery.start_soon(serve_announcements, state)

@@ -8,7 +8,7 @@ import time
 import trio
 
 import p2pswarm.dht.discovery as discovery
-from p2pswarm.config import NodeConfig, Role
+from p2pswarm.config import DhtMode, NodeConfig, Role
 from p2pswarm.dht.records import Capacity, LayerRecord, layer_key, sign_record
 from p2pswarm.dht.store import StoredRecord
 from p2pswarm.identity import generate_identity
@@ -17,14 +17,14 @@ from p2pswarm.node import run_node
 LOOPBACK = ("/ip4/127.0.0.1/tcp/0",)
 
 
-async def start_swarm(nursery, layer_ranges):
+async def start_swarm(nursery, layer_ranges, dht_mode: DhtMode = DhtMode.AUTO):
     addrs = []
     boot = await nursery.start(lambda task_status: run_node(
         NodeConfig(role=Role.BOOTSTRAP, listen=LOOPBACK), on_listening=addrs.extend, task_status=task_status))
     nodes = []
     for layers in layer_ranges:
         nodes.append(await nursery.start(lambda task_status, layers=layers: run_node(
-            NodeConfig(role=Role.JOIN, listen=LOOPBACK, bootstrap=(addrs[0],), layers=layers),
+            NodeConfig(role=Role.JOIN, listen=LOOPBACK, bootstrap=(addrs[0],), layers=layers, dht_mode=dht_mode),
             task_status=task_status)))
     return boot, nodes
 
@@ -59,7 +59,8 @@ def test_routing_upkeep_rejoins_an_isolated_node(monkeypatch):
 
     async def main():
         async with trio.open_nursery() as nursery:
-            boot, nodes = await start_swarm(nursery, [(0, 2), (2, 4), (4, 6)])
+            # servers from the start: this is about the upkeep, not about waiting for PUBLIC
+            boot, nodes = await start_swarm(nursery, [(0, 2), (2, 4), (4, 6)], DhtMode.SERVER)
             table = nodes[0].kad.routing_table
             for peer in table.get_peer_ids():
                 table.remove_peer(peer)

@@ -213,13 +213,26 @@ def autonat_servers(host, rng: random.Random) -> list:
     return servers
 
 
-async def serve_reachability(host, service: AutonatService, tracker, rng: random.Random, on_verdict) -> None:
-    """Check our reachability with a few servers every round; report each new verdict."""
+async def _no_more_servers(want: int) -> None:
+    """Default of ``serve_reachability(find_servers=...)``: wait for peers to connect to us."""
+
+
+async def serve_reachability(host, service: AutonatService, tracker, rng: random.Random, on_verdict,
+                             find_servers=_no_more_servers) -> None:
+    """Check our reachability with a few servers every round; report each new verdict.
+
+    ``find_servers(n)`` is asked to connect to about ``n`` more peers when fewer than two
+    servers are connected (a DHT client talks to few peers on its own).
+    """
     from p2pswarm.nat.reachability import Reachability
 
     verdict = Reachability.UNKNOWN
     await trio.sleep(FIRST_CHECK_DELAY)
     while True:
+        missing = MIN_CONFIRMATIONS - len(autonat_servers(host, rng))
+        if missing > 0:
+            with trio.move_on_after(SERVER_WAIT):
+                await find_servers(CHECKS_PER_ROUND)
         if verdict is Reachability.UNKNOWN:  # one server's answer cannot settle a verdict: wait for two
             with trio.move_on_after(SERVER_WAIT):
                 while len(autonat_servers(host, rng)) < MIN_CONFIRMATIONS:
