@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--layers", default="auto", metavar="START:END|auto",
                       help="layer range to serve; auto picks the least-served stage (default)")
     join.add_argument("--dht-mode", default="auto", choices=[m.value for m in DhtMode],
-                      help="Kademlia server or client mode (auto: server unless found unreachable)")
+                      help="Kademlia server or client mode (auto: client until found publicly reachable)")
     join.add_argument("--relay", action="append", default=[], metavar="MULTIADDR",
                       help="a circuit relay v2 to reserve on while this peer is unreachable (behind a NAT); "
                            "repeatable; relays among connected peers are used too")

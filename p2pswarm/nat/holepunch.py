@@ -49,6 +49,7 @@ class HolePunchService(DCUtRProtocol):
         self.book = book or PunchBook()
         self._clock = clock
         self._plain_dialing: set[str] = set()  # peers with plain (unilateral) dials in flight
+        self._budget_conn: dict[str, int] = {}  # peer -> the relayed connection its budget is for
 
     # ------------------------------------------------------------------ who initiates
 
@@ -69,9 +70,22 @@ class HolePunchService(DCUtRProtocol):
                 if known not in {str(p) for p in peers}:
                     self.book.forget(known)
             for peer_id in peers:
+                self._new_connection_new_budget(peer_id)
                 if self.book.due(str(peer_id), now) and self._identified(peer_id) and self._we_initiate(peer_id):
                     self.book.started(str(peer_id), now)
                     self._nursery.start_soon(self._punch, peer_id)
+
+    def _new_connection_new_budget(self, peer_id) -> None:
+        """The attempt budget is per relayed connection: a peer that reconnected faster than one
+        drive period was never seen gone, and would otherwise run out of attempts."""
+        relayed = {id(c) for c in connections_to(self.host, peer_id) if is_relayed(c) and is_inbound(c)}
+        seen = self._budget_conn.get(str(peer_id))
+        if relayed and seen not in relayed:
+            if seen is not None:
+                self.book.forget(str(peer_id))
+            self._budget_conn[str(peer_id)] = min(relayed)
+        elif not relayed:
+            self._budget_conn.pop(str(peer_id), None)
 
     def _identified(self, peer_id) -> bool:
         """Identify has told us the peer's listen addresses: what the plain dial and punch need."""
