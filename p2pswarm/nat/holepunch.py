@@ -36,6 +36,7 @@ from p2pswarm.net.host import listen_addrs
 log = logging.getLogger(__name__)
 
 DRIVE_PERIOD = 0.25  # how often relayed connections are checked for a punch to start
+IDENTIFY_WAIT = 0.5  # longest wait for identify before punching without the peer's listen addresses
 UNILATERAL_TIMEOUT = 1.5  # a public dialer answers within a round trip; a NATed one never does
 RELAY_CLOSE_GRACE = 10.0  # streams opened on the relayed connection before the upgrade get this long
 PUNCH_DIAL_TIMEOUT = 5  # one simultaneous-open dial (the library's round lasts as long)
@@ -49,7 +50,7 @@ class HolePunchService(DCUtRProtocol):
         self.book = book or PunchBook()
         self._clock = clock
         self._plain_dialing: set[str] = set()  # peers with plain (unilateral) dials in flight
-        self._budget_conn: dict[str, int] = {}  # peer -> the relayed connection its budget is for
+        self._budget_conn: dict[str, tuple[object, float]] = {}  # peer -> (its relayed connection, first seen)
 
     # ------------------------------------------------------------------ who initiates
 
@@ -71,21 +72,28 @@ class HolePunchService(DCUtRProtocol):
                     self.book.forget(known)
             for peer_id in peers:
                 self._new_connection_new_budget(peer_id)
-                if self.book.due(str(peer_id), now) and self._identified(peer_id) and self._we_initiate(peer_id):
+                if self.book.due(str(peer_id), now) and self._ready(peer_id, now) and self._we_initiate(peer_id):
                     self.book.started(str(peer_id), now)
                     self._nursery.start_soon(self._punch, peer_id)
 
     def _new_connection_new_budget(self, peer_id) -> None:
         """The attempt budget is per relayed connection: a peer that reconnected faster than one
         drive period was never seen gone, and would otherwise run out of attempts."""
-        relayed = {id(c) for c in connections_to(self.host, peer_id) if is_relayed(c) and is_inbound(c)}
+        relayed = [c for c in connections_to(self.host, peer_id) if is_relayed(c) and is_inbound(c)]
         seen = self._budget_conn.get(str(peer_id))
-        if relayed and seen not in relayed:
-            if seen is not None:
-                self.book.forget(str(peer_id))
-            self._budget_conn[str(peer_id)] = min(relayed)
+        if relayed and (seen is None or not any(c is seen[0] for c in relayed)):
+            self.book.forget(str(peer_id))  # a new relayed connection: a fresh budget, no backoff
+            # the object, not its id(): a closed connection's id is soon reused by the next one
+            self._budget_conn[str(peer_id)] = (relayed[0], self._clock())
         elif not relayed:
             self._budget_conn.pop(str(peer_id), None)
+
+    def _ready(self, peer_id, now: float) -> bool:
+        """Identify has told us the peer's addresses (the plain dial needs them), or it has had
+        IDENTIFY_WAIT: py-libp2p skips identify for a peer whose protocols it has cached, and the
+        exchange itself carries the addresses the punch dials."""
+        seen = self._budget_conn.get(str(peer_id))
+        return self._identified(peer_id) or (seen is not None and now - seen[1] >= IDENTIFY_WAIT)
 
     def _identified(self, peer_id) -> bool:
         """Identify has told us the peer's listen addresses: what the plain dial and punch need."""
@@ -96,6 +104,7 @@ class HolePunchService(DCUtRProtocol):
 
     async def _punch(self, peer_id) -> None:
         began = self._clock()
+        self._direct_connections.discard(peer_id)  # the library trusts this cache over the swarm
         try:
             await self.initiate_hole_punch(peer_id)
         except Exception as exc:  # a library error ends this attempt, never the service
