@@ -21,6 +21,7 @@ from p2pswarm.errors import ConfigError, DialError, StartupError
 log = logging.getLogger(__name__)
 
 MAX_REQUEST_BYTES = 8 * 1024  # a GET with headers; anything longer is not a status query
+MAX_QUERY_FIELDS = 16  # endpoints take two or three parameters
 REQUEST_TIMEOUT = 5.0  # a client that has not sent its request in 5 s is dropped
 
 Routes = dict[str, Callable[[dict[str, str]], Awaitable[dict]]]
@@ -54,7 +55,10 @@ async def respond(request: bytes, routes: Routes) -> bytes:
     route = routes.get(path)
     if route is None:
         return _response("404 Not Found", {"error": f"no such endpoint; try {', '.join(sorted(routes))}"})
-    params = {k: v[-1] for k, v in urllib.parse.parse_qs(query, max_num_fields=16).items()}
+    try:
+        params = {k: v[-1] for k, v in urllib.parse.parse_qs(query, max_num_fields=MAX_QUERY_FIELDS).items()}
+    except ValueError:
+        return _response("400 Bad Request", {"error": f"more than {MAX_QUERY_FIELDS} query parameters"})
     try:
         return _response("200 OK", await route(params))
     except ConfigError as exc:

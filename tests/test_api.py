@@ -47,6 +47,8 @@ def test_query_parameters_reach_the_route_and_errors_map_to_statuses():
     assert status_of(respond(b"GET /api/echo?fail=config HTTP/1.1\r\n\r\n", routes)) == 400
     dial = respond(b"GET /api/echo?fail=dial HTTP/1.1\r\n\r\n", routes)
     assert status_of(dial) == 502 and b"failed: dial" in dial
+    flood = "&".join(f"p{i}=1" for i in range(api.MAX_QUERY_FIELDS + 1))
+    assert status_of(respond(f"GET /api/echo?{flood} HTTP/1.1\r\n\r\n".encode(), routes)) == 400
 
 
 def test_routes():
