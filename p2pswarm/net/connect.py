@@ -150,11 +150,10 @@ class Connector:
     def plan(self, peer_id: str, addrs: Sequence[str] = ()) -> DialPlan:
         """Dial plan from ``addrs`` plus what the peerstore knows of the peer."""
         known = list(addrs)
+        pid = as_peer_id(peer_id)
         try:
-            known += [str(a) for a in self._host.get_peerstore().addrs(as_peer_id(peer_id))]
-        except DialError:
-            raise
-        except Exception:  # a peer the peerstore has never seen
+            known += [str(a) for a in self._host.get_peerstore().addrs(pid)]
+        except Exception:  # PeerStoreError: a peer the peerstore has never seen
             pass
         own = [str(a) for a in self._host.get_addrs()]
         return plan_dials(peer_id, known, own)

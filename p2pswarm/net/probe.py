@@ -117,13 +117,12 @@ def register(host, control: ControlService) -> None:
 async def probe(host, connector: Connector, control: ControlService, peer: str,
                 addrs: tuple[str, ...] = (), nbytes: int = 0, *, fresh: bool = False, upgrade_wait: float = 0.0,
                 rng: random.Random | None = None) -> ProbeResult:
-    """Reach ``peer``, time a round trip and push ``nbytes``; DialError when it cannot be reached.
+    """Reach ``peer``, time a round trip and push ``nbytes`` (at most MAX_PROBE_BYTES, which the
+    other side enforces); DialError when it cannot be reached.
 
     ``fresh`` closes existing connections to the peer first, so the connection is made anew;
     ``upgrade_wait`` waits up to that many seconds for a relayed connection to become direct.
     """
-    if not 0 <= nbytes <= MAX_PROBE_BYTES:
-        raise DialError(f"bytes must be between 0 and {MAX_PROBE_BYTES}")
     pid = as_peer_id(peer)
     direct_at: list[float] = []
 

@@ -10,6 +10,7 @@ does ``/api/ping`` measure between two of them.
 
 from __future__ import annotations
 
+import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -112,6 +113,6 @@ class LabSwarm:
         process.terminate()
         try:
             process.wait(timeout=10)
-        except Exception:  # noqa: BLE001 - still running after SIGTERM: kill it
+        except subprocess.TimeoutExpired:  # still running after SIGTERM: kill it
             process.kill()
             process.wait(timeout=5)
