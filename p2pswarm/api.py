@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 MAX_REQUEST_BYTES = 8 * 1024  # a GET with headers; anything longer is not a status query
 MAX_QUERY_FIELDS = 16  # endpoints take two or three parameters
 REQUEST_TIMEOUT = 5.0  # a client that has not sent its request in 5 s is dropped
+REPLY_TIMEOUT = 10.0  # a reply is a small JSON document; a client that will not take it in 10 s is dropped
 
 Routes = dict[str, Callable[[dict[str, str]], Awaitable[dict]]]
 
@@ -70,7 +71,8 @@ async def respond(request: bytes, routes: Routes) -> bytes:
         return _response("500 Internal Server Error", {"error": "endpoint failed"})
 
 
-async def _serve_connection(stream: trio.SocketStream, routes: Routes) -> None:
+async def _read_request(stream: trio.SocketStream) -> bytes:
+    """The request head as far as the client sent it within REQUEST_TIMEOUT and MAX_REQUEST_BYTES."""
     request = b""
     with trio.move_on_after(REQUEST_TIMEOUT):
         while b"\r\n\r\n" not in request and len(request) < MAX_REQUEST_BYTES:
@@ -78,10 +80,20 @@ async def _serve_connection(stream: trio.SocketStream, routes: Routes) -> None:
             if not chunk:
                 break
             request += chunk
+    return request
+
+
+async def _serve_connection(stream: trio.SocketStream, routes: Routes) -> None:
+    """Answer one request. Whatever the client does (reset, stall, garbage) ends here, in this
+    connection's task: an exception escaping it would end ``serve_listeners`` and the node."""
     try:
-        await stream.send_all(await respond(request, routes))
-    except trio.BrokenResourceError:
-        pass
+        response = await respond(await _read_request(stream), routes)
+        with trio.move_on_after(REPLY_TIMEOUT) as sending:
+            await stream.send_all(response)
+        if sending.cancelled_caught:
+            log.info("status API client did not take its reply within %.0f s; dropped", REPLY_TIMEOUT)
+    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+        log.debug("status API client went away: %s", exc)
     finally:
         await stream.aclose()
 

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import logging
+import socket
+import struct
 import urllib.request
 
 import pytest
@@ -82,5 +85,101 @@ def test_served_over_tcp():
                 lambda: urllib.request.urlopen(f"http://{address}/api/stats", timeout=5).read())
             assert json.loads(body) == {"ok": 1}
             nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def _reset(sock: trio.socket.SocketType) -> None:
+    """Close ``sock`` with SO_LINGER 0: the kernel sends a TCP RST instead of a FIN."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()
+
+
+async def _get(address: str, path: str = "/api/stats") -> bytes:
+    return await trio.to_thread.run_sync(
+        lambda: urllib.request.urlopen(f"http://{address}{path}", timeout=5).read())
+
+
+async def _connected_client(address: str) -> trio.socket.SocketType:
+    host, port = parse_host_port(address)
+    sock = trio.socket.socket()
+    await sock.connect((host, port))
+    return sock
+
+
+def test_a_client_resetting_mid_request_does_not_stop_the_server():
+    """Half a request, then RST: the reset stays inside that connection's task."""
+
+    async def main():
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                address = await nursery.start(serve_api, "127.0.0.1:0", ROUTES)
+                for _ in range(3):
+                    sock = await _connected_client(address)
+                    await sock.send(b"GET /api/sta")
+                    _reset(sock)
+                    assert json.loads(await _get(address)) == {"ok": 1}
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_a_client_resetting_before_the_reply_does_not_stop_the_server():
+    """A whole request, then RST while the route is still working: the reply meets a dead socket."""
+    reset_done = trio.Event()
+
+    async def slow(params: dict) -> dict:
+        await reset_done.wait()
+        return {"big": "x" * 100_000}
+
+    async def main():
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                address = await nursery.start(serve_api, "127.0.0.1:0", {"/slow": slow, **ROUTES})
+                sock = await _connected_client(address)
+                await sock.send(b"GET /slow HTTP/1.1\r\n\r\n")
+                _reset(sock)
+                reset_done.set()
+                assert json.loads(await _get(address)) == {"ok": 1}
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+async def _read_to_eof(sock: trio.socket.SocketType) -> bytes:
+    data = b""
+    while chunk := await sock.recv(65536):
+        data += chunk
+    return data
+
+
+def test_silent_garbage_and_non_reading_clients_end_in_their_own_task(monkeypatch, caplog):
+    """A client that sends nothing gets a 400 after REQUEST_TIMEOUT, garbage gets a 400, a client
+    that never reads its reply is dropped after REPLY_TIMEOUT; others are served all along."""
+    monkeypatch.setattr(api, "REQUEST_TIMEOUT", 0.2)
+    monkeypatch.setattr(api, "REPLY_TIMEOUT", 0.2)
+    caplog.set_level(logging.INFO, logger=api.log.name)
+    big = {"big": "x" * (32 << 20)}  # far more than the socket buffers hold
+
+    async def huge(params: dict) -> dict:
+        return big
+
+    async def main():
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                address = await nursery.start(serve_api, "127.0.0.1:0", {"/huge": huge, **ROUTES})
+                silent, garbage, stuck = [await _connected_client(address) for _ in range(3)]
+                await garbage.send(b"\x00\xff" * 100 + b"\r\n\r\n")
+                await stuck.send(b"GET /huge HTTP/1.1\r\n\r\n")
+                assert json.loads(await _get(address)) == {"ok": 1}
+                assert status_of(await _read_to_eof(garbage)) == 400
+                assert status_of(await _read_to_eof(silent)) == 400
+                while not any("did not take its reply" in m for m in caplog.messages):
+                    await trio.sleep(0.01)
+                assert len(await _read_to_eof(stuck)) < len(json.dumps(big))  # cut off, not delivered
+                for sock in (silent, garbage, stuck):
+                    sock.close()
+                assert json.loads(await _get(address)) == {"ok": 1}
+                nursery.cancel_scope.cancel()
 
     trio.run(main)
