@@ -1,4 +1,4 @@
-"""The layer-record protocol handlers: pure functions of (store, message, now)."""
+"""The stage-record protocol handlers: pure functions of (store, message, now, sender)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from p2pswarm import wire
 from p2pswarm.dht.protocol import (FETCH_REPLY_BUDGET, FetchRecords, FetchReply, StoreRecord, StoreReply,
                                    handle_fetch, handle_store)
-from p2pswarm.dht.records import Capacity, LayerRecord, sign_record, verify_record
+from p2pswarm.dht.records import Capacity, StageRecord, sign_record, verify_record
 from p2pswarm.dht.store import RecordStore
 from p2pswarm.errors import RemoteProtocolError
 from p2pswarm.identity import generate_identity
@@ -20,57 +20,67 @@ ALICE, BOB = generate_identity(), generate_identity()
 NOW = 1_000_000.0
 
 
-def record(identity, start=0, end=2, ts=NOW, ttl=15.0, queue=0) -> LayerRecord:
-    return LayerRecord(peer_id=identity.peer_id_text, addrs=("/ip4/127.0.0.1/tcp/1",), model="tiny-lm",
-                       start=start, end=end, capacity=Capacity(free_memory_mb=100, queue_depth=queue),
+def record(identity, stage=0, ts=NOW, ttl=15.0, queue=0) -> StageRecord:
+    return StageRecord(peer_id=identity.peer_id_text, addrs=("/ip4/127.0.0.1/tcp/1",), model="tiny-lm",
+                       stage=stage, start=2 * stage, end=2 * stage + 2, capacity=Capacity(free_memory_mb=100, queue_depth=queue),
                        timestamp=ts, ttl=ttl)
+
+
+def store_own(store, identity, rec, now=NOW, ip="192.0.2.1") -> StoreReply:
+    """``identity`` stores its own record, as the announcer does over its own connection."""
+    return handle_store(store, StoreRecord(record=sign_record(rec, identity)), now, identity.peer_id_text, ip)
 
 
 def test_store_then_fetch():
     store = RecordStore()
-    raw = sign_record(record(ALICE), ALICE)
-    assert handle_store(store, StoreRecord(layer=1, record=raw), NOW).accepted
-    reply = handle_fetch(store, FetchRecords(model="tiny-lm", layer=1, limit=8), NOW + 1)
-    assert [verify_record(r) for r in reply.records] == [record(ALICE)]
-    assert handle_fetch(store, FetchRecords(model="tiny-lm", layer=0, limit=8), NOW).records == ()
-    assert handle_fetch(store, FetchRecords(model="tiny-lm", layer=1, limit=8), NOW + 15).records == ()
+    assert store_own(store, ALICE, record(ALICE, stage=1)).accepted
+    reply = handle_fetch(store, FetchRecords(model="tiny-lm", stage=1, limit=8), NOW + 1)
+    assert [verify_record(r) for r in reply.records] == [record(ALICE, stage=1)]
+    assert handle_fetch(store, FetchRecords(model="tiny-lm", stage=0, limit=8), NOW).records == ()
+    assert handle_fetch(store, FetchRecords(model="tiny-lm", stage=1, limit=8), NOW + 15).records == ()
 
 
-def test_store_refuses_a_layer_the_record_does_not_serve():
-    with pytest.raises(RemoteProtocolError):
-        handle_store(RecordStore(), StoreRecord(layer=5, record=sign_record(record(ALICE), ALICE)), NOW)
+def test_store_refuses_a_record_sent_by_another_peer_than_it_names():
+    """The attack review: one connection stored 3,000 validly signed records of 3,000 made-up
+    identities. A record is accepted only from the peer it names."""
+    store = RecordStore()
+    fakes = [generate_identity() for _ in range(20)]
+    for fake in fakes:
+        raw = sign_record(record(fake), fake)
+        with pytest.raises(RemoteProtocolError, match="stores only its own"):
+            handle_store(store, StoreRecord(record=raw), NOW, BOB.peer_id_text, "203.0.113.66")
+    assert store.entry_count() == 0
 
 
 def test_store_refuses_a_forged_record():
     forged = sign_record(record(BOB), BOB).replace(BOB.peer_id_text.encode(), ALICE.peer_id_text.encode())
     with pytest.raises(RemoteProtocolError):
-        handle_store(RecordStore(), StoreRecord(layer=0, record=forged), NOW)
+        handle_store(RecordStore(), StoreRecord(record=forged), NOW, ALICE.peer_id_text)
 
 
 def test_stale_announcement_is_not_accepted():
     store = RecordStore()
-    assert handle_store(store, StoreRecord(layer=0, record=sign_record(record(ALICE, ts=NOW), ALICE)), NOW).accepted
-    older = sign_record(record(ALICE, ts=NOW - 1), ALICE)
-    assert not handle_store(store, StoreRecord(layer=0, record=older), NOW).accepted
+    assert store_own(store, ALICE, record(ALICE, ts=NOW)).accepted
+    assert not store_own(store, ALICE, record(ALICE, ts=NOW - 1)).accepted
 
 
 def test_fetch_reply_respects_limit_and_fits_a_header():
     store = RecordStore()
     peers = [generate_identity() for _ in range(40)]
     for i, peer in enumerate(peers):
-        handle_store(store, StoreRecord(layer=0, record=sign_record(record(peer, queue=i), peer)), NOW)
-    assert len(handle_fetch(store, FetchRecords(model="tiny-lm", layer=0, limit=3), NOW).records) == 3
-    reply = handle_fetch(store, FetchRecords(model="tiny-lm", layer=0, limit=1000), NOW)
+        store_own(store, peer, record(peer, queue=i), ip=f"192.0.2.{i}")
+    assert len(handle_fetch(store, FetchRecords(model="tiny-lm", stage=0, limit=3), NOW).records) == 3
+    reply = handle_fetch(store, FetchRecords(model="tiny-lm", stage=0, limit=1000), NOW)
     assert sum(map(len, reply.records)) <= FETCH_REPLY_BUDGET
     assert wire.decode_frame(wire.encode_frame(reply))[0] == reply
     queues = [verify_record(r).capacity.queue_depth for r in reply.records]
     assert queues == sorted(queues)  # best (shortest queue) first
 
 
-@pytest.mark.parametrize("model,layer", [("", 0), ("tiny-lm", 4096), ("a\x00b", 0), ("tiny-lm", -1)])
-def test_fetch_for_impossible_keys_is_a_remote_error(model, layer):
+@pytest.mark.parametrize("model,stage", [("", 0), ("tiny-lm", 4096), ("a\x00b", 0), ("tiny-lm", -1)])
+def test_fetch_for_impossible_keys_is_a_remote_error(model, stage):
     """A fetch a peer sends for a key no record can have is refused as that peer's error."""
-    header = {"t": "layer.fetch", "v": 1, "n": 0, "f": {"model": model, "layer": layer, "limit": 1}}
+    header = {"t": "stage.fetch", "v": 1, "n": 0, "f": {"model": model, "stage": stage, "limit": 1}}
     encoded = cbor2.dumps(header, canonical=True)
     with pytest.raises(RemoteProtocolError):
         wire.decode_frame(len(encoded).to_bytes(4, "big") + encoded)
@@ -79,7 +89,7 @@ def test_fetch_for_impossible_keys_is_a_remote_error(model, layer):
 register_frames(FetchRecords, st.builds(
     FetchRecords,
     model=st.text(st.characters(min_codepoint=0x21, max_codepoint=0x7E), min_size=1, max_size=64),
-    layer=st.integers(0, 4095),
+    stage=st.integers(0, 4095),
     limit=st.integers(0, 1000),
 ).map(lambda message: (message, b"")))
 

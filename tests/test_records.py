@@ -1,4 +1,4 @@
-"""Signed layer records: round trips, and every kind of bad input refused as RemoteProtocolError."""
+"""Signed stage records: round trips, and every kind of bad input refused as RemoteProtocolError."""
 
 from __future__ import annotations
 
@@ -18,7 +18,11 @@ from p2pswarm.dht.records import (
     MAX_ADDR_CHARS,
     MAX_ADDRS,
     MAX_FREE_MEMORY_MB,
+    MAX_BODY_KEYS,
+    MAX_CAPACITY_KEYS,
     MAX_LAYERS,
+    MAX_STAGES,
+    MAX_THROUGHPUT,
     MAX_MODEL_CHARS,
     MAX_PEER_ID_CHARS,
     MAX_QUEUE_DEPTH,
@@ -26,11 +30,12 @@ from p2pswarm.dht.records import (
     MAX_TIMESTAMP,
     MAX_TTL,
     MIN_TTL,
+    RECORD_VERSION,
     SIGNATURE_DOMAIN,
     Capacity,
-    LayerRecord,
+    StageRecord,
     best_first,
-    layer_key,
+    stage_key,
     routing_rank,
     sign_record,
     verify_record,
@@ -60,6 +65,7 @@ capacity_st = st.builds(
     st.integers(0, MAX_FREE_MEMORY_MB),
     st.integers(0, MAX_QUEUE_DEPTH),
     st.integers(0, FLAGS_LIMIT - 1),
+    st.floats(0, MAX_THROUGHPUT),
 )
 timestamps_st = st.one_of(st.floats(0, MAX_TIMESTAMP), st.integers(0, int(MAX_TIMESTAMP)))
 ttls_st = st.one_of(st.floats(MIN_TTL, MAX_TTL), st.integers(int(MIN_TTL), int(MAX_TTL)))
@@ -67,20 +73,21 @@ ttls_st = st.one_of(st.floats(MIN_TTL, MAX_TTL), st.integers(int(MIN_TTL), int(M
 
 def records(peer_ids=st.sampled_from(sorted(BY_PEER))):
     return st.builds(
-        lambda peer, addrs, model, layers, cap, ts, ttl: LayerRecord(
-            peer, addrs, model, *layers, cap, ts, ttl
+        lambda peer, addrs, model, stage, layers, cap, ts, ttl: StageRecord(
+            peer, addrs, model, stage, *layers, cap, ts, ttl
         ),
-        peer_ids, addrs_st, models_st, layers_st, capacity_st, timestamps_st, ttls_st,
+        peer_ids, addrs_st, models_st, st.integers(0, MAX_STAGES - 1), layers_st, capacity_st, timestamps_st,
+        ttls_st,
     )
 
 
-def sign(record: LayerRecord) -> bytes:
+def sign(record: StageRecord) -> bytes:
     return sign_record(record, BY_PEER[record.peer_id])
 
 
-BASE = LayerRecord(
-    ALICE.peer_id_text, ("/ip4/10.0.0.1/tcp/4001",), "tiny-llama", 3, 7,
-    Capacity(2048, 1, FLAG_TRAINING), 1_700_000_000.25, 60.0,
+BASE = StageRecord(
+    ALICE.peer_id_text, ("/ip4/10.0.0.1/tcp/4001",), "tiny-llama", 1, 3, 7,
+    Capacity(2048, 1, FLAG_TRAINING, 1234.5), 1_700_000_000.25, 60.0,
 )
 
 
@@ -91,7 +98,7 @@ def base_body() -> dict:
 def resign(body: dict, identity=ALICE, **outer) -> bytes:
     """A message around ``body`` with a genuine signature by ``identity``, outer keys overridable."""
     signature = identity.sign(SIGNATURE_DOMAIN + cbor2.dumps(body, canonical=True))
-    return cbor2.dumps({"v": 1, "r": body, "s": signature, **outer}, canonical=True)
+    return cbor2.dumps({"v": RECORD_VERSION, "r": body, "s": signature, **outer}, canonical=True)
 
 
 def test_resign_helper_makes_valid_records():
@@ -116,7 +123,7 @@ plain_cbor_st = st.recursive(
     | st.text(max_size=8) | st.binary(max_size=8),
     lambda inner: st.lists(inner, max_size=4)
     | st.dictionaries(
-        st.sampled_from(["v", "r", "s", "peer", "addrs", "cap", "ts", "mem"]), inner, max_size=4
+        st.sampled_from(["v", "r", "s", "peer", "addrs", "cap", "ts", "mem", "stage", "tput"]), inner, max_size=4
     ),
     max_leaves=12,
 )
@@ -178,7 +185,11 @@ BAD_FIELDS = [
     ("cap", {"mem": True, "queue": 0, "flags": 0}), ("cap", {"mem": -1, "queue": 0, "flags": 0}),
     ("cap", {"mem": 0, "queue": 2.0, "flags": 0}), ("cap", {"mem": 0, "queue": -5, "flags": 0}),
     ("cap", {"mem": 0, "queue": 0, "flags": FLAGS_LIMIT}), ("cap", {"mem": 0, "queue": 0, "flags": -1}),
-    ("cap", {"mem": 0, "queue": 0}), ("cap", {"mem": 0, "queue": 0, "flags": 0, "gpu": 1}),
+    ("cap", {"mem": 0, "queue": 0}), ("cap", {"mem": 0, "queue": 0, "flags": 0, "tput": -1.0}),
+    ("cap", {"mem": 0, "queue": 0, "flags": 0, "tput": math.inf}), ("cap", {"mem": 0, "queue": 0, "flags": 0, "tput": "1"}),
+    ("cap", {"mem": 0, "queue": 0, "flags": 0, 7: 1}), ("cap", {"mem": 0, "queue": 0, "flags": 0, "x" * 33: 1}),
+    ("cap", {"mem": 0, "queue": 0, "flags": 0, **{f"k{i}": i for i in range(MAX_CAPACITY_KEYS)}}),
+    ("stage", -1), ("stage", MAX_STAGES), ("stage", True), ("stage", "1"), ("stage", None),
     ("cap", {"mem": MAX_FREE_MEMORY_MB + 1, "queue": 0, "flags": 0}), ("cap", [0, 0, 0]), ("cap", None),
 ]
 
@@ -189,7 +200,7 @@ def test_bad_field_is_refused_even_when_signed(field, value):
         verify_record(resign({**base_body(), field: value}))
 
 
-@pytest.mark.parametrize("field", ["peer", "addrs", "model", "start", "end", "cap", "ts", "ttl"])
+@pytest.mark.parametrize("field", ["peer", "addrs", "model", "stage", "start", "end", "cap", "ts", "ttl"])
 def test_missing_body_key_is_refused(field):
     body = base_body()
     del body[field]
@@ -197,14 +208,30 @@ def test_missing_body_key_is_refused(field):
         verify_record(resign(body))
 
 
-def test_extra_body_key_is_refused():
+def test_fields_this_version_does_not_know_are_ignored():
+    """The format can gain a field without breaking older peers: unknown body and capacity keys
+    are ignored (the signed bytes, served as received, keep them)."""
+    body = base_body()
+    body["gpu"] = {"name": "a100", "mem": 80}
+    body["cap"] = {**body["cap"], "tflops": 312.0}
+    assert verify_record(resign(body)) == BASE
+
+
+def test_a_record_without_the_optional_throughput_verifies_with_zero():
+    body = base_body()
+    del body["cap"]["tput"]
+    assert verify_record(resign(body)).capacity.throughput == 0.0
+
+
+@pytest.mark.parametrize("extra", [{"x" * 33: 1}, {5: 1}, {f"k{i}": i for i in range(MAX_BODY_KEYS)}])
+def test_unknown_keys_stay_bounded(extra):
     with pytest.raises(RemoteProtocolError):
-        verify_record(resign({**base_body(), "extra": 1}))
+        verify_record(resign({**base_body(), **extra}))
 
 
 @pytest.mark.parametrize(
     "outer",
-    [{"v": 2}, {"v": True}, {"v": 1.0}, {"v": "1"}, {"s": b"\x00" * 63}, {"s": b"\x00" * 64},
+    [{"v": 1}, {"v": 3}, {"v": True}, {"v": 2.0}, {"v": "2"}, {"s": b"\x00" * 63}, {"s": b"\x00" * 64},
      {"s": "sig"}, {"s": None}, {"extra": 0}, {"r": None}, {"r": [1, 2]}],
 )
 def test_bad_message_envelope_is_refused(outer):
@@ -253,7 +280,7 @@ def test_every_tag_is_refused_by_the_decoder(tag):
 
 def test_non_canonical_encodings_are_refused():
     message = cbor2.loads(resign(base_body()))
-    reordered = {"s": message["s"], "v": 1, "r": message["r"]}  # keys out of canonical order
+    reordered = {"s": message["s"], "v": RECORD_VERSION, "r": message["r"]}  # keys out of canonical order
     for data in [
         cbor2.dumps(reordered),
         cbor2.dumps(message, canonical=True) + b"\x00",  # trailing bytes
@@ -282,7 +309,7 @@ def test_record_signed_by_another_peer_is_refused():
 def test_signature_over_a_different_body_is_refused():
     signed = cbor2.loads(resign(base_body()))
     other = {**base_body(), "cap": {"mem": 2048, "queue": 0, "flags": FLAG_TRAINING}}
-    data = cbor2.dumps({"v": 1, "r": other, "s": signed["s"]}, canonical=True)
+    data = cbor2.dumps({"v": RECORD_VERSION, "r": other, "s": signed["s"]}, canonical=True)
     with pytest.raises(RemoteProtocolError, match="not signed by"):
         verify_record(data)
 
@@ -291,7 +318,7 @@ def test_signature_without_domain_prefix_is_refused():
     body = base_body()
     signature = ALICE.sign(cbor2.dumps(body, canonical=True))
     with pytest.raises(RemoteProtocolError, match="not signed by"):
-        verify_record(cbor2.dumps({"v": 1, "r": body, "s": signature}, canonical=True))
+        verify_record(cbor2.dumps({"v": RECORD_VERSION, "r": body, "s": signature}, canonical=True))
 
 
 def test_peer_id_with_non_ed25519_inlined_key_is_refused():
@@ -304,7 +331,7 @@ def test_peer_id_with_non_ed25519_inlined_key_is_refused():
     body = {**base_body(), "peer": peer.to_base58()}
     signature = key_pair.private_key.sign(SIGNATURE_DOMAIN + cbor2.dumps(body, canonical=True))
     with pytest.raises(RemoteProtocolError, match="Ed25519"):
-        verify_record(cbor2.dumps({"v": 1, "r": body, "s": signature}, canonical=True))
+        verify_record(cbor2.dumps({"v": RECORD_VERSION, "r": body, "s": signature}, canonical=True))
 
 
 def test_peer_id_spelling_the_signers_key_non_canonically_is_refused():
@@ -365,21 +392,21 @@ def test_record_helpers():
     assert FLAG_RELAYED & FLAG_TRAINING == 0
 
 
-def test_layer_key_is_the_documented_hash():
-    expected = hashlib.sha256(b"p2pswarm/layer/tiny-llama/12").digest()
-    assert layer_key("tiny-llama", 12) == expected == layer_key("tiny-llama", 12)
+def test_stage_key_is_the_documented_hash():
+    expected = hashlib.sha256(b"p2pswarm/stage/tiny-llama/12").digest()
+    assert stage_key("tiny-llama", 12) == expected == stage_key("tiny-llama", 12)
 
 
 @given(models_st, st.integers(0, MAX_LAYERS - 1), models_st, st.integers(0, MAX_LAYERS - 1))
-def test_layer_key_differs_across_models_and_layers(model_a, layer_a, model_b, layer_b):
+def test_stage_key_differs_across_models_and_layers(model_a, layer_a, model_b, layer_b):
     same = (model_a, layer_a) == (model_b, layer_b)
-    assert (layer_key(model_a, layer_a) == layer_key(model_b, layer_b)) == same
+    assert (stage_key(model_a, layer_a) == stage_key(model_b, layer_b)) == same
 
 
 @pytest.mark.parametrize(("model", "layer"), [("m", -1), ("m", MAX_LAYERS), ("m", True), ("m", "1"), ("", 0)])
-def test_layer_key_refuses_invalid_input(model, layer):
+def test_stage_key_refuses_invalid_input(model, layer):
     with pytest.raises(LocalProtocolError):
-        layer_key(model, layer)
+        stage_key(model, layer)
 
 
 @given(st.lists(records(peer_ids=st.sampled_from(["a", "b", "c"])), max_size=8), st.randoms())
@@ -399,7 +426,7 @@ def test_best_first_ranks_and_ignores_input_order(items, rng):
 
 def test_best_first_example():
     def rec(peer, queue, mem, ts):
-        return LayerRecord(peer, (), "m", 0, 1, Capacity(mem, queue), ts, 60.0)
+        return StageRecord(peer, (), "m", 0, 0, 1, Capacity(mem, queue), ts, 60.0)
 
     idle_small, busy_big = rec("a", 0, 100, 10.0), rec("b", 5, 10_000, 10.0)
     idle_big, idle_big_newer = rec("c", 0, 900, 10.0), rec("d", 0, 900, 11.0)

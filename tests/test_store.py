@@ -2,25 +2,34 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from p2pswarm.dht.records import Capacity, LayerRecord, best_first
-from p2pswarm.dht.store import MAX_CLOCK_SKEW, RecordStore, StoredRecord
+from p2pswarm.dht.records import Capacity, StageRecord, best_first
+from p2pswarm.dht.store import (
+    LOCAL_SOURCE,
+    MAX_CLOCK_SKEW,
+    MAX_ENTRIES_PER_IP_PER_KEY,
+    REFRESH_DEADLINE,
+    RecordStore,
+    StoredRecord,
+)
 from p2pswarm.errors import ConfigError
 
 KEY, OTHER_KEY = b"k" * 32, b"o" * 32
 NOW = 1_000_000.0
 
 
-def rec(peer: str, timestamp=NOW, ttl=60.0, queue=0, mem=0) -> LayerRecord:
-    return LayerRecord(peer, (), "m", 0, 1, Capacity(mem, queue), timestamp, ttl)
+def rec(peer: str, timestamp=NOW, ttl=60.0, queue=0, mem=0) -> StageRecord:
+    return StageRecord(peer, (), "m", 0, 0, 1, Capacity(mem, queue), timestamp, ttl)
 
 
-def stored(*args, **kwargs) -> StoredRecord:
-    return StoredRecord(rec(*args, **kwargs), b"x")  # the store trusts its caller to have verified
+def stored(*args, ip: str = "192.0.2.1", **kwargs) -> StoredRecord:
+    return StoredRecord(rec(*args, **kwargs), b"x", ip)  # the store trusts its caller to have verified
 
 
 def peers_of(store: RecordStore, key: bytes, now: float) -> list[str]:
@@ -81,21 +90,62 @@ def test_peers_share_a_key():
     assert len(store) == 1 and store.entry_count() == 3
 
 
-def test_full_key_evicts_the_entry_expiring_soonest_for_a_longer_lived_record():
+def test_full_key_refuses_newcomers_while_every_entry_keeps_refreshing():
     store = RecordStore(max_entries_per_key=2)
-    assert store.put(KEY, stored("a", ttl=30.0), NOW)
-    assert store.put(KEY, stored("b", ttl=20.0), NOW)
-    assert store.put(KEY, stored("c", ttl=40.0), NOW)
-    assert sorted(peers_of(store, KEY, NOW)) == ["a", "c"]
+    assert store.put(KEY, stored("a", ttl=15.0), NOW)
+    assert store.put(KEY, stored("b", ttl=15.0), NOW)
+    assert not store.put(KEY, stored("c", ttl=60.0), NOW + 1.0)  # a longer TTL buys no place
+    later = NOW + REFRESH_DEADLINE  # a and b re-announce on time
+    assert store.put(KEY, stored("a", timestamp=later, ttl=15.0), later)
+    assert store.put(KEY, stored("b", timestamp=later, ttl=15.0), later)
+    assert not store.put(KEY, stored("c", timestamp=later, ttl=60.0), later + REFRESH_DEADLINE)
+    assert sorted(peers_of(store, KEY, later + REFRESH_DEADLINE)) == ["a", "b"]
 
 
-def test_full_key_refuses_a_record_expiring_no_later_than_every_entry():
+def test_full_key_gives_the_place_of_the_entry_refreshed_least_recently_once_overdue():
     store = RecordStore(max_entries_per_key=2)
-    assert store.put(KEY, stored("a", ttl=30.0), NOW)
-    assert store.put(KEY, stored("b", ttl=20.0), NOW)
-    assert not store.put(KEY, stored("c", ttl=20.0), NOW)  # ties keep the incumbent
-    assert not store.put(KEY, stored("c", ttl=10.0), NOW)
-    assert sorted(peers_of(store, KEY, NOW)) == ["a", "b"]
+    assert store.put(KEY, stored("a", ttl=60.0), NOW)  # long-lived, but never refreshed
+    assert store.put(KEY, stored("b", ttl=15.0), NOW + 5.0)
+    overdue = NOW + REFRESH_DEADLINE + 1.0
+    assert store.put(KEY, stored("c", timestamp=overdue, ttl=15.0), overdue)
+    assert sorted(peers_of(store, KEY, overdue)) == ["b", "c"]
+
+
+def test_64_fake_identities_cannot_push_out_an_honest_re_announcer():
+    """The attack review: 64 self-made identities with 3,600 s TTLs emptied a key of its honest
+    15 s record. Now the honest peer keeps its place (and the fakes get 16 places per IP)."""
+    store = RecordStore()
+    honest = "honest"
+    assert store.put(KEY, stored(honest, ttl=15.0, ip="198.51.100.7"), NOW)
+    accepted = sum(store.put(KEY, stored(f"fake{i}", ttl=60.0, ip="203.0.113.66"), NOW) for i in range(3000))
+    assert accepted == MAX_ENTRIES_PER_IP_PER_KEY
+    for beat in range(1, 40):  # the honest peer re-announces every 5 s; the fakes keep trying
+        now = NOW + 5.0 * beat
+        assert store.put(KEY, stored(honest, timestamp=now, ttl=15.0, ip="198.51.100.7"), now)
+        for i in range(3000, 3100):
+            store.put(KEY, stored(f"fake{i}", timestamp=now, ttl=60.0, ip="203.0.113.66"), now)
+        assert honest in peers_of(store, KEY, now)
+
+
+def test_one_ip_holds_a_bounded_number_of_entries():
+    store = RecordStore(max_entries_per_ip_per_key=2, max_entries_per_ip=3)
+    assert store.put(KEY, stored("a"), NOW) and store.put(KEY, stored("b"), NOW)
+    assert not store.put(KEY, stored("c"), NOW)  # per key
+    assert store.put(OTHER_KEY, stored("c"), NOW)
+    assert not store.put(OTHER_KEY, stored("d"), NOW)  # in all
+    assert store.put(OTHER_KEY, stored("d", ip="192.0.2.2"), NOW)  # another address has its own room
+    assert store.put(KEY, stored("a", timestamp=NOW + 1.0), NOW)  # refreshing a held entry is no new room
+    assert store.put(KEY, stored("e", timestamp=NOW + 60.0), NOW + 60.0)  # expired entries free their room
+    assert store.put(KEY, stored("f", ip=LOCAL_SOURCE), NOW)  # our own records are not limited by IP
+
+
+def test_one_peer_holds_entries_under_a_bounded_number_of_keys():
+    store = RecordStore(max_keys_per_peer=2)
+    keys = [bytes([k]) * 32 for k in range(3)]
+    assert store.put(keys[0], stored("a"), NOW) and store.put(keys[1], stored("a"), NOW)
+    assert not store.put(keys[2], stored("a"), NOW)
+    assert store.put(keys[2], stored("b"), NOW)
+    assert store.put(keys[2], stored("a", timestamp=NOW + 60.0), NOW + 60.0)  # after its others expired
 
 
 def test_full_key_still_accepts_updates_from_held_peers():
@@ -154,7 +204,8 @@ def test_prune_drops_expired_entries_and_empty_keys():
 
 
 @pytest.mark.parametrize(
-    "limits", [{"max_keys": 0}, {"max_entries_per_key": 0}, {"max_clock_skew": -1.0}]
+    "limits", [{"max_keys": 0}, {"max_entries_per_key": 0}, {"max_clock_skew": -1.0}, {"max_keys_per_peer": 0},
+               {"max_entries_per_ip_per_key": 0}, {"max_entries_per_ip": 0}, {"refresh_deadline": -1.0}]
 )
 def test_bad_limits_are_refused(limits):
     with pytest.raises(ConfigError):
@@ -163,38 +214,49 @@ def test_bad_limits_are_refused(limits):
 
 # ---------------------------------------------------------------- state machine
 
-MACHINE_MAX_KEYS = 4  # small limits so eviction and key refusal happen often
+MACHINE_MAX_KEYS = 4  # small limits so eviction and every refusal happen often
 MACHINE_MAX_ENTRIES = 3
 MACHINE_SKEW = 10.0
+MACHINE_KEYS_PER_PEER = 2
+MACHINE_PER_IP_KEY = 2
+MACHINE_PER_IP = 4
+MACHINE_DEADLINE = 10.0
 MACHINE_KEYS = [bytes([k]) * 32 for k in range(6)]
 MACHINE_PEERS = ["p0", "p1", "p2", "p3", "p4"]
+MACHINE_IPS = [LOCAL_SOURCE, "192.0.2.1", "192.0.2.2"]
 
 
 class ReferenceStore:
     """The store's rules restated as simply as possible: expired records simply do not exist."""
 
     def __init__(self) -> None:
-        self.held: dict[bytes, dict[str, LayerRecord]] = {}
+        self.held: dict[bytes, dict[str, tuple[StageRecord, str, float]]] = {}
 
-    def live(self, key: bytes, now: float) -> dict[str, LayerRecord]:
-        return {p: r for p, r in self.held.get(key, {}).items() if now < r.expires_at}
+    def live(self, key: bytes, now: float) -> dict[str, tuple[StageRecord, str, float]]:
+        return {p: e for p, e in self.held.get(key, {}).items() if now < e[0].expires_at}
 
-    def put(self, key: bytes, record: LayerRecord, now: float) -> bool:
+    def put(self, key: bytes, record: StageRecord, ip: str, now: float) -> bool:
         if now >= record.expires_at or record.timestamp > now + MACHINE_SKEW:
             return False
-        live = self.live(key, now)
-        live_keys = [k for k in self.held if self.live(k, now)]
-        if not live and len(live_keys) >= MACHINE_MAX_KEYS:
+        live, peer = self.live(key, now), record.peer_id
+        everything = [(k, p, e) for k in self.held for p, e in self.live(k, now).items()]
+        old = live.get(peer)
+        if old is not None and old[0].timestamp >= record.timestamp:
             return False
-        old = live.get(record.peer_id)
-        if old is not None and old.timestamp >= record.timestamp:
+        if old is None and sum(p == peer for _, p, _ in everything) >= MACHINE_KEYS_PER_PEER:
+            return False
+        if (old is None or old[1] != ip) and ip != LOCAL_SOURCE:
+            same_ip = [k for k, _, e in everything if e[1] == ip]
+            if len(same_ip) >= MACHINE_PER_IP or same_ip.count(key) >= MACHINE_PER_IP_KEY:
+                return False
+        if not live and len({k for k, _, _ in everything}) >= MACHINE_MAX_KEYS:
             return False
         if old is None and len(live) >= MACHINE_MAX_ENTRIES:
-            victim = min(live.values(), key=lambda r: (r.expires_at, r.peer_id))
-            if record.expires_at <= victim.expires_at:
+            victim = min(live, key=lambda p: (live[p][2], p))
+            if now - live[victim][2] <= MACHINE_DEADLINE:
                 return False
-            del live[victim.peer_id]
-        live[record.peer_id] = record
+            del live[victim]
+        live[peer] = (record, ip, now)
         self.held[key] = live
         return True
 
@@ -202,10 +264,12 @@ class ReferenceStore:
 class StoreMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.store = RecordStore(MACHINE_MAX_KEYS, MACHINE_MAX_ENTRIES, MACHINE_SKEW)
+        self.store = RecordStore(MACHINE_MAX_KEYS, MACHINE_MAX_ENTRIES, MACHINE_SKEW,
+                                 max_keys_per_peer=MACHINE_KEYS_PER_PEER, max_entries_per_ip_per_key=MACHINE_PER_IP_KEY,
+                                 max_entries_per_ip=MACHINE_PER_IP, refresh_deadline=MACHINE_DEADLINE)
         self.model = ReferenceStore()
         self.now = 1000.0
-        self.last_accepted: dict[tuple[bytes, str], LayerRecord] = {}
+        self.last_accepted: dict[tuple[bytes, str], StageRecord] = {}
 
     @rule(
         key=st.sampled_from(MACHINE_KEYS[:1]) | st.sampled_from(MACHINE_KEYS),  # crowd one key
@@ -213,11 +277,12 @@ class StoreMachine(RuleBasedStateMachine):
         age=st.integers(-15, 40),  # negative: from the future, sometimes beyond the skew
         ttl=st.sampled_from([1, 5, 10, 20, 30, 45]),  # few values, so expiries often tie
         queue=st.integers(0, 2),
+        ip=st.sampled_from(MACHINE_IPS),
     )
-    def put(self, key, peer, age, ttl, queue):
+    def put(self, key, peer, age, ttl, queue, ip):
         record = rec(peer, timestamp=self.now - age, ttl=float(ttl), queue=queue)
-        accepted = self.store.put(key, StoredRecord(record, b"x"), self.now)
-        assert accepted == self.model.put(key, record, self.now)
+        accepted = self.store.put(key, StoredRecord(record, b"x", ip), self.now)
+        assert accepted == self.model.put(key, record, ip, self.now)
         if accepted:
             self.last_accepted[(key, peer)] = record
 
@@ -227,7 +292,7 @@ class StoreMachine(RuleBasedStateMachine):
 
     @rule(key=st.sampled_from(MACHINE_KEYS))
     def get(self, key):
-        expected = best_first(self.model.live(key, self.now).values())
+        expected = best_first(e[0] for e in self.model.live(key, self.now).values())
         assert [s.record for s in self.store.get(key, self.now)] == expected
 
     @precondition(lambda self: self.store.entry_count() > 0)
@@ -244,11 +309,17 @@ class StoreMachine(RuleBasedStateMachine):
         assert len(self.store) <= MACHINE_MAX_KEYS
         for key in MACHINE_KEYS:
             got = [s.record for s in self.store.get(key, self.now)]
-            assert got == best_first(self.model.live(key, self.now).values())
+            assert got == best_first(e[0] for e in self.model.live(key, self.now).values())
             assert len(got) <= MACHINE_MAX_ENTRIES
             assert all(r.is_fresh(self.now) for r in got)
             assert len({r.peer_id for r in got}) == len(got)
             assert all(r == self.last_accepted[(key, r.peer_id)] for r in got)
+        held = [(key, s) for key in MACHINE_KEYS for s in self.store.get(key, self.now)]
+        assert max(Counter(s.record.peer_id for _, s in held).values(), default=0) <= MACHINE_KEYS_PER_PEER
+        per_ip = Counter(s.source_ip for _, s in held if s.source_ip != LOCAL_SOURCE)
+        assert max(per_ip.values(), default=0) <= MACHINE_PER_IP
+        per_ip_key = Counter((key, s.source_ip) for key, s in held if s.source_ip != LOCAL_SOURCE)
+        assert max(per_ip_key.values(), default=0) <= MACHINE_PER_IP_KEY
 
 
 StoreMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=50, deadline=None)

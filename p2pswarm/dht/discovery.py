@@ -1,6 +1,6 @@
-"""Layer discovery driver: announce our layer record, look up who serves a layer.
+"""Stage discovery driver: announce our stage record, look up who serves a stage.
 
-Kademlia (py-libp2p's ``/ipfs/kad/1.0.0``) finds the peers closest to a layer key; our record
+Kademlia (py-libp2p's ``/ipfs/kad/1.0.0``) finds the peers closest to a stage key; our record
 protocol (``dht.protocol``) stores the signed record on them and fetches records back. A
 reader verifies every record itself, merges the answers of all closest peers per author
 (newest wins), drops stale ones, and ranks the rest.
@@ -22,17 +22,18 @@ import trio
 
 from p2pswarm.dht.closest import ClosestPeersCache
 from p2pswarm.dht.protocol import FetchRecords, FetchReply, StoreRecord, StoreReply, handle_fetch, handle_store
-from p2pswarm.dht.records import LayerRecord, best_first, layer_key, verify_record
+from p2pswarm.dht.records import StageRecord, best_first, stage_key, verify_record
 from p2pswarm.dht.store import RecordStore
 from p2pswarm.errors import DialError, ProtocolError, StartupError
 from p2pswarm.model.catalog import ModelSpec
+from p2pswarm.net.connect import as_peer_id, remote_ip
 from p2pswarm.net.control import ControlService
 from p2pswarm.net.host import connect
 from p2pswarm.wire import ErrorReply
 
 log = logging.getLogger(__name__)
 
-REPLICATION = 3  # closest peers that hold each layer key; survives two of them dying at once
+REPLICATION = 3  # closest peers that hold each stage key; survives two of them dying at once
 READ_WIDTH = 5  # closest peers a reader asks: wider than REPLICATION, as views of "closest" differ
 LOOKUP_WIDTH = 8  # closest peers asked of Kademlia, so enough servers remain after filtering
 KADEMLIA_PROTOCOL = "/ipfs/kad/1.0.0"
@@ -40,9 +41,10 @@ NOT_A_SERVER_MEMORY = 600.0  # a DHT client may turn server when its reachabilit
 MAX_REMEMBERED_CLIENTS = 4096  # bound on that memory; forgetting only costs one more request
 LOOKUP_TIMEOUT = 3.0  # per closest-peer fetch; hivemind's DHT timeout is 3 s
 DEFAULT_K = 8  # records a lookup returns; the router needs a few live candidates per stage
-RECORD_TTL = 15.0  # a SIGKILLed peer vanishes from the layer map within this long
+RECORD_TTL = 15.0  # a SIGKILLed peer vanishes from the stage map within this long
 ANNOUNCE_PERIOD = 5.0  # three announcements per TTL: one lost announce never expires a live peer
-LAYER_MAP_PERIOD = 5.0  # how often the cached layer map shown by the API is rebuilt
+STAGE_MAP_PERIOD = 5.0  # how often the cached stage map shown by the API is rebuilt
+UNKNOWN_SOURCE = "?"  # source address of a store whose connection shows none: one shared bucket
 PRUNE_PERIOD = 10.0  # how often expired records are dropped from the local store
 ROUTING_CHECK_PERIOD = 10.0  # how often a node checks that its routing table is not (nearly) empty
 MIN_ROUTING_PEERS = REPLICATION  # fewer than this and records cannot reach their closest peers
@@ -150,8 +152,8 @@ class DiscoveryStats:
     invalid_records: int = 0
 
 
-class LayerIndex:
-    """Announce and look up layer records over the Kademlia-closest peers of each layer key."""
+class StageIndex:
+    """Announce and look up stage records over the Kademlia-closest peers of each stage key."""
 
     def __init__(self, host, kad, control: ControlService, store: RecordStore, *, server: bool,
                  clock: Callable[[], float] = time.time) -> None:
@@ -159,7 +161,7 @@ class LayerIndex:
         self.server = server  # may change with reachability (see set_server)
         self._clock = clock
         self.stats = DiscoveryStats()
-        self._not_servers: dict = {}  # peer → when it answered "unsupported" to a layer request
+        self._not_servers: dict = {}  # peer → when it answered "unsupported" to a stage-record request
         self._closest = ClosestPeersCache(want=REPLICATION)  # writers only: readers always search
         control.handle(StoreRecord, self._on_store)
         control.handle(FetchRecords, self._on_fetch)
@@ -177,7 +179,8 @@ class LayerIndex:
     async def _on_store(self, peer: str, message: StoreRecord) -> StoreReply | ErrorReply:
         if not self.server:
             return ErrorReply(code="unsupported", detail="DHT client: holds no records")
-        return handle_store(self.store, message, self._clock())
+        ip = remote_ip(self._host, as_peer_id(peer)) or UNKNOWN_SOURCE
+        return handle_store(self.store, message, self._clock(), peer, ip)
 
     async def _on_fetch(self, peer: str, message: FetchRecords) -> FetchReply | ErrorReply:
         if not self.server:
@@ -221,7 +224,7 @@ class LayerIndex:
         return not known_client(self._host, peer_id)
 
     def _forget(self, peer_id, exc: Exception) -> None:
-        log.debug("peer %s failed a layer request, removing it from the routing table: %s", peer_id, exc)
+        log.debug("peer %s failed a stage-record request, removing it from the routing table: %s", peer_id, exc)
         self._kad.routing_table.remove_peer(peer_id)
         self._closest.forget_peer(peer_id)
 
@@ -231,19 +234,20 @@ class LayerIndex:
             if len(self._not_servers) >= MAX_REMEMBERED_CLIENTS:
                 self._not_servers.clear()
             self._not_servers[peer_id] = self._clock()
-            self._forget(peer_id, DialError("peer does not serve layer records (DHT client)"))
+            self._forget(peer_id, DialError("peer does not serve stage records (DHT client)"))
 
-    async def announce(self, record: LayerRecord, signed: bytes) -> int:
-        """Store our signed record on the closest peers of every layer it serves; count acceptances."""
+    async def announce(self, record: StageRecord, signed: bytes) -> int:
+        """Store our signed record on the closest peers of its stage key; count acceptances."""
         self.stats.announces += 1
         accepted = 0
+        message = StoreRecord(record=signed)
+        me = self._host.get_id()
 
-        async def store_on(peer_id, layer: int) -> None:
+        async def store_on(peer_id) -> None:
             nonlocal accepted
-            message = StoreRecord(layer=layer, record=signed)
             try:
-                if peer_id == self._host.get_id():
-                    reply = handle_store(self.store, message, self._clock())
+                if peer_id == me:
+                    reply = handle_store(self.store, message, self._clock(), str(me))
                 else:
                     reply = await self._control.request(peer_id, message, LOOKUP_TIMEOUT, via_relay=False)
             except DialError as exc:
@@ -255,24 +259,19 @@ class LayerIndex:
             else:
                 self._forget_if_not_a_server(peer_id, reply)
                 self.stats.stores_failed += 1
-                log.debug("peer %s did not keep our record for layer %d: %s", peer_id, layer, reply)
-
-        async def announce_layer(layer: int) -> None:
-            async with trio.open_nursery() as nursery:
-                for peer_id in await self.store_targets(layer_key(record.model, layer)):
-                    nursery.start_soon(store_on, peer_id, layer)
+                log.debug("peer %s did not keep our record for stage %d: %s", peer_id, record.stage, reply)
 
         async with trio.open_nursery() as nursery:
-            for layer in range(record.start, record.end):
-                nursery.start_soon(announce_layer, layer)
+            for peer_id in await self.store_targets(stage_key(record.model, record.stage)):
+                nursery.start_soon(store_on, peer_id)
         return accepted
 
-    async def lookup_layer(self, model: str, layer: int, k: int = DEFAULT_K) -> list[LayerRecord]:
-        """Up to ``k`` fresh records of peers serving ``layer`` of ``model``, best first."""
+    async def lookup_stage(self, model: str, stage: int, k: int = DEFAULT_K) -> list[StageRecord]:
+        """Up to ``k`` fresh records of peers serving ``stage`` of ``model``, best first."""
         started = time.perf_counter()
         self.stats.lookups += 1
-        newest: dict[str, LayerRecord] = {}
-        request = FetchRecords(model=model, layer=layer, limit=k)
+        newest: dict[str, StageRecord] = {}
+        request = FetchRecords(model=model, stage=stage, limit=k)
 
         async def fetch_from(peer_id) -> None:
             if peer_id == self._host.get_id():
@@ -284,40 +283,54 @@ class LayerIndex:
                     return self._forget(peer_id, exc)
             self._forget_if_not_a_server(peer_id, reply)
             for raw in reply.records if isinstance(reply, FetchReply) else ():
-                self._merge(newest, raw, layer)
+                self._merge(newest, raw, model, stage)
 
         async with trio.open_nursery() as nursery:
-            for peer_id in await self.closest_peers(layer_key(model, layer), READ_WIDTH):
+            for peer_id in await self.closest_peers(stage_key(model, stage), READ_WIDTH):
                 nursery.start_soon(fetch_from, peer_id)
         now = self._clock()
-        fresh = [r for r in newest.values() if r.model == model and r.is_fresh(now)]
+        fresh = [r for r in newest.values() if r.is_fresh(now)]
         self.stats.lookup_seconds = (self.stats.lookup_seconds + [time.perf_counter() - started])[-100:]
         return best_first(fresh)[:k]
 
-    def _merge(self, newest: dict[str, LayerRecord], raw: bytes, layer: int) -> None:
+    def _merge(self, newest: dict[str, StageRecord], raw: bytes, model: str, stage: int) -> None:
         try:
             record = verify_record(raw)
         except ProtocolError:
             self.stats.invalid_records += 1
             return
-        if not record.serves(layer):
+        if (record.model, record.stage) != (model, stage):
             self.stats.invalid_records += 1
             return
         held = newest.get(record.peer_id)
         if held is None or record.timestamp > held.timestamp:
             newest[record.peer_id] = record
 
-    async def layer_map(self, model: ModelSpec) -> dict[int, list[LayerRecord]]:
-        """Every layer of ``model`` mapped to the fresh records serving it."""
-        result: dict[int, list[LayerRecord]] = {}
+    async def stage_map(self, model: ModelSpec) -> dict[int, list[StageRecord]]:
+        """Every stage of ``model`` mapped to the fresh records serving it (with its exact range)."""
+        result: dict[int, list[StageRecord]] = {}
 
-        async def fill(layer: int) -> None:
-            result[layer] = await self.lookup_layer(model.name, layer, k=DEFAULT_K)
+        async def fill(stage: int) -> None:
+            records = await self.lookup_stage(model.name, stage, k=DEFAULT_K)
+            result[stage] = [r for r in records if (r.start, r.end) == model.stage_range(stage)]
 
         async with trio.open_nursery() as nursery:
-            for layer in range(model.n_layers):
-                nursery.start_soon(fill, layer)
+            for stage in range(model.n_stages):
+                nursery.start_soon(fill, stage)
         return dict(sorted(result.items()))
+
+    def stats_doc(self) -> dict:
+        """What /api/stats shows of discovery."""
+        lookups = sorted(self.stats.lookup_seconds)
+        return {
+            "announces": self.stats.announces,
+            "stores_accepted": self.stats.stores_accepted,
+            "stores_failed": self.stats.stores_failed,
+            "lookups": self.stats.lookups,
+            "lookup_p50_ms": round(1000 * lookups[len(lookups) // 2], 1) if lookups else None,
+            "invalid_records": self.stats.invalid_records,
+            "records_held": self.store.entry_count(),
+        }
 
     async def serve_store_pruning(self) -> None:
         while True:

@@ -1,76 +1,81 @@
-"""The layer-record protocol: store a signed record on a peer, fetch the records it holds.
+"""The stage-record protocol: store a signed record on a peer, fetch the records it holds.
 
-py-libp2p's Kademlia gives us closest-peer lookups but cannot hold "which peers serve layer L"
+py-libp2p's Kademlia gives us closest-peer lookups but cannot hold "which peers serve stage s"
 (write-once plain keys, 20 sticky providers, no expiry; see docs/architecture.md). So each
-layer key maps to a dictionary of signed entries, one per serving peer, kept by the peers
+stage key maps to a dictionary of signed entries, one per serving peer, kept by the peers
 closest to the key. These two messages travel over the control channel.
 
-The handlers are plain functions of (store, message, now): the driver supplies the clock.
+A peer stores only its own record: the store request must come over a connection
+authenticated (Noise) as the peer the record names. So one connection cannot fill a key with
+records of identities it made up, and every entry's author has at least talked to its keeper.
+
+The handlers are plain functions of (store, message, now, sender): the driver supplies the
+clock and the authenticated sender.
 """
 
 from __future__ import annotations
 
 from p2pswarm import wire
-from p2pswarm.dht.records import layer_key, verify_record
-from p2pswarm.dht.store import RecordStore, StoredRecord
+from p2pswarm.dht.records import stage_key, verify_record
+from p2pswarm.dht.store import LOCAL_SOURCE, RecordStore, StoredRecord
 from p2pswarm.errors import LocalProtocolError, RemoteProtocolError
 
-MAX_FETCH_RECORDS = 32  # a reader wants the best few; routing needs K=3..8 candidates per layer
+MAX_FETCH_RECORDS = 32  # a reader wants the best few; routing needs K=3..8 candidates per stage
 FETCH_REPLY_BUDGET = 12 * 1024  # bytes of records in one reply, well inside wire.MAX_HEADER_BYTES
 
 
-@wire.message("layer.store")
+@wire.message("stage.store")
 class StoreRecord(wire.Message):
-    """Ask a peer to keep ``record`` (signed bytes) under the key of ``layer``."""
+    """Ask a peer to keep our ``record`` (signed bytes) under the key of its (model, stage)."""
 
-    layer: int
     record: bytes
 
 
-@wire.message("layer.stored")
+@wire.message("stage.stored")
 class StoreReply(wire.Message):
     accepted: bool
     reason: str
 
 
-@wire.message("layer.fetch")
+@wire.message("stage.fetch")
 class FetchRecords(wire.Message):
-    """Ask a peer for the fresh records it holds for (model, layer), best first."""
+    """Ask a peer for the fresh records it holds for (model, stage), best first."""
 
     model: str
-    layer: int
+    stage: int
     limit: int
 
     def check(self, payload_len: int) -> None:
         if self.limit < 0:
-            raise RemoteProtocolError("layer.fetch: negative limit")
+            raise RemoteProtocolError("stage.fetch: negative limit")
         try:
-            layer_key(self.model, self.layer)  # the same model-name and layer rules as records
+            stage_key(self.model, self.stage)  # the same model-name and stage rules as records
         except LocalProtocolError as exc:
-            raise RemoteProtocolError(f"layer.fetch: {exc}") from None
+            raise RemoteProtocolError(f"stage.fetch: {exc}") from None
 
 
-@wire.message("layer.records")
+@wire.message("stage.records")
 class FetchReply(wire.Message):
     records: tuple[bytes, ...]
 
 
-def handle_store(store: RecordStore, message: StoreRecord, now: float) -> StoreReply:
-    """Verify the signature and that the record serves the layer, then keep it."""
+def handle_store(store: RecordStore, message: StoreRecord, now: float, sender: str,
+                 sender_ip: str = LOCAL_SOURCE) -> StoreReply:
+    """Verify the signature and that ``sender`` (authenticated) is the record's peer, then keep it."""
     record = verify_record(message.record)  # RemoteProtocolError for forged or garbled records
-    if not record.serves(message.layer):
-        raise RemoteProtocolError(f"record serves [{record.start}, {record.end}), not layer {message.layer}")
-    key = layer_key(record.model, message.layer)
-    if store.put(key, StoredRecord(record, message.record), now):
+    if record.peer_id != sender:
+        raise RemoteProtocolError(f"record of peer {record.peer_id} sent by {sender}: a peer stores only its own")
+    key = stage_key(record.model, record.stage)
+    if store.put(key, StoredRecord(record, message.record, sender_ip), now):
         return StoreReply(accepted=True, reason="")
-    return StoreReply(accepted=False, reason="expired, from the future, older than held, or store full")
+    return StoreReply(accepted=False, reason="expired, from the future, older than held, or over a store limit")
 
 
 def handle_fetch(store: RecordStore, message: FetchRecords, now: float) -> FetchReply:
-    """The fresh records held for the layer, best first, within the reply budget."""
+    """The fresh records held for the stage, best first, within the reply budget."""
     chosen: list[bytes] = []
     used = 0
-    for stored in store.get(layer_key(message.model, message.layer), now):
+    for stored in store.get(stage_key(message.model, message.stage), now):
         if len(chosen) >= min(message.limit, MAX_FETCH_RECORDS) or used + len(stored.raw) > FETCH_REPLY_BUDGET:
             break
         chosen.append(stored.raw)

@@ -1,6 +1,7 @@
-"""Signed layer records: which peer serves which layers of which model, with what capacity.
+"""Signed stage records: which peer serves which stage of which model, with what capacity.
 
-Layer records are kept by DHT peers nobody vouches for, so a record must prove itself: it
+A model's layers are cut into stages (``model.catalog``); a peer serves one stage and announces
+it under the stage's DHT key. Stage records are kept by DHT peers nobody vouches for, so a record must prove itself: it
 carries an Ed25519 signature by the peer it names, checkable from the peer id alone (an
 Ed25519 peer id inlines its public key). This module is the one place where record bytes are
 made (``sign_record`` refuses to make a bad one) and judged (``verify_record`` turns any
@@ -9,10 +10,15 @@ byte string into a valid record or a ``RemoteProtocolError``, nothing else).
 Wire format, canonical CBOR (RFC 8949 4.2.3 length-first key order; for these short text
 keys it coincides with the core deterministic order of 4.2.1)::
 
-    {"v": 1, "r": body, "s": signature}
-    body = {"peer": str, "addrs": [str, ...], "model": str, "start": int, "end": int,
-            "cap": {"mem": int, "queue": int, "flags": int}, "ts": float, "ttl": float}
+    {"v": 2, "r": body, "s": signature}
+    body = {"peer": str, "addrs": [str, ...], "model": str, "stage": int, "start": int, "end": int,
+            "cap": {"mem": int, "queue": int, "flags": int, ?"tput": float}, "ts": float, "ttl": float}
     signature = Ed25519(SIGNATURE_DOMAIN + canonical CBOR of body), by the key in body["peer"]
+
+The format can gain fields without breaking older peers: a reader ignores body and capacity
+keys it does not know (up to MAX_BODY_KEYS / MAX_CAPACITY_KEYS, plain CBOR within the depth
+limit), and a store serves the signed bytes as received, unknown fields included. A change an
+older reader must not ignore bumps ``v``.
 
 Rules ``verify_record`` enforces beyond the field limits below:
 
@@ -37,9 +43,9 @@ import cbor2
 
 from p2pswarm.errors import LocalProtocolError, RemoteProtocolError
 
-RECORD_VERSION = 1  # bumped on any incompatible change to the wire format
-SIGNATURE_DOMAIN = b"p2pswarm/layer-record/v1\n"  # a record signature can't pass as another kind
-LAYER_KEY_DOMAIN = b"p2pswarm/layer/"  # so layer keys can't collide with other DHT key kinds
+RECORD_VERSION = 2  # bumped on any change an older reader must not ignore (v2: stage-keyed)
+SIGNATURE_DOMAIN = b"p2pswarm/stage-record/v2\n"  # a record signature can't pass as another kind
+STAGE_KEY_DOMAIN = b"p2pswarm/stage/"  # so stage keys can't collide with other DHT key kinds
 
 MAX_RECORD_BYTES = 4096  # a record is a few hundred bytes; bound the work done on hostile input
 MAX_CBOR_DEPTH = 3  # message map > body map > capacity map or addrs list; nothing deeper is legal
@@ -48,11 +54,17 @@ MAX_ADDR_CHARS = 256  # the longest sane multiaddr (dns name, relay path) fits w
 MAX_MODEL_CHARS = 64  # model names are short identifiers, shown in logs
 MAX_PEER_ID_CHARS = 64  # an Ed25519 peer id is 52 base58 chars; cap before the quadratic decode
 MAX_LAYERS = 4096  # layer indices are below this; no trained model is that deep
+MAX_STAGES = MAX_LAYERS  # a stage holds at least one layer
+MAX_BODY_KEYS = 24  # the 9 known body keys plus room for fields added later; bounds the work
+MAX_CAPACITY_KEYS = 12  # the 4 known capacity keys plus room for fields added later
+MAX_EXTRA_KEY_CHARS = 32  # names of fields this version does not know
+MAX_THROUGHPUT = 1e12  # tokens/s; far beyond any peer, keeps the value a sane finite float
 MAX_FREE_MEMORY_MB = 2**32 - 1  # fits a uint32 in any implementation; 4 PB is beyond any peer
 MAX_QUEUE_DEPTH = 2**32 - 1  # fits a uint32 in any implementation
 FLAGS_LIMIT = 2**32  # capacity flags are a 32-bit field; unknown bits are kept, not refused
 MIN_TTL = 1.0  # a shorter-lived record expires before it can be stored and read
-MAX_TTL = 3600.0  # a dead peer's records must vanish within the hour
+MAX_TTL = 60.0  # a few re-announce periods (5 s): a record outlives its author by a minute at most,
+#                and no one can park a record for an hour and outlast honest 15 s records
 MAX_TIMESTAMP = 2.0**40  # ~year 36800: beyond it a clock is broken; ints below it are exact floats
 ED25519_SIGNATURE_BYTES = 64  # fixed size of an Ed25519 signature
 MAX_SHOWN_CHARS = 80  # error messages quote at most this much of a peer-chosen value
@@ -63,8 +75,8 @@ FLAG_DRAINING = 4  # shutting down: finish current work, send no new work
 FLAG_GPU = 8  # serves its layers from an accelerator rather than the CPU
 
 _MESSAGE_KEYS = frozenset({"v", "r", "s"})
-_BODY_KEYS = frozenset({"peer", "addrs", "model", "start", "end", "cap", "ts", "ttl"})
-_CAPACITY_KEYS = frozenset({"mem", "queue", "flags"})
+_BODY_KEYS = frozenset({"peer", "addrs", "model", "stage", "start", "end", "cap", "ts", "ttl"})
+_CAPACITY_KEYS = frozenset({"mem", "queue", "flags"})  # required; "tput" is optional (added in v2)
 
 
 @dataclass(frozen=True)
@@ -74,15 +86,17 @@ class Capacity:
     free_memory_mb: int  # >= 0
     queue_depth: int  # >= 0, requests waiting
     flags: int = 0  # FLAG_* bitfield, 0 <= flags < FLAGS_LIMIT
+    throughput: float = 0.0  # tokens/s recently processed, 0 when unknown (optional on the wire)
 
 
 @dataclass(frozen=True)
-class LayerRecord:
-    """One peer's claim to serve layers [start, end) of a model, valid for ttl seconds."""
+class StageRecord:
+    """One peer's claim to serve stage ``stage`` (layers [start, end)) of a model, for ttl seconds."""
 
     peer_id: str  # base58 peer id text
     addrs: tuple[str, ...]  # multiaddr strings the peer can be dialled at
     model: str
+    stage: int  # 0 <= stage < MAX_STAGES; the DHT key is stage_key(model, stage)
     start: int  # first layer served
     end: int  # one past the last layer served; 0 <= start < end <= MAX_LAYERS
     capacity: Capacity
@@ -101,70 +115,70 @@ class LayerRecord:
         return now < self.expires_at
 
 
-def layer_key(model: str, layer: int) -> bytes:
-    """The DHT key under which the records of peers serving ``layer`` of ``model`` live."""
-    if not _is_model(model) or not _is_int(layer, 0, MAX_LAYERS - 1):
-        raise LocalProtocolError(f"no layer key for model {_show(model)} layer {_show(layer)}")
-    return hashlib.sha256(LAYER_KEY_DOMAIN + model.encode() + b"/" + str(layer).encode()).digest()
+def stage_key(model: str, stage: int) -> bytes:
+    """The DHT key under which the records of peers serving ``stage`` of ``model`` live."""
+    if not _is_model(model) or not _is_int(stage, 0, MAX_STAGES - 1):
+        raise LocalProtocolError(f"no stage key for model {_show(model)} stage {_show(stage)}")
+    return hashlib.sha256(STAGE_KEY_DOMAIN + model.encode() + b"/" + str(stage).encode()).digest()
 
 
-def routing_rank(record: LayerRecord) -> tuple:
+def routing_rank(record: StageRecord) -> tuple:
     """Sort key of ``best_first``: a total order, so ranking never depends on input order."""
     cap = record.capacity
-    return (cap.queue_depth, -cap.free_memory_mb, -record.timestamp, record.peer_id,
-            record.model, record.start, record.end, record.addrs, record.ttl, cap.flags)
+    return (cap.queue_depth, -cap.free_memory_mb, -record.timestamp, record.peer_id, record.model,
+            record.stage, record.start, record.end, record.addrs, record.ttl, cap.flags, cap.throughput)
 
 
-def best_first(records: Iterable[LayerRecord]) -> list[LayerRecord]:
+def best_first(records: Iterable[StageRecord]) -> list[StageRecord]:
     """Shortest queue first, then most free memory, then newest, then by peer id."""
     return sorted(records, key=routing_rank)
 
 
-def sign_record(record: LayerRecord, identity) -> bytes:
+def sign_record(record: StageRecord, identity) -> bytes:
     """The signed wire bytes of ``record``; LocalProtocolError if it is not ours or invalid."""
     problem = _record_problem(record)
     if problem is not None:
-        raise LocalProtocolError(f"refusing to sign an invalid layer record: {problem}")
+        raise LocalProtocolError(f"refusing to sign an invalid stage record: {problem}")
     if record.peer_id != identity.peer_id_text:
         raise LocalProtocolError(
-            f"refusing to sign a layer record for peer {record.peer_id}: "
+            f"refusing to sign a stage record for peer {record.peer_id}: "
             f"we are {identity.peer_id_text}"
         )
     body = _body(record)
     message = {"v": RECORD_VERSION, "r": body, "s": identity.sign(_signed_bytes(body))}
     data = cbor2.dumps(message, canonical=True)
     if len(data) > MAX_RECORD_BYTES:
-        raise LocalProtocolError(f"layer record is {len(data)} bytes, over {MAX_RECORD_BYTES}")
+        raise LocalProtocolError(f"stage record is {len(data)} bytes, over {MAX_RECORD_BYTES}")
     return data
 
 
-def verify_record(data: bytes) -> LayerRecord:
+def verify_record(data: bytes) -> StageRecord:
     """The record ``data`` encodes, signed by the peer it names; else RemoteProtocolError."""
     message = _decode(data)
     if type(message) is not dict or message.keys() != _MESSAGE_KEYS:
-        raise RemoteProtocolError("layer record must be a map with keys v, r, s")
+        raise RemoteProtocolError("stage record must be a map with keys v, r, s")
     version = message["v"]
     if type(version) is not int or version != RECORD_VERSION:
-        raise RemoteProtocolError(f"unsupported layer record version {_show(version)}")
+        raise RemoteProtocolError(f"unsupported stage record version {_show(version)}")
     body, signature = message["r"], message["s"]
     record = _record_from_body(body)
     key = _public_key(record.peer_id)
     if key is None:
         raise RemoteProtocolError(f"peer id {record.peer_id} does not inline an Ed25519 key")
     if type(signature) is not bytes or len(signature) != ED25519_SIGNATURE_BYTES:
-        raise RemoteProtocolError("layer record signature is not 64 bytes")
+        raise RemoteProtocolError("stage record signature is not 64 bytes")
     if not _signature_ok(key, _signed_bytes(body), signature):
-        raise RemoteProtocolError(f"layer record is not signed by {record.peer_id}")
+        raise RemoteProtocolError(f"stage record is not signed by {record.peer_id}")
     return record
 
 
 def _decode(data: bytes) -> object:
     """Decode the plain CBOR value ``data`` is the canonical encoding of, refusing anything else."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise RemoteProtocolError(f"layer record must be bytes, not {type(data).__name__}")
+        raise RemoteProtocolError(f"stage record must be bytes, not {type(data).__name__}")
     data = bytes(data)
     if len(data) > MAX_RECORD_BYTES:
-        raise RemoteProtocolError(f"layer record is {len(data)} bytes, over {MAX_RECORD_BYTES}")
+        raise RemoteProtocolError(f"stage record is {len(data)} bytes, over {MAX_RECORD_BYTES}")
     try:
         value = cbor2.loads(
             data,
@@ -177,9 +191,9 @@ def _decode(data: bytes) -> object:
         )
         canonical = cbor2.dumps(value, canonical=True)
     except Exception as exc:  # cbor2 raises CBORError, ValueError, RecursionError, ...
-        raise RemoteProtocolError(f"layer record is not valid CBOR: {exc}") from None
+        raise RemoteProtocolError(f"stage record is not valid CBOR: {exc}") from None
     if canonical != data:
-        raise RemoteProtocolError("layer record is not canonically encoded CBOR")
+        raise RemoteProtocolError("stage record is not canonically encoded CBOR")
     return value
 
 
@@ -201,31 +215,44 @@ class _RefuseEveryTag(Mapping):
 
 
 def _refuse_tag(*args) -> None:
-    raise ValueError("CBOR tags are not allowed in a layer record")
+    raise ValueError("CBOR tags are not allowed in a stage record")
 
 
 _NO_TAGS = _RefuseEveryTag()
 
 
-def _record_from_body(body: object) -> LayerRecord:
-    """The record a decoded body map describes; RemoteProtocolError if any field is invalid."""
-    if type(body) is not dict or body.keys() != _BODY_KEYS:
-        raise RemoteProtocolError(f"layer record body must be a map with keys {sorted(_BODY_KEYS)}")
+def _record_from_body(body: object) -> StageRecord:
+    """The record a decoded body map describes; RemoteProtocolError if any field is invalid.
+
+    Keys this version does not know are ignored (the format can grow), within bounds.
+    """
+    _check_keys(body, _BODY_KEYS, MAX_BODY_KEYS, "body")
     cap, addrs = body["cap"], body["addrs"]
-    if type(cap) is not dict or cap.keys() != _CAPACITY_KEYS:
-        raise RemoteProtocolError("layer record capacity must be a map with keys mem, queue, flags")
+    _check_keys(cap, _CAPACITY_KEYS, MAX_CAPACITY_KEYS, "capacity")
     if type(addrs) is not list:
-        raise RemoteProtocolError("layer record addrs must be an array")
-    capacity = Capacity(cap["mem"], cap["queue"], cap["flags"])
-    record = LayerRecord(body["peer"], tuple(addrs), body["model"], body["start"], body["end"],
+        raise RemoteProtocolError("stage record addrs must be an array")
+    throughput = cap.get("tput", 0.0)
+    capacity = Capacity(cap["mem"], cap["queue"], cap["flags"], throughput)
+    record = StageRecord(body["peer"], tuple(addrs), body["model"], body["stage"], body["start"], body["end"],
                          capacity, body["ts"], body["ttl"])
     problem = _record_problem(record)
     if problem is not None:
-        raise RemoteProtocolError(f"invalid layer record: {problem}")
-    return replace(record, timestamp=float(record.timestamp), ttl=float(record.ttl))
+        raise RemoteProtocolError(f"invalid stage record: {problem}")
+    return replace(record, timestamp=float(record.timestamp), ttl=float(record.ttl),
+                   capacity=replace(capacity, throughput=float(throughput)))
 
 
-def _record_problem(record: LayerRecord) -> str | None:
+def _check_keys(value: object, required: frozenset, limit: int, what: str) -> None:
+    """A map holding every ``required`` key, at most ``limit`` keys, unknown ones short text."""
+    if type(value) is not dict or not required <= value.keys():
+        raise RemoteProtocolError(f"stage record {what} must be a map with keys {sorted(required)}")
+    if len(value) > limit:
+        raise RemoteProtocolError(f"stage record {what} has {len(value)} keys, over {limit}")
+    if not all(type(k) is str and 0 < len(k) <= MAX_EXTRA_KEY_CHARS for k in value):
+        raise RemoteProtocolError(f"stage record {what} keys must be text of 1 to {MAX_EXTRA_KEY_CHARS} chars")
+
+
+def _record_problem(record: StageRecord) -> str | None:
     """What is wrong with the record's fields, or None; the peer id's key is checked elsewhere."""
     peer_id, addrs, capacity = record.peer_id, record.addrs, record.capacity
     if type(peer_id) is not str or not 0 < len(peer_id) <= MAX_PEER_ID_CHARS:
@@ -236,6 +263,8 @@ def _record_problem(record: LayerRecord) -> str | None:
         return f"addrs hold a value that is not a multiaddr of 1 to {MAX_ADDR_CHARS} ASCII chars"
     if not _is_model(record.model):
         return f"model {_show(record.model)} is not 1 to {MAX_MODEL_CHARS} printable chars"
+    if not _is_int(record.stage, 0, MAX_STAGES - 1):
+        return f"stage {_show(record.stage)} is not an integer within [0, {MAX_STAGES})"
     if not (_is_int(record.start, 0, MAX_LAYERS - 1) and _is_int(record.end, 1, MAX_LAYERS)):
         layers = f"[{_show(record.start)}, {_show(record.end)})"
         return f"layers {layers} are not integers within [0, {MAX_LAYERS}]"
@@ -247,6 +276,7 @@ def _record_problem(record: LayerRecord) -> str | None:
         _is_int(capacity.free_memory_mb, 0, MAX_FREE_MEMORY_MB)
         and _is_int(capacity.queue_depth, 0, MAX_QUEUE_DEPTH)
         and _is_int(capacity.flags, 0, FLAGS_LIMIT - 1)
+        and _is_number(capacity.throughput, 0, MAX_THROUGHPUT)
     ):
         return f"capacity {_show(capacity)} is out of bounds"
     if not _is_number(record.timestamp, 0, MAX_TIMESTAMP):
@@ -280,11 +310,12 @@ def _is_model(model: object) -> bool:
     return type(model) is str and 0 < len(model) <= MAX_MODEL_CHARS and model.isprintable()
 
 
-def _body(record: LayerRecord) -> dict:
+def _body(record: StageRecord) -> dict:
     cap = record.capacity
     return {"peer": record.peer_id, "addrs": list(record.addrs), "model": record.model,
-            "start": record.start, "end": record.end,
-            "cap": {"mem": cap.free_memory_mb, "queue": cap.queue_depth, "flags": cap.flags},
+            "stage": record.stage, "start": record.start, "end": record.end,
+            "cap": {"mem": cap.free_memory_mb, "queue": cap.queue_depth, "flags": cap.flags,
+                    "tput": float(cap.throughput)},
             "ts": float(record.timestamp), "ttl": float(record.ttl)}
 
 

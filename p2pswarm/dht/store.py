@@ -1,16 +1,21 @@
-"""The record store a DHT node keeps for the layer keys it is Kademlia-close to.
+"""The record store a DHT node keeps for the stage keys it is Kademlia-close to.
 
 Each key holds a dictionary with one entry per serving peer, each entry with its own expiry
-(the hivemind/Petals "dictionary value" template), so many peers can announce the same layer
+(the hivemind/Petals "dictionary value" template), so many peers can announce the same stage
 without overwriting each other. The store is pure bookkeeping: no I/O, no clock (every call
-takes ``now``), no signature checks (the caller verifies a record before ``put`` and the
-store keeps the signed bytes to serve them as-is).
+takes ``now``), no signature checks (the caller verifies a record, and that it came from the
+peer it names, before ``put``; the store keeps the signed bytes to serve them as-is).
 
-Rules, all bounded so a hostile peer cannot grow the store without limit:
+Rules, all bounded so a hostile peer cannot grow the store, or crowd honest peers out of it:
 
 * A record is refused if it is expired, if its timestamp is more than ``max_clock_skew``
   seconds ahead of ``now``, or if the entry held for the same peer is as new or newer.
-* A full key evicts the entry expiring soonest, but only for a record expiring later.
+* One peer holds entries under at most ``max_keys_per_peer`` keys; one source IP address holds
+  at most ``max_entries_per_ip_per_key`` entries under a key and ``max_entries_per_ip`` in all
+  (so identities made by the thousand on one machine get a handful of places, not all).
+* A full key gives way to a newcomer only by evicting the entry refreshed least recently, and
+  only if that entry has gone ``refresh_deadline`` seconds without a refresh. A peer that keeps
+  re-announcing keeps its place, whatever TTL a newcomer claims (a long TTL buys nothing).
 * A new key beyond ``max_keys`` is refused once expired entries have been pruned.
 
 An expired entry behaves as if it vanished the instant it expired: it is never returned,
@@ -22,73 +27,102 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from p2pswarm.dht.records import LayerRecord, routing_rank
+from p2pswarm.dht.records import StageRecord, routing_rank
 from p2pswarm.errors import ConfigError
 
-MAX_KEYS = 4096  # layer keys one node holds; a 4096-layer model fits with room for other models
-MAX_ENTRIES_PER_KEY = 64  # serving peers remembered per layer; routing needs only the best few
+MAX_KEYS = 4096  # stage keys one node holds; thousands of stages of several models
+MAX_ENTRIES_PER_KEY = 64  # serving peers remembered per stage; routing needs only the best few
 MAX_CLOCK_SKEW = 30.0  # seconds a record's timestamp may lie in the future (unsynced clocks)
+MAX_KEYS_PER_PEER = 8  # a peer serves one stage; room for a few models or a stage change
+MAX_ENTRIES_PER_IP_PER_KEY = 16  # peers behind one NAT (or a local demo) serving the same stage
+MAX_ENTRIES_PER_IP = 256  # all keys together, for one source address
+REFRESH_DEADLINE = 12.0  # announcers refresh every 5 s: two missed beats and a place may be taken
+LOCAL_SOURCE = ""  # source_ip of a record we stored ourselves: no per-IP limit applies
 
 
 @dataclass(frozen=True)
 class StoredRecord:
-    """A verified record and the signed bytes it was decoded from."""
+    """A verified record, the signed bytes it was decoded from, and where it came from."""
 
-    record: LayerRecord
+    record: StageRecord
     raw: bytes  # the signed bytes, served as-is to readers
+    source_ip: str = LOCAL_SOURCE  # IP address of the connection the record arrived on
+
+
+@dataclass(frozen=True)
+class _Entry:
+    stored: StoredRecord
+    refreshed_at: float  # when the store last accepted a record of this peer under this key
 
 
 class RecordStore:
-    """Bounded per-key dictionaries of layer records, one entry per peer."""
+    """Bounded per-key dictionaries of stage records, one entry per peer."""
 
     def __init__(
         self,
         max_keys: int = MAX_KEYS,
         max_entries_per_key: int = MAX_ENTRIES_PER_KEY,
         max_clock_skew: float = MAX_CLOCK_SKEW,
+        *,
+        max_keys_per_peer: int = MAX_KEYS_PER_PEER,
+        max_entries_per_ip_per_key: int = MAX_ENTRIES_PER_IP_PER_KEY,
+        max_entries_per_ip: int = MAX_ENTRIES_PER_IP,
+        refresh_deadline: float = REFRESH_DEADLINE,
     ) -> None:
-        if max_keys < 1 or max_entries_per_key < 1 or not max_clock_skew >= 0:
+        counts = (max_keys, max_entries_per_key, max_keys_per_peer, max_entries_per_ip_per_key, max_entries_per_ip)
+        if min(counts) < 1 or not max_clock_skew >= 0 or not refresh_deadline >= 0:
             raise ConfigError(
                 f"record store limits must be positive: max_keys={max_keys}, "
-                f"max_entries_per_key={max_entries_per_key}, max_clock_skew={max_clock_skew}"
+                f"max_entries_per_key={max_entries_per_key}, max_clock_skew={max_clock_skew}, "
+                f"max_keys_per_peer={max_keys_per_peer}, max_entries_per_ip_per_key={max_entries_per_ip_per_key}, "
+                f"max_entries_per_ip={max_entries_per_ip}, refresh_deadline={refresh_deadline}"
             )
         self._max_keys = max_keys
         self._max_entries_per_key = max_entries_per_key
         self._max_clock_skew = max_clock_skew
-        self._keys: dict[bytes, dict[str, StoredRecord]] = {}
+        self._max_keys_per_peer = max_keys_per_peer
+        self._max_per_ip_key = max_entries_per_ip_per_key
+        self._max_per_ip = max_entries_per_ip
+        self._refresh_deadline = refresh_deadline
+        self._keys: dict[bytes, dict[str, _Entry]] = {}
+        self._by_ip: dict[str, set[tuple[bytes, str]]] = {}  # source ip -> (key, peer) of its entries
+        self._by_peer: dict[str, set[bytes]] = {}  # peer -> keys it holds entries under
 
     def put(self, key: bytes, stored: StoredRecord, now: float) -> bool:
         """Store ``stored`` under ``key``; False if a rule refuses it."""
-        record = stored.record
+        record, peer = stored.record, stored.record.peer_id
         if not record.is_fresh(now) or record.timestamp > now + self._max_clock_skew:
             return False
         entries = self._live_entries(key, now)
-        if entries is None:
-            if not self._room_for_new_key(now):
-                return False
-            entries = self._keys[key] = {}
-        held = entries.get(record.peer_id)
-        if held is not None:
-            if held.record.timestamp >= record.timestamp:
-                return False
-        elif len(entries) >= self._max_entries_per_key and not _evict_for(entries, record):
+        held = entries.get(peer) if entries else None
+        if held is not None and held.stored.record.timestamp >= record.timestamp:
             return False
-        entries[record.peer_id] = stored
+        if held is None and not self._peer_has_room(peer, now):
+            return False
+        if (held is None or held.stored.source_ip != stored.source_ip) and not self._ip_has_room(
+                stored.source_ip, key, now):
+            return False
+        if entries is None and not self._room_for_new_key(now):
+            return False
+        if held is None and entries is not None and len(entries) >= self._max_entries_per_key:
+            if not self._evict_one(key, entries, now):
+                return False
+        if held is not None:
+            self._remove(key, peer)
+        self._insert(key, _Entry(stored, now))
         return True
 
     def get(self, key: bytes, now: float) -> list[StoredRecord]:
         """The fresh entries under ``key``, best for routing first."""
-        fresh = [s for s in self._keys.get(key, {}).values() if s.record.is_fresh(now)]
+        fresh = [e.stored for e in self._keys.get(key, {}).values() if e.stored.record.is_fresh(now)]
         return sorted(fresh, key=lambda stored: routing_rank(stored.record))
 
     def prune(self, now: float) -> int:
         """Drop expired entries and emptied keys; return the number of entries dropped."""
-        dropped = 0
+        before = self.entry_count()
         for key in list(self._keys):
-            before = len(self._keys[key])
-            remaining = self._live_entries(key, now)
-            dropped += before - (0 if remaining is None else len(remaining))
-        return dropped
+            self._live_entries(key, now)
+        return before - self.entry_count()
 
     def __len__(self) -> int:
         """Keys held, counting keys whose entries have expired but are not yet pruned."""
@@ -98,28 +132,66 @@ class RecordStore:
         """Entries held, counting expired entries not yet pruned."""
         return sum(len(entries) for entries in self._keys.values())
 
-    def _live_entries(self, key: bytes, now: float) -> dict[str, StoredRecord] | None:
+    # --- bookkeeping -------------------------------------------------------------------
+
+    def _insert(self, key: bytes, entry: _Entry) -> None:
+        peer = entry.stored.record.peer_id
+        self._keys.setdefault(key, {})[peer] = entry
+        self._by_peer.setdefault(peer, set()).add(key)
+        if entry.stored.source_ip != LOCAL_SOURCE:
+            self._by_ip.setdefault(entry.stored.source_ip, set()).add((key, peer))
+
+    def _remove(self, key: bytes, peer: str) -> None:
+        entries = self._keys[key]
+        entry = entries.pop(peer)
+        if not entries:
+            del self._keys[key]
+        _discard(self._by_peer, peer, key)
+        if entry.stored.source_ip != LOCAL_SOURCE:
+            _discard(self._by_ip, entry.stored.source_ip, (key, peer))
+
+    def _expired(self, key: bytes, peer: str, now: float) -> bool:
+        return not self._keys[key][peer].stored.record.is_fresh(now)
+
+    def _live_entries(self, key: bytes, now: float) -> dict[str, _Entry] | None:
         """Drop the expired entries of ``key``; its remaining entries, or None if none remain."""
         entries = self._keys.get(key)
         if entries is None:
             return None
-        for peer_id in [p for p, s in entries.items() if not s.record.is_fresh(now)]:
-            del entries[peer_id]
-        if not entries:
-            del self._keys[key]
-            return None
-        return entries
+        for peer in [p for p in entries if self._expired(key, p, now)]:
+            self._remove(key, peer)
+        return self._keys.get(key)
+
+    def _peer_has_room(self, peer: str, now: float) -> bool:
+        for key in [k for k in self._by_peer.get(peer, ()) if self._expired(k, peer, now)]:
+            self._remove(key, peer)
+        return len(self._by_peer.get(peer, ())) < self._max_keys_per_peer
+
+    def _ip_has_room(self, ip: str, key: bytes, now: float) -> bool:
+        if ip == LOCAL_SOURCE:
+            return True
+        for held_key, peer in [e for e in self._by_ip.get(ip, ()) if self._expired(*e, now)]:
+            self._remove(held_key, peer)
+        held = self._by_ip.get(ip, set())
+        return len(held) < self._max_per_ip and sum(k == key for k, _ in held) < self._max_per_ip_key
 
     def _room_for_new_key(self, now: float) -> bool:
         if len(self._keys) >= self._max_keys:
             self.prune(now)
         return len(self._keys) < self._max_keys
 
+    def _evict_one(self, key: bytes, entries: dict[str, _Entry], now: float) -> bool:
+        """Evict the entry refreshed least recently if it is overdue; whether room was made."""
+        victim = min(entries.values(), key=lambda e: (e.refreshed_at, e.stored.record.peer_id))
+        if now - victim.refreshed_at <= self._refresh_deadline:
+            return False
+        self._remove(key, victim.stored.record.peer_id)
+        return True
 
-def _evict_for(entries: dict[str, StoredRecord], record: LayerRecord) -> bool:
-    """Evict the entry expiring soonest if ``record`` outlives it; whether room was made."""
-    victim = min(entries.values(), key=lambda s: (s.record.expires_at, s.record.peer_id))
-    if record.expires_at <= victim.record.expires_at:
-        return False
-    del entries[victim.record.peer_id]
-    return True
+
+def _discard(index: dict, name, item) -> None:
+    items = index.get(name)
+    if items is not None:
+        items.discard(item)
+        if not items:
+            del index[name]

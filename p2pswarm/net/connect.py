@@ -90,6 +90,20 @@ def has_direct(host, peer_id) -> bool:
     return any(not is_relayed(c) for c in connections_to(host, peer_id))
 
 
+def remote_ip(host, peer_id) -> str | None:
+    """The IP address a connected peer's direct connection comes from, or None (relayed, gone)."""
+    for conn in connections_to(host, peer_id):
+        if is_relayed(conn):
+            continue
+        try:
+            address = conn.muxed_conn.get_remote_address()
+        except Exception:  # a closing connection may have lost its socket
+            continue
+        if address:
+            return str(address[0])
+    return None
+
+
 async def dial_via_relay(host, circuit: str, peer_id) -> object:
     """Open a connection to ``peer_id`` through the relay in ``circuit``; DialError if refused."""
     from libp2p.connection_types import ConnectionType
