@@ -1,14 +1,14 @@
-"""Layer lookup latency and success rate in a 32-node swarm, against py-libp2p's own DHT get.
+"""Stage lookup latency and success rate in a 32-node swarm, against py-libp2p's own DHT get.
 
-Why: whenever a trainer builds or repairs its route it asks "who serves layer L?" (``LayerIndex.lookup_layer``:
+Why: whenever a trainer builds or repairs its route it asks "who serves stage s?" (``StageIndex.lookup_stage``:
 a Kademlia closest-peer search, then a record fetch from the 3 closest peers). This measures
-how long that takes and how often it returns every peer that serves the layer, one lookup at
+how long that takes and how often it returns every peer that serves the stage, one lookup at
 a time and 20 at a time. The baseline, on the same hosts in the same run, is py-libp2p's
 ``KadDHT.get_value`` for keys stored once with ``put_value``.
 
 The whole swarm (1 bootstrap + 31 joiners) runs in ONE process on 2 cores, so all 32 nodes
 share the one core a Python process can use, and every node's background traffic (announces
-every 5 s, layer-map refreshes every 5 s) competes with the lookups. At the shipped periods that
+every 5 s, stage-map refreshes every 5 s) competes with the lookups. At the shipped periods that
 background alone needs several cores, so by default the benchmark stretches the node's periods
 (and the record TTL) by TIME_DILATION = 32, the number of nodes per core: each node then
 spends the same share of its CPU on background work as one node per core would.
@@ -37,10 +37,9 @@ from common import (
 )
 
 from p2pswarm.config import NodeConfig, Role
-from p2pswarm.dht.discovery import ANNOUNCE_PERIOD, LAYER_MAP_PERIOD, RECORD_TTL
-from p2pswarm.dht.records import sign_record
+from p2pswarm.dht.discovery import ANNOUNCE_PERIOD, RECORD_TTL, STAGE_MAP_PERIOD
 from p2pswarm.model.catalog import get_model
-from p2pswarm.node import make_record, run_node
+from p2pswarm.node import run_node
 
 MODEL = "tiny-lm"  # 8 layers in 4 stages of 2
 JOINERS = 31  # + 1 bootstrap = 32 nodes
@@ -51,28 +50,28 @@ LOOKUPS = 200  # per mode (one at a time, CONCURRENCY at a time)
 CONCURRENCY = 20  # lookups in flight in the concurrent mode
 K = 8  # records asked for; at most 8 joiners serve a stage, so k=8 can return them all
 TIME_DILATION = 1 + JOINERS  # nodes sharing one core: background periods and TTL stretched by this
-CONVERGE_TIMEOUT = 30.0  # the layer maps must be complete within this long (else: reported)
+CONVERGE_TIMEOUT = 30.0  # the stage maps must be complete within this long (else: reported)
 CONVERGE_POLL = 1.0
-PROBE_NODES = 4  # complete = every layer's lookup from each of this many nodes finds every server
+PROBE_NODES = 4  # complete = every stage's lookup from each of this many nodes finds every server
 ANNOUNCE_BATCH = 8  # nodes re-announcing together after the swarm is up
 KAD_NAMESPACE = "bench"
 KAD_KEYS = 10  # keys stored with put_value; each lands on the 20 closest of the 32 nodes
-KAD_GETS = 40  # get_value calls timed; each is much slower than a layer lookup
+KAD_GETS = 40  # get_value calls timed; each is much slower than a stage lookup
 KAD_GET_TIMEOUT = 15.0  # the library's per-query timeout is 10 s
-SEED = 1  # node/layer choices are reproducible
+SEED = 1  # node/stage choices are reproducible
 
 
 @dataclass
 class Swarm:
     nodes: list = field(default_factory=list)  # NodeState of every node, bootstrap first
-    servers: dict[int, set[str]] = field(default_factory=dict)  # layer -> peer ids serving it
+    servers: dict[int, set[str]] = field(default_factory=dict)  # stage -> peer ids serving it
 
 
 @dataclass
 class Sample:
     seconds: float
     ok: bool
-    found: float = 0.0  # share of the layer's serving peers the lookup returned
+    found: float = 0.0  # share of the stage's serving peers the lookup returned
     error: str = ""
 
 
@@ -95,8 +94,7 @@ async def start_swarm(nursery: trio.Nursery, batch_size: int = START_BATCH) -> S
     async def start_joiner(index: int) -> None:
         state = await nursery.start(partial(run_node, joiner_config(boot_addr, index)))
         swarm.nodes.append(state)
-        for layer in range(*state.layers):
-            swarm.servers.setdefault(layer, set()).add(state.identity.peer_id_text)
+        swarm.servers.setdefault(state.stage, set()).add(state.identity.peer_id_text)
 
     for first in range(0, JOINERS, batch_size):
         async with trio.open_nursery() as batch:
@@ -106,11 +104,12 @@ async def start_swarm(nursery: trio.Nursery, batch_size: int = START_BATCH) -> S
 
 
 def dilate_node_periods(factor: float) -> None:
-    """Stretch the node's announce and layer-map periods and the record TTL in this process."""
+    """Stretch the node's announce and stage-map periods and the record TTL in this process."""
+    import p2pswarm.dht.stagemap as stagemap
     import p2pswarm.node as node
 
-    node.ANNOUNCE_PERIOD *= factor
-    node.LAYER_MAP_PERIOD *= factor
+    stagemap.ANNOUNCE_PERIOD *= factor
+    stagemap.STAGE_MAP_PERIOD *= factor
     node.RECORD_TTL *= factor
 
 
@@ -122,8 +121,7 @@ async def announce_all(swarm: Swarm) -> None:
     """
     async def announce(state, limiter: trio.CapacityLimiter) -> None:
         async with limiter:
-            record = make_record(state, time.time())
-            await state.index.announce(record, sign_record(record, state.identity))
+            await state.index.announce(*state.signed_record(time.time()))
 
     limiter = trio.CapacityLimiter(ANNOUNCE_BATCH)
     async with trio.open_nursery() as nursery:
@@ -133,15 +131,15 @@ async def announce_all(swarm: Swarm) -> None:
 
 async def maps_complete(swarm: Swarm) -> bool:
     for state in swarm.nodes[:PROBE_NODES]:
-        for layer, peers in swarm.servers.items():
-            records = await state.index.lookup_layer(MODEL, layer, k=K)
+        for stage, peers in swarm.servers.items():
+            records = await state.index.lookup_stage(MODEL, stage, k=K)
             if {r.peer_id for r in records} != peers:
                 return False
     return True
 
 
-async def wait_for_layer_maps(swarm: Swarm) -> float | None:
-    """Seconds until lookups from PROBE_NODES nodes find every server of every layer; None if never."""
+async def wait_for_stage_maps(swarm: Swarm) -> float | None:
+    """Seconds until lookups from PROBE_NODES nodes find every server of every stage; None if never."""
     started = time.perf_counter()
     with trio.move_on_after(CONVERGE_TIMEOUT):
         while not await maps_complete(swarm):
@@ -157,38 +155,38 @@ def background_lookups(swarm: Swarm) -> int:
 # --- measurements ------------------------------------------------------------------------
 
 
-async def one_lookup(swarm: Swarm, state, layer: int) -> Sample:
+async def one_lookup(swarm: Swarm, state, stage: int) -> Sample:
     started = time.perf_counter()
     try:
-        records = await state.index.lookup_layer(MODEL, layer, k=K)
+        records = await state.index.lookup_stage(MODEL, stage, k=K)
     except Exception as exc:  # a failed lookup is a data point, not the end of the benchmark
         return Sample(time.perf_counter() - started, False, error=type(exc).__name__)
-    found, servers = {r.peer_id for r in records}, swarm.servers[layer]
+    found, servers = {r.peer_id for r in records}, swarm.servers[stage]
     return Sample(time.perf_counter() - started, found == servers, len(found & servers) / len(servers))
 
 
 def draw_jobs(swarm: Swarm, rng: random.Random, count: int) -> list[tuple[object, int]]:
-    """``count`` (random node, random layer) pairs."""
-    return [(rng.choice(swarm.nodes), rng.randrange(get_model(MODEL).n_layers)) for _ in range(count)]
+    """``count`` (random node, random stage) pairs."""
+    return [(rng.choice(swarm.nodes), rng.randrange(get_model(MODEL).n_stages)) for _ in range(count)]
 
 
 async def run_lookups(swarm: Swarm, jobs: list[tuple[object, int]],
                       concurrency: int) -> tuple[list[Sample], float, float]:
-    """One lookup per (node, layer) job, ``concurrency`` at a time.
+    """One lookup per (node, stage) job, ``concurrency`` at a time.
 
     Returns the samples, the wall time, and the share of one core the process used meanwhile.
     """
     samples: list[Sample] = []
     limiter = trio.CapacityLimiter(concurrency)
 
-    async def run(state, layer: int) -> None:
+    async def run(state, stage: int) -> None:
         async with limiter:
-            samples.append(await one_lookup(swarm, state, layer))
+            samples.append(await one_lookup(swarm, state, stage))
 
     started, cpu_started = time.perf_counter(), time.process_time()
     async with trio.open_nursery() as nursery:
-        for state, layer in jobs:
-            nursery.start_soon(run, state, layer)
+        for state, stage in jobs:
+            nursery.start_soon(run, state, stage)
     wall = time.perf_counter() - started
     return samples, wall, (time.process_time() - cpu_started) / wall
 
@@ -260,8 +258,8 @@ async def measure_swarm_start(nursery: trio.Nursery, args: argparse.Namespace, r
     results["empty_tables"] = sum(state.kad.get_routing_table_size() == 0 for state in swarm.nodes)
     if args.time_dilation > 1:  # with the shipped periods the nodes' own loops re-announce
         await announce_all(swarm)
-    results["converge_s"] = await wait_for_layer_maps(swarm)
-    results["replicas"] = {layer: len(peers) for layer, peers in sorted(swarm.servers.items())}
+    results["converge_s"] = await wait_for_stage_maps(swarm)
+    results["replicas"] = {stage: len(peers) for stage, peers in sorted(swarm.servers.items())}
     return swarm
 
 
@@ -288,19 +286,19 @@ async def measure(args: argparse.Namespace) -> dict:
 
 
 def report_swarm(results: dict) -> None:
-    converged = (f"layer maps complete after {results['converge_s']:.1f} s more"
+    converged = (f"stage maps complete after {results['converge_s']:.1f} s more"
                  if results["converge_s"] is not None else
-                 f"layer maps still INCOMPLETE after {CONVERGE_TIMEOUT:.0f} s (measured anyway)")
+                 f"stage maps still INCOMPLETE after {CONVERGE_TIMEOUT:.0f} s (measured anyway)")
     print(f"swarm: 1 bootstrap + {JOINERS} joiners in ONE process: all 32 nodes share one Python "
           f"process on 2 cores,\nso per-node CPU is far below a real deployment's. Started in "
           f"{results['start_s']:.1f} s; {converged}.")
     print(f"joiners started {results['start_batch']} at a time; nodes whose DHT routing table was empty "
           f"after the start: {results['empty_tables']} of {JOINERS + 1}")
     dilation = results["dilation"]
-    print(f"node periods x{dilation:g}: announce every {ANNOUNCE_PERIOD * dilation:g} s, layer-map "
-          f"refresh every {LAYER_MAP_PERIOD * dilation:g} s, record TTL {RECORD_TTL * dilation:g} s")
-    print(f"replicas per layer: {results['replicas']}")
-    print(f"background: {results['background_per_s']:.1f} lookup_layer/s swarm-wide from layer-map "
+    print(f"node periods x{dilation:g}: announce every {ANNOUNCE_PERIOD * dilation:g} s, stage-map "
+          f"refresh every {STAGE_MAP_PERIOD * dilation:g} s, record TTL {RECORD_TTL * dilation:g} s")
+    print(f"replicas per stage: {results['replicas']}")
+    print(f"background: {results['background_per_s']:.1f} lookup_stage/s swarm-wide from stage-map "
           f"refreshes (plus announces); process CPU busy {100 * results['sequential'][2]:.0f}% of one "
           f"core during the sequential lookups, {100 * results['concurrent'][2]:.0f}% during the concurrent ones")
 
@@ -311,14 +309,14 @@ def report_kad(results: dict) -> None:
           f"skipped because the node held the key locally (answered from cache): {results['kad_local_hits']}")
     p50_ours = percentile([s.seconds for s in results["sequential"][0]], 50)
     p50_kad = percentile([s.seconds for s in results["kad_gets"]], 50)
-    print(f"ratio lookup_layer p50 / KadDHT.get_value p50 (one at a time): {ratio(p50_ours, p50_kad)}")
+    print(f"ratio lookup_stage p50 / KadDHT.get_value p50 (one at a time): {ratio(p50_ours, p50_kad)}")
 
 
 def report(results: dict) -> None:
     report_swarm(results)
     (seq, seq_wall, _), (conc, conc_wall, _) = results["sequential"], results["concurrent"]
-    rows = [summary_row("lookup_layer, one at a time", seq, seq_wall),
-            summary_row(f"lookup_layer, {CONCURRENCY} at a time", conc, conc_wall)]
+    rows = [summary_row("lookup_stage, one at a time", seq, seq_wall),
+            summary_row(f"lookup_stage, {CONCURRENCY} at a time", conc, conc_wall)]
     if "kad_gets" in results:
         rows.append(summary_row("KadDHT.get_value, one at a time (baseline)", results["kad_gets"]))
     print_table(f"lookup latency, {MODEL}, k={K} (success = every serving peer returned; "

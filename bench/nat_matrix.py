@@ -6,7 +6,7 @@ allow it, through a relay otherwise — and the relay is the slow path, so upgra
 One swarm of real ``p2pswarm`` processes (a bootstrap node, a relay, a public peer, a DMZ peer,
 two peers behind easy NATs and two behind symmetric ones) runs while each ordered pair is
 pinged TRIALS times over a fresh connection (``/api/ping?fresh=1``): connect by peer id with
-the addresses of the layer map, one round trip, PUSH_BYTES pushed, then up to UPGRADE_WAIT
+the addresses of the stage map, one round trip, PUSH_BYTES pushed, then up to UPGRADE_WAIT
 seconds for a relayed connection to become direct. The baseline of each figure is measured in
 the same run: relayed throughput against direct throughput, time to first byte through the
 relay against a direct dial.
@@ -55,7 +55,7 @@ def build(lab: NatLab, workdir: Path, trials: int) -> LabSwarm:
         sys.exit(f"swarm not ready: no relay address for {missing}, verdicts "
                  f"{ {n: d.get('reachability') for n, d in public.items()} }")
     for src, dst in PAIRS:
-        if PEERS[dst] not in (None, NatKind.DMZ) and not swarm.wait_in_layer_map(src, dst, 30):
+        if PEERS[dst] not in (None, NatKind.DMZ) and not swarm.wait_in_stage_map(src, dst, 30):
             sys.exit(f"{src} never saw {dst}'s circuit address")
     return swarm
 

@@ -74,8 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     relay.add_argument("--config", type=Path, metavar="relay.toml",
                        help="relay limits (TOML; see relay/relay.toml); built-in defaults without it")
 
-    join = sub.add_parser("join", help="join a swarm and serve a range of model layers",
-                          description="Join a swarm through bootstrap peers, announce the layers this "
+    join = sub.add_parser("join", help="join a swarm and serve one stage of the model's layers",
+                          description="Join a swarm through bootstrap peers, announce the stage this "
                                       "peer serves, keep them announced until interrupted.")
     join.add_argument("--bootstrap", action="append", required=True, metavar="MULTIADDR",
                       help="a bootstrap peer's multiaddr ending in /p2p/<peer id>; repeatable")
@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="a circuit relay v2 to reserve on while this peer is unreachable (behind a NAT); "
                            "repeatable; relays among connected peers are used too")
 
-    status = sub.add_parser("status", help="show a running node's state and the swarm's layer map")
+    status = sub.add_parser("status", help="show a running node's state and the swarm's stage map")
     status.add_argument("--api", required=True, metavar="HOST:PORT", help="the node's status API")
     status.add_argument("--json", action="store_true", help="print the raw JSON")
 
@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
                           description="Ask the node behind --api to connect to PEER (direct, hole punch or "
                                       "relay), time a round trip and push --bytes over the connection. "
                                       "Exit 1 if the peer cannot be reached.")
-    ping.add_argument("peer", help="a peer id (addresses from the layer map) or a multiaddr ending in /p2p/<id>")
+    ping.add_argument("peer", help="a peer id (addresses from the stage map) or a multiaddr ending in /p2p/<id>")
     ping.add_argument("--api", required=True, metavar="HOST:PORT", help="the asking node's status API")
     ping.add_argument("--bytes", type=int, default=1024 * 1024, help="bytes to push (default 1 MiB; 0: none)")
     ping.add_argument("--json", action="store_true", help="print the raw JSON")
@@ -181,8 +181,9 @@ def _get_json(api: str, path: str, timeout: float = STATUS_TIMEOUT) -> dict:
         raise ConfigError(f"no p2pswarm node answers at {api}: {getattr(exc, 'reason', exc)}") from None
 
 
-def _range(layers: list[int] | None) -> str:
-    return f"[{layers[0]}, {layers[1]})" if layers else "none"
+def _stage(stats: dict) -> str:
+    layers = stats.get("layers")
+    return f"{stats['stage']} (layers [{layers[0]}, {layers[1]}))" if layers else "none"
 
 
 def _stun(stats: dict) -> str:
@@ -193,14 +194,14 @@ def _stun(stats: dict) -> str:
     return f"{stun['nat_type']}, {public}"
 
 
-def format_status(stats: dict, layers: dict) -> str:
+def format_status(stats: dict, stages: dict) -> str:
     lines = [
         f"peer          {stats['peer_id']}  ({stats['role']}, p2pswarm {stats['version']})",
         f"addresses     {', '.join(stats['addrs']) or '-'}",
         f"reachability  {stats['reachability']}   DHT mode {stats['dht_mode']}   NAT (STUN) {_stun(stats)}",
         f"connected     {len(stats['connected_peers'])} peer(s)   routing table {stats['routing_table_size']}",
-        f"serving       {stats['model']} layers {_range(stats['layers'])}   uptime {stats['uptime_s']:.0f} s",
-        f"layer map     {layers['model']}, {layers['n_layers']} layers",
+        f"serving       {stats['model']} stage {_stage(stats)}   uptime {stats['uptime_s']:.0f} s",
+        f"stage map     {stages['model']}, {stages['n_layers']} layers in {stages['n_stages']} stages",
     ]
     relay = stats.get("relay")
     if relay:
@@ -210,18 +211,19 @@ def format_status(stats: dict, layers: dict) -> str:
     if stats.get("relays"):
         held = ", ".join(f"{r['peer'][-8:]} ({r['expires_in_s']:.0f} s)" for r in stats["relays"])
         lines.insert(5, f"relays        {held}; {len(stats.get('circuit_addrs', []))} circuit address(es)")
-    for layer, records in layers["layers"].items():
-        peers = ", ".join(f"{r['peer_id'][-8:]}[{r['start']}:{r['end']}]" for r in records) or "(nobody)"
-        lines.append(f"  layer {int(layer):>3}  {len(records)} peer(s)  {peers}")
+    for stage, doc in stages["stages"].items():
+        peers = ", ".join(f"{r['peer_id'][-8:]} (queue {r['queue_depth']})" for r in doc["peers"]) or "(nobody)"
+        lines.append(f"  stage {int(stage):>3}  layers [{doc['start']}, {doc['end']})  "
+                     f"{len(doc['peers'])} peer(s)  {peers}")
     return "\n".join(lines)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    stats, layers = _get_json(args.api, "/api/stats"), _get_json(args.api, "/api/layers")
+    stats, stages = _get_json(args.api, "/api/stats"), _get_json(args.api, "/api/stages")
     if args.json:
-        print(json.dumps({"stats": stats, "layers": layers}, indent=1, sort_keys=True))
+        print(json.dumps({"stats": stats, "stages": stages}, indent=1, sort_keys=True))
     else:
-        print(format_status(stats, layers))
+        print(format_status(stats, stages))
     return 0
 
 

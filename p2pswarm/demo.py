@@ -1,7 +1,7 @@
 """``p2pswarm demo``: a whole swarm on this machine, as separate real processes on loopback.
 
 Starts one ``p2pswarm bootstrap`` and several ``p2pswarm join`` peers (each serving one stage
-of the default model), waits until every layer is announced, shows the layer map while the
+of the default model), waits until every stage is announced, shows the stage map while the
 swarm runs, then stops every process it started. Training joins the demo when the training
 issues land; today it shows discovery working end to end.
 """
@@ -21,7 +21,7 @@ from p2pswarm.errors import ConfigError, StartupError
 from p2pswarm.model.catalog import DEFAULT_MODEL, get_model
 
 FORM_TIMEOUT = 60.0  # seconds for the swarm to announce every layer on a loaded 2-core machine
-POLL_PERIOD = 1.0  # seconds between looks at the layer map
+POLL_PERIOD = 1.0  # seconds between looks at the stage map
 STOP_TIMEOUT = 15.0  # seconds a peer gets to shut down cleanly after SIGTERM
 
 
@@ -44,16 +44,17 @@ def read_first_addr(process: subprocess.Popen, what: str) -> str:
     return line
 
 
-def layer_map(api: str) -> dict:
+def stage_map(api: str) -> dict:
+    """Stage number (text) -> {"start", "end", "peers"}, as a node's /api/stages shows it."""
     try:
-        with urllib.request.urlopen(f"http://{api}/api/layers", timeout=2) as response:
-            return json.load(response)["layers"]
-    except OSError:
+        with urllib.request.urlopen(f"http://{api}/api/stages", timeout=2) as response:
+            return json.load(response)["stages"]
+    except (OSError, ValueError, KeyError):
         return {}
 
 
-def show_map(layers: dict) -> str:
-    return "  ".join(f"L{layer}:{len(peers)}" for layer, peers in layers.items())
+def show_map(stages: dict) -> str:
+    return "  ".join(f"S{stage}:{len(doc['peers'])}" for stage, doc in stages.items())
 
 
 def stop_all(processes: list[subprocess.Popen]) -> None:
@@ -93,8 +94,9 @@ def run_demo(peers: int, duration: float, directory: Path | None) -> int:
                                     "--data-dir", str(workdir / f"peer{i}"), "--api", api,
                                     "--layers", f"{start}:{end}"], workdir / f"peer{i}.log"))
             apis.append(api)
-            print(f"demo: peer {i} serves layers [{start}, {end}), status API {api}", flush=True)
-        return _watch(processes, apis, model.n_layers, duration)
+            print(f"demo: peer {i} serves stage {i % model.n_stages} (layers [{start}, {end})), "
+                  f"status API {api}", flush=True)
+        return _watch(processes, apis, model.n_stages, duration)
     except KeyboardInterrupt:
         print("\ndemo: interrupted", flush=True)
         return 0
@@ -103,7 +105,7 @@ def run_demo(peers: int, duration: float, directory: Path | None) -> int:
         stop_all(processes)
 
 
-def _watch(processes: list[subprocess.Popen], apis: list[str], n_layers: int, duration: float) -> int:
+def _watch(processes: list[subprocess.Popen], apis: list[str], n_stages: int, duration: float) -> int:
     started = time.monotonic()
     formed_at = None
     while True:
@@ -111,11 +113,11 @@ def _watch(processes: list[subprocess.Popen], apis: list[str], n_layers: int, du
         if dead:
             print(f"demo: a process exited with code {dead[0].returncode}; see the logs", file=sys.stderr)
             return 1
-        layers = layer_map(apis[-1])
-        covered = sum(1 for peers in layers.values() if peers)
+        stages = stage_map(apis[-1])
+        covered = sum(1 for doc in stages.values() if doc["peers"])
         elapsed = time.monotonic() - started
-        print(f"demo: t={elapsed:5.1f}s  layers covered {covered}/{n_layers}  {show_map(layers)}", flush=True)
-        if formed_at is None and covered == n_layers:
+        print(f"demo: t={elapsed:5.1f}s  stages served {covered}/{n_stages}  {show_map(stages)}", flush=True)
+        if formed_at is None and covered == n_stages:
             formed_at = elapsed
             print(f"demo: swarm formed in {formed_at:.1f} s; try: p2pswarm status --api {apis[0]}", flush=True)
         if formed_at is None and elapsed > FORM_TIMEOUT:

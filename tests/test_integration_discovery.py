@@ -1,7 +1,7 @@
 """One real ``p2pswarm bootstrap`` and six ``p2pswarm join`` processes on loopback.
 
-Every node's /api/layers must list every announced range within 30 s, and a node killed with
-SIGKILL must drop out of the layer map once its record's TTL has passed.
+Every node's /api/stages must list every announced stage within 30 s, and a node killed with
+SIGKILL must drop out of the stage map once its record's TTL has passed.
 """
 
 from __future__ import annotations
@@ -12,19 +12,19 @@ import time
 
 import pytest
 
-from p2pswarm.dht.discovery import LAYER_MAP_PERIOD, RECORD_TTL
+from p2pswarm.dht.discovery import RECORD_TTL, STAGE_MAP_PERIOD
 from tests.procs import Swarm, free_port, get_json, wait_until
 
 pytestmark = pytest.mark.integration
 
-RANGES = ["0:2", "2:4", "4:6", "6:8", "0:4", "4:8"]  # tiny-lm: 8 layers, every layer served twice
+RANGES = ["0:2", "2:4", "4:6", "6:8", "0:2", "4:6"]  # tiny-lm: 4 stages of 2 layers; two served twice
 
 
-def announced(layers_doc: dict | None) -> set[tuple[str, int, int]]:
-    """(peer, start, end) of every record a node's /api/layers shows."""
-    if not layers_doc:
+def announced(stages_doc: dict | None) -> set[tuple[str, int, int]]:
+    """(peer, start, end) of every record a node's /api/stages shows."""
+    if not stages_doc:
         return set()
-    return {(r["peer_id"], r["start"], r["end"]) for records in layers_doc["layers"].values() for r in records}
+    return {(r["peer_id"], doc["start"], doc["end"]) for doc in stages_doc["stages"].values() for r in doc["peers"]}
 
 
 @pytest.fixture
@@ -34,7 +34,7 @@ def swarm(tmp_path):
     swarm.close()
 
 
-def test_layer_map_converges_and_forgets_killed_peer(swarm):
+def test_stage_map_converges_and_forgets_killed_peer(swarm):
     boot = swarm.bootstrap()
     nodes = [swarm.join(boot, layers, name=f"peer{i}") for i, layers in enumerate(RANGES)]
     apis = [api for _, api in nodes]
@@ -47,11 +47,11 @@ def test_layer_map_converges_and_forgets_killed_peer(swarm):
     expected = {(peer, start, end) for peer, (start, end) in peer_ids.items()}
 
     def all_converged():
-        return all(announced(get_json(api, "/api/layers")) == expected for api in apis)
+        return all(announced(get_json(api, "/api/stages")) == expected for api in apis)
 
     started = time.monotonic()
-    assert wait_until(all_converged, timeout=30), {api: announced(get_json(api, "/api/layers")) for api in apis}
-    print(f"layer map converged on all 6 nodes after {time.monotonic() - started:.1f} s")
+    assert wait_until(all_converged, timeout=30), {api: announced(get_json(api, "/api/stages")) for api in apis}
+    print(f"stage map converged on all 6 nodes after {time.monotonic() - started:.1f} s")
 
     victim, victim_api = nodes[0]
     victim_id = get_json(victim_api, "/api/stats")["peer_id"]
@@ -62,12 +62,12 @@ def test_layer_map_converges_and_forgets_killed_peer(swarm):
     remaining = {entry for entry in expected if entry[0] != victim_id}
 
     def victim_gone():
-        return all(announced(get_json(api, "/api/layers")) == remaining for api in survivors)
+        return all(announced(get_json(api, "/api/stages")) == remaining for api in survivors)
 
     # The record stays valid for at most RECORD_TTL after its last announcement; a map refresh follows.
-    assert wait_until(victim_gone, timeout=RECORD_TTL + 2 * LAYER_MAP_PERIOD + 10)
+    assert wait_until(victim_gone, timeout=RECORD_TTL + 2 * STAGE_MAP_PERIOD + 10)
     gone_after = time.monotonic() - killed_at
-    print(f"killed peer left every layer map {gone_after:.1f} s after SIGKILL")
+    print(f"killed peer left every stage map {gone_after:.1f} s after SIGKILL")
     assert all(p.poll() is None for p, _ in nodes[1:]), "a surviving node died"
 
 
@@ -76,21 +76,21 @@ def test_layers_auto_picks_the_unserved_stage(swarm):
     boot = swarm.bootstrap()
     served = [swarm.join(boot, layers, name=f"peer{i}") for i, layers in enumerate(["0:2", "2:4", "6:8"])]
     for _, api in served:
-        assert wait_until(lambda: get_json(api, "/api/layers"), timeout=30)
-    assert wait_until(lambda: len(announced(get_json(served[-1][1], "/api/layers"))) == 3, timeout=30)
+        assert wait_until(lambda: get_json(api, "/api/stages"), timeout=30)
+    assert wait_until(lambda: len(announced(get_json(served[-1][1], "/api/stages"))) == 3, timeout=30)
     _, auto_api = swarm.join(boot, "auto", name="auto")
     stats = wait_until(lambda: (get_json(auto_api, "/api/stats") or {}).get("layers"), timeout=30)
-    assert stats == [4, 6]
+    assert stats == [4, 6] and get_json(auto_api, "/api/stats")["stage"] == 2
 
 
 def test_dht_client_peer_announces_and_reads_through_servers(swarm):
     """A --dht-mode client peer stores nothing itself, yet its record reaches every map and it sees all."""
     boot = swarm.bootstrap()
-    servers = [swarm.join(boot, layers, name=f"server{i}") for i, layers in enumerate(["0:4", "4:8"])]
+    servers = [swarm.join(boot, layers, name=f"server{i}") for i, layers in enumerate(["0:2", "4:6"])]
     client_api = "127.0.0.1:" + str(free_port())
-    swarm.start("join", "--bootstrap", boot, "--listen", "/ip4/127.0.0.1/tcp/0", "--layers", "2:6",
+    swarm.start("join", "--bootstrap", boot, "--listen", "/ip4/127.0.0.1/tcp/0", "--layers", "2:4",
                 "--dht-mode", "client", "--api", client_api, "--data-dir", str(swarm.workdir / "client"), name="client")
     apis = [api for _, api in servers] + [client_api]
-    assert wait_until(lambda: all(len(announced(get_json(api, "/api/layers"))) == 3 for api in apis), timeout=30)
+    assert wait_until(lambda: all(len(announced(get_json(api, "/api/stages"))) == 3 for api in apis), timeout=30)
     stats = get_json(client_api, "/api/stats")
     assert stats["dht_mode"] == "client" and stats["records_held"] == 0

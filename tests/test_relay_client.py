@@ -215,7 +215,7 @@ async def _ping_through(dialer, circuit_addr: str, client_id) -> None:
 def test_node_reserves_only_while_private_and_shows_it_in_stats():
     from p2pswarm.config import DhtMode, NodeConfig, Role
     from p2pswarm.nat.reachability import Reachability
-    from p2pswarm.node import on_reachability, run_node
+    from p2pswarm.node import run_node
 
     async def main():
         async with trio.open_nursery() as nursery:
@@ -224,7 +224,7 @@ def test_node_reserves_only_while_private_and_shows_it_in_stats():
                                 relays=(relay_addr,))
             state = await nursery.start(run_node, config)
             assert state.stats()["relays"] == [] and state.stats()["circuit_addrs"] == []
-            await on_reachability(state, Reachability.PRIVATE)
+            await state.nat.on_verdict(Reachability.PRIVATE)
             with trio.fail_after(15):
                 while not state.stats()["circuit_addrs"]:
                     await trio.sleep(0.05)
@@ -233,10 +233,10 @@ def test_node_reserves_only_while_private_and_shows_it_in_stats():
             expected = f"{relay_addr}/p2p-circuit/p2p/{state.identity.peer_id_text}"
             assert stats["circuit_addrs"] == [expected] and expected in stats["addrs"]
             assert [r["peer"] for r in stats["relays"]] == [relay_id] and stats["relays"][0]["expires_in_s"] > 1000
-            await on_reachability(state, Reachability.UNKNOWN)  # keeps what runs
+            await state.nat.on_verdict(Reachability.UNKNOWN)  # keeps what runs
             await trio.sleep(0.2)
             assert state.stats()["circuit_addrs"] == [expected]
-            await on_reachability(state, Reachability.PUBLIC)
+            await state.nat.on_verdict(Reachability.PUBLIC)
             with trio.fail_after(5):
                 while state.stats()["circuit_addrs"]:
                     await trio.sleep(0.05)

@@ -4,7 +4,7 @@ The NAT lab tests and ``bench/nat_matrix.py`` build the same kind of swarm: a bo
 relays on the lab's internet, joining peers at home behind NAT routers, every node with its
 status API on its own namespace's loopback. ``LabSwarm`` starts them (real ``p2pswarm``
 processes, each under a time bound) and answers the questions the tests ask: is this peer
-PRIVATE and reachable through a relay yet, does that peer see it in its layer map, and what
+PRIVATE and reachable through a relay yet, does that peer see it in its stage map, and what
 does ``/api/ping`` measure between two of them.
 """
 
@@ -88,22 +88,23 @@ class LabSwarm:
         return self.wait_until(names, lambda d: d.get("reachability") == "private" and d.get("circuit_addrs"),
                                timeout)
 
-    def circuit_in_layer_map(self, asker: str, target: str) -> bool:
-        doc = self.get(asker, "/api/layers", timeout=10)
-        records = [r for rs in doc.get("layers", {}).values() for r in rs if r["peer_id"] == self.nodes[target].peer_id]
+    def circuit_in_stage_map(self, asker: str, target: str) -> bool:
+        doc = self.get(asker, "/api/stages", timeout=10)
+        records = [r for stage in doc.get("stages", {}).values() for r in stage["peers"]
+                   if r["peer_id"] == self.nodes[target].peer_id]
         return any("/p2p-circuit" in a for r in records for a in r["addrs"])
 
-    def wait_in_layer_map(self, asker: str, target: str, timeout: float) -> bool:
-        """Until ``asker``'s layer map offers a /p2p-circuit address of ``target``."""
+    def wait_in_stage_map(self, asker: str, target: str, timeout: float) -> bool:
+        """Until ``asker``'s stage map offers a /p2p-circuit address of ``target``."""
         deadline = time.monotonic() + timeout
-        while not self.circuit_in_layer_map(asker, target):
+        while not self.circuit_in_stage_map(asker, target):
             if time.monotonic() > deadline:
                 return False
             time.sleep(POLL)
         return True
 
     def ping(self, src: str, dst: str, nbytes: int = 0, *, fresh: bool = True, upgrade_wait: float = 0.0) -> dict:
-        """``/api/ping`` from ``src`` to ``dst`` (by peer id: addresses from the layer map)."""
+        """``/api/ping`` from ``src`` to ``dst`` (by peer id: addresses from the stage map)."""
         query = f"peer={self.nodes[dst].peer_id}&bytes={nbytes}&fresh={int(fresh)}&upgrade_wait={upgrade_wait:g}"
         return self.get(src, f"/api/ping?{query}", timeout=90 + upgrade_wait)
 

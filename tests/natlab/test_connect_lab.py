@@ -45,7 +45,7 @@ def test_connection_matrix_direct_punched_and_relayed(lab, tmp_path):
     results = {}
     for src, dst in [("pub", "easy1"), ("easy1", "easy2"), ("easy1", "sym1"), ("sym1", "sym2"), ("easy2", "pub")]:
         if dst in natted:
-            assert swarm.wait_in_layer_map(src, dst, MAP_TIMEOUT), f"{src} never saw {dst}'s circuit address"
+            assert swarm.wait_in_stage_map(src, dst, MAP_TIMEOUT), f"{src} never saw {dst}'s circuit address"
         results[src, dst] = swarm.ping(src, dst, NBYTES, upgrade_wait=UPGRADE_WAIT if dst in natted else 0)
         print(src, "->", dst, results[src, dst])
     for pair, doc in results.items():

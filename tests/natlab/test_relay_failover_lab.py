@@ -56,6 +56,6 @@ def test_full_relay_refuses_and_a_dead_relay_is_replaced_by_the_second(lab, tmp_
 
     # ... and is still reachable by peer id through r2
     swarm.stats("pub")
-    assert swarm.wait_in_layer_map("pub", "c1", 30), "pub never saw c1's circuit address"
+    assert swarm.wait_in_stage_map("pub", "c1", 30), "pub never saw c1's circuit address"
     result = swarm.ping("pub", "c1", NBYTES, upgrade_wait=5)
     assert result.get("bytes") == NBYTES and result["method"] == "relay", (result, swarm.log_tail("pub"))

@@ -1,0 +1,132 @@
+"""The swarm's stage map as one node sees it, and the announcement of our own stage.
+
+The map (which peers serve each stage of the model, with what capacity) is rebuilt on demand,
+when asked and older than STAGE_MAP_PERIOD: a full map costs one lookup per stage, and a node
+nobody asks should not spend that every few seconds. A rebuild that overruns its bound leaves
+the previous map in place. ``/api/stages`` serves it.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable
+
+import trio
+
+from p2pswarm.dht.discovery import ANNOUNCE_PERIOD, LOOKUP_TIMEOUT, STAGE_MAP_PERIOD, StageIndex
+from p2pswarm.dht.records import StageRecord
+from p2pswarm.errors import DialError
+from p2pswarm.model.catalog import ModelSpec, least_served_stage
+
+log = logging.getLogger(__name__)
+
+STAGE_MAP_BUILD_TIMEOUT = 2 * LOOKUP_TIMEOUT  # closest-peer search plus one fetch round, each bounded
+
+
+class StageMap:
+    """The cached stage map of ``model``, rebuilt on demand through ``index``."""
+
+    def __init__(self, index: StageIndex, model: ModelSpec) -> None:
+        self._index, self.model = index, model
+        self.stages: dict[int, list[StageRecord]] = {}
+        self.updated_at = 0.0
+        self._lock = trio.Lock()
+
+    async def refresh(self) -> dict[int, list[StageRecord]]:
+        self.stages = await self._index.stage_map(self.model)
+        self.updated_at = time.time()
+        return self.stages
+
+    async def current(self) -> dict[int, list[StageRecord]]:
+        """The stage map, rebuilt when older than STAGE_MAP_PERIOD."""
+        async with self._lock:
+            if time.time() - self.updated_at >= STAGE_MAP_PERIOD:
+                with trio.move_on_after(STAGE_MAP_BUILD_TIMEOUT):
+                    await self.refresh()
+        return self.stages
+
+    def records(self) -> dict[str, StageRecord]:
+        """Every peer of the current map, by peer id."""
+        return {r.peer_id: r for records in self.stages.values() for r in records}
+
+    async def addrs_of(self, peer_id: str) -> tuple[str, ...]:
+        await self.current()
+        record = self.records().get(peer_id)
+        return record.addrs if record else ()
+
+    async def choose_stage(self, rng: random.Random) -> int:
+        """``--layers auto``: the stage with the fewest live replicas, ties broken at random."""
+        stages = await self.refresh()
+        chosen = least_served_stage(self.model, {s: len(records) for s, records in stages.items()}, rng)
+        log.info("--layers auto: chose stage %d, layers [%d, %d): the least served", chosen,
+                 *self.model.stage_range(chosen))
+        return chosen
+
+    def doc(self) -> dict:
+        now = time.time()
+        return {
+            "model": self.model.name,
+            "n_layers": self.model.n_layers,
+            "n_stages": self.model.n_stages,
+            "updated_at": self.updated_at,
+            "stages": {
+                str(stage): {
+                    "start": self.model.stage_range(stage)[0],
+                    "end": self.model.stage_range(stage)[1],
+                    "peers": [_record_doc(r, now) for r in records],
+                }
+                for stage, records in self.stages.items()
+            },
+        }
+
+    async def stages_json(self, params: dict) -> dict:
+        await self.current()
+        return self.doc()
+
+    def routes(self) -> dict:
+        return {"/api/stages": self.stages_json}
+
+
+def _record_doc(record: StageRecord, now: float) -> dict:
+    cap = record.capacity
+    return {"peer_id": record.peer_id, "addrs": list(record.addrs), "queue_depth": cap.queue_depth,
+            "free_memory_mb": cap.free_memory_mb, "flags": cap.flags, "throughput": cap.throughput,
+            "expires_in_s": round(record.expires_at - now, 1)}
+
+
+async def serve_announcements(index: StageIndex, signed_record: Callable[[float], tuple[StageRecord, bytes]]) -> None:
+    """Re-announce our stage record every ANNOUNCE_PERIOD, well before its TTL runs out."""
+    while True:
+        record, signed = signed_record(time.time())
+        try:
+            accepted = await index.announce(record, signed)
+        except Exception:  # one failed round must not stop the node; the next one retries
+            log.exception("announcing stage %d failed; retrying in %.0f s", record.stage, ANNOUNCE_PERIOD)
+        else:
+            log.info("announced stage %d (layers [%d, %d)) of %s: %d store(s) accepted",
+                     record.stage, record.start, record.end, record.model, accepted)
+        await trio.sleep(ANNOUNCE_PERIOD)
+
+
+async def meet_peers(stage_map: StageMap, connected: set[str], connect: Callable[..., Awaitable[object]],
+                     rng: random.Random, want: int) -> None:
+    """Connect (directly) to up to ``want`` peers of the stage map not in ``connected``.
+
+    A joining peer starts as a DHT client and talks to the bootstrap peers only; reachability
+    needs two dial-back servers, so it meets a few of the swarm's other peers.
+    """
+    await stage_map.current()
+    records = {p: r for p, r in stage_map.records().items() if p not in connected}
+    chosen = rng.sample(sorted(records), min(want, len(records)))
+
+    async def meet(peer: str) -> None:
+        try:
+            await connect(peer, records[peer].addrs, via_relay=False)
+        except DialError:
+            pass  # a NATed peer: someone else will do
+
+    async with trio.open_nursery() as nursery:
+        for peer in chosen:
+            nursery.start_soon(meet, peer)
