@@ -4,7 +4,8 @@ A minimal HTTP/1.1 server on trio (GET only, one request per connection, bounded
 so the node needs no web framework. Routes map a path to an async function returning a JSON-able
 dict (async so that an endpoint may refresh what it shows before answering). A route gets the
 query parameters (``?peer=...&bytes=...``) as a dict; a ``ConfigError`` it raises is a 400 (bad
-parameters), a ``DialError`` a 502 (the peer asked about could not be reached).
+parameters), a ``DialError`` a 502 (the peer asked about could not be reached), also when it
+arrives inside an exception group.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
-from p2pswarm.errors import ConfigError, DialError, StartupError
+from p2pswarm.errors import ConfigError, DialError, StartupError, first_error
 
 log = logging.getLogger(__name__)
 
@@ -62,11 +63,12 @@ async def respond(request: bytes, routes: Routes) -> bytes:
         return _response("400 Bad Request", {"error": f"more than {MAX_QUERY_FIELDS} query parameters"})
     try:
         return _response("200 OK", await route(params))
-    except ConfigError as exc:
-        return _response("400 Bad Request", {"error": str(exc)})
-    except DialError as exc:
-        return _response("502 Bad Gateway", {"error": str(exc)})
-    except Exception:
+    except Exception as exc:  # an exception group from a route's nursery too
+        error = first_error(exc)
+        if isinstance(error, ConfigError):
+            return _response("400 Bad Request", {"error": str(error)})
+        if isinstance(error, DialError):
+            return _response("502 Bad Gateway", {"error": str(error)})
         log.exception("status endpoint %s failed", target)
         return _response("500 Internal Server Error", {"error": "endpoint failed"})
 

@@ -20,7 +20,7 @@ import trio
 
 from p2pswarm import __version__
 from p2pswarm.config import DEFAULT_BOOTSTRAP_LISTEN, DEFAULT_LISTEN, DEFAULT_RELAY_LISTEN, DhtMode, NodeConfig, Role
-from p2pswarm.errors import ConfigError, P2PSwarmError
+from p2pswarm.errors import ConfigError, P2PSwarmError, first_error
 from p2pswarm.logs import LOG_FORMATS, quiet_libp2p, setup_logging
 from p2pswarm.model.catalog import DEFAULT_MODEL, MODELS, get_model, parse_layers
 from p2pswarm.nat.relay_service import RelayConfig, load_relay_config
@@ -145,16 +145,6 @@ async def _run_until_signalled(config: NodeConfig) -> None:
                 break
 
 
-def _first_error(exc: BaseException) -> BaseException:
-    """The P2PSwarmError inside (possibly nested) exception groups, or the exception itself."""
-    if isinstance(exc, BaseExceptionGroup):
-        for inner in exc.exceptions:
-            found = _first_error(inner)
-            if isinstance(found, P2PSwarmError):
-                return found
-    return exc
-
-
 def cmd_keygen(args: argparse.Namespace) -> int:
     from p2pswarm.identity import generate_identity, write_key
 
@@ -262,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         trio.run(_run_until_signalled, config)
         return 0
     except BaseException as exc:  # noqa: BLE001 - the one place errors become exit codes
-        error = _first_error(exc)
+        error = first_error(exc)
         if isinstance(error, P2PSwarmError):
             print(f"p2pswarm: error: {error}", file=sys.stderr)
             return 1

@@ -45,3 +45,17 @@ class NoCandidates(P2PSwarmError):
 
 class StartupError(P2PSwarmError):
     """The node could not start: a port in use, no bootstrap peer reachable."""
+
+
+def first_error(exc: BaseException) -> BaseException:
+    """The first P2PSwarmError inside (possibly nested) exception groups, or ``exc`` itself.
+
+    Trio nurseries wrap what their tasks raise in exception groups; the boundaries that turn an
+    error into an exit code or an HTTP status look through them with this.
+    """
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            found = first_error(inner)
+            if isinstance(found, P2PSwarmError):
+                return found
+    return exc

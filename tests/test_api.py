@@ -6,6 +6,8 @@ import json
 import logging
 import socket
 import struct
+import urllib.error
+import urllib.parse
 import urllib.request
 
 import pytest
@@ -13,9 +15,10 @@ import trio
 from hypothesis import given
 from hypothesis import strategies as st
 
-from p2pswarm import api
+from p2pswarm import api, wire
 from p2pswarm.api import parse_host_port, serve_api
 from p2pswarm.errors import ConfigError, DialError
+from p2pswarm.net.streams import ByteStream
 
 async def ok(params: dict) -> dict:
     return {"ok": 1}
@@ -52,6 +55,21 @@ def test_query_parameters_reach_the_route_and_errors_map_to_statuses():
     assert status_of(dial) == 502 and b"failed: dial" in dial
     flood = "&".join(f"p{i}=1" for i in range(api.MAX_QUERY_FIELDS + 1))
     assert status_of(respond(f"GET /api/echo?{flood} HTTP/1.1\r\n\r\n".encode(), routes)) == 400
+
+
+def test_errors_inside_exception_groups_map_to_their_statuses():
+    """A route's nursery wraps what its tasks raise: the status comes from the error inside."""
+
+    async def grouped(params: dict) -> dict:
+        inner = {"config": ConfigError("bad bytes"), "dial": DialError("cannot reach x"), "bug": ValueError("bug")}
+        raise ExceptionGroup("nursery", [ExceptionGroup("inner", [inner[params["fail"]]])])
+
+    routes = {"/g": grouped}
+    config = respond(b"GET /g?fail=config HTTP/1.1\r\n\r\n", routes)
+    assert status_of(config) == 400 and b"bad bytes" in config
+    dial = respond(b"GET /g?fail=dial HTTP/1.1\r\n\r\n", routes)
+    assert status_of(dial) == 502 and b"cannot reach x" in dial
+    assert status_of(respond(b"GET /g?fail=bug HTTP/1.1\r\n\r\n", routes)) == 500
 
 
 def test_routes():
@@ -183,3 +201,66 @@ def test_silent_garbage_and_non_reading_clients_end_in_their_own_task(monkeypatc
                 nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+# --- /api/ping to a peer that does not speak p2pswarm ---------------------------------------------
+
+
+async def _http_status_and_body(address: str, path: str) -> tuple[int, dict]:
+    def fetch() -> tuple[int, dict]:
+        try:
+            with urllib.request.urlopen(f"http://{address}{path}", timeout=20) as response:
+                return response.status, json.load(response)
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.load(exc)
+
+    return await trio.to_thread.run_sync(fetch)
+
+
+async def _garbage_ack(raw_stream) -> None:
+    """A probe server that reads the pushed frames, then answers with bytes that are no frame."""
+    stream = ByteStream(raw_stream)
+    while (frame := await wire.read_frame(stream)) is not None and not frame[0].last:
+        pass
+    await stream.write(b"\x00\x00\x00\x03abc")
+    await stream.close()
+
+
+def test_ping_of_a_peer_without_our_control_protocol_is_a_502_naming_the_reason(caplog):
+    """The node's /api/ping route (net/probe_api.py over a real host, ControlService and
+    Connector) pinging a plain libp2p host: a 502 with the reason, no 500, no traceback."""
+    from p2pswarm.identity import generate_identity
+    from p2pswarm.net import probe
+    from p2pswarm.net.connect import Connector
+    from p2pswarm.net.control import CONTROL_PROTOCOL, ControlService
+    from p2pswarm.net.host import open_host
+    from p2pswarm.net.probe_api import PingRoute
+
+    async def no_addrs(peer: str) -> tuple[str, ...]:
+        return ()
+
+    async def main():
+        with trio.fail_after(60):
+            async with open_host(generate_identity(), ["/ip4/127.0.0.1/tcp/0"]) as plain, \
+                    open_host(generate_identity(), ["/ip4/127.0.0.1/tcp/0"]) as host, trio.open_nursery() as nursery:
+                connector = Connector(host, nursery)
+                control = ControlService(host, nursery, connector)
+                probe.register(host, control)
+                routes = PingRoute(host, connector, control, no_addrs).routes()
+                address = await nursery.start(serve_api, "127.0.0.1:0", routes)
+                query = urllib.parse.urlencode({"peer": str(plain.get_addrs()[0]), "bytes": 1024})
+                status, body = await _http_status_and_body(address, f"/api/ping?{query}")
+                assert status == 502, body
+                assert CONTROL_PROTOCOL in body["error"] and str(plain.get_id()) in body["error"], body
+                with pytest.raises(DialError):  # the plain error, not an exception group
+                    await probe.probe(host, connector, control, str(plain.get_id()))
+
+                # Now it answers pings but acknowledges a push with garbage: still a 502.
+                ControlService(plain, nursery).handle(wire.Ping, probe.answer_ping)
+                plain.set_stream_handler(probe.PROBE_PROTOCOL, _garbage_ack)
+                status, body = await _http_status_and_body(address, f"/api/ping?{query}")
+                assert status == 502 and "invalid frame" in body["error"], body
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert not [r for r in caplog.records if r.name == api.log.name and r.exc_info], "a traceback was logged"

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import trio
 
 from p2pswarm import wire
-from p2pswarm.errors import DialError, RemoteProtocolError
+from p2pswarm.errors import DialError, P2PSwarmError, RemoteProtocolError, first_error
 from p2pswarm.net.connect import Connector, as_peer_id, connections_to, has_direct
 from p2pswarm.net.control import ControlService
 from p2pswarm.net.streams import ByteStream, open_stream
@@ -118,11 +118,25 @@ async def probe(host, connector: Connector, control: ControlService, peer: str,
                 addrs: tuple[str, ...] = (), nbytes: int = 0, *, fresh: bool = False, upgrade_wait: float = 0.0,
                 rng: random.Random | None = None) -> ProbeResult:
     """Reach ``peer``, time a round trip and push ``nbytes`` (at most MAX_PROBE_BYTES, which the
-    other side enforces); DialError when it cannot be reached.
+    other side enforces); a plain DialError (never an exception group) when it cannot be reached
+    or does not answer as a p2pswarm peer.
 
     ``fresh`` closes existing connections to the peer first, so the connection is made anew;
     ``upgrade_wait`` waits up to that many seconds for a relayed connection to become direct.
     """
+    try:
+        return await _probe(host, connector, control, peer, addrs, nbytes, fresh, upgrade_wait, rng)
+    except BaseExceptionGroup as group:  # the upgrade watcher's nursery wraps what the probe raised
+        error = first_error(group)
+        if isinstance(error, P2PSwarmError):
+            raise error from None
+        raise
+    except trio.TooSlowError:
+        raise DialError(f"{peer}: the probe did not finish within {PROBE_TIMEOUT + upgrade_wait:.0f} s") from None
+
+
+async def _probe(host, connector: Connector, control: ControlService, peer: str, addrs: tuple[str, ...],
+                 nbytes: int, fresh: bool, upgrade_wait: float, rng: random.Random | None) -> ProbeResult:
     pid = as_peer_id(peer)
     direct_at: list[float] = []
 
@@ -178,7 +192,10 @@ async def _push(host, peer: str, nbytes: int) -> None:
             size = min(PROBE_CHUNK, nbytes - sent)
             sent += size
             await wire.write_frame(stream, ProbeData(last=sent == nbytes), chunk[:size])
-        frame = await wire.read_frame(stream, max_payload=0)
+        try:
+            frame = await wire.read_frame(stream, max_payload=0)
+        except RemoteProtocolError as exc:
+            raise DialError(f"{peer} answered the probe with an invalid frame: {exc}") from None
         if frame is None or frame[0] != ProbeAck(received=nbytes):
             raise DialError(f"{peer} acknowledged {frame[0] if frame else 'nothing'} for {nbytes} bytes")
     finally:
