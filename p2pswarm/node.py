@@ -34,7 +34,14 @@ from p2pswarm.dht.discovery import (
     serve_routing_upkeep,
 )
 from p2pswarm.dht.records import Capacity, StageRecord, sign_record
-from p2pswarm.dht.stagemap import StageMap, meet_peers, serve_announcements
+from p2pswarm.dht.stagemap import (
+    StageMap,
+    control_round_trip,
+    meet_peers,
+    neighbour_stages,
+    serve_announcements,
+    serve_candidate_checks,
+)
 from p2pswarm.dht.store import RecordStore
 from p2pswarm.identity import Identity, load_or_create_key
 from p2pswarm.model.catalog import ModelSpec, get_model
@@ -144,6 +151,9 @@ async def _join_dht(state: NodeState, nursery: trio.Nursery, rng: random.Random)
         stage = state.model.stage_of(*config.layers) if config.layers else None
         state.stage = stage if stage is not None else await state.stage_map.choose_stage(rng)
         nursery.start_soon(serve_announcements, state.index, state.signed_record)
+        nursery.start_soon(serve_candidate_checks, state.stage_map, neighbour_stages(state.model, state.stage),
+                           state.identity.peer_id_text,
+                           functools.partial(control_round_trip, state.connector, state.control))
 
 
 async def run_node(config: NodeConfig, *, on_listening: Callable[[list[str]], None] = lambda addrs: None,

@@ -15,7 +15,9 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
-from p2pswarm.dht.discovery import ANNOUNCE_PERIOD, LOOKUP_TIMEOUT, STAGE_MAP_PERIOD, StageIndex
+from p2pswarm import wire
+from p2pswarm.dht.candidates import CHECK_PERIOD, CandidateBook
+from p2pswarm.dht.discovery import ANNOUNCE_PERIOD, DEFAULT_K, LOOKUP_TIMEOUT, STAGE_MAP_PERIOD, StageIndex
 from p2pswarm.dht.records import StageRecord
 from p2pswarm.errors import DialError
 from p2pswarm.model.catalog import ModelSpec, least_served_stage
@@ -23,6 +25,8 @@ from p2pswarm.model.catalog import ModelSpec, least_served_stage
 log = logging.getLogger(__name__)
 
 STAGE_MAP_BUILD_TIMEOUT = 2 * LOOKUP_TIMEOUT  # closest-peer search plus one fetch round, each bounded
+CHECK_TIMEOUT = 3.0  # connect plus one control round trip; a peer slower than this is no candidate
+MAX_CHECKS_AT_ONCE = 8  # round trips in flight while checking candidates
 
 
 class StageMap:
@@ -33,6 +37,7 @@ class StageMap:
         self.stages: dict[int, list[StageRecord]] = {}
         self.updated_at = 0.0
         self._lock = trio.Lock()
+        self.book = CandidateBook()  # who answered us; only they are candidates
 
     async def refresh(self) -> dict[int, list[StageRecord]]:
         self.stages = await self._index.stage_map(self.model)
@@ -46,6 +51,21 @@ class StageMap:
                 with trio.move_on_after(STAGE_MAP_BUILD_TIMEOUT):
                     await self.refresh()
         return self.stages
+
+    async def refresh_stages(self, stages: list[int]) -> None:
+        """Look up only ``stages`` (those a node routes to) and update them in the map."""
+        async def one(stage: int) -> None:
+            records = await self._index.lookup_stage(self.model.name, stage, k=DEFAULT_K)
+            self.stages[stage] = [r for r in records if (r.start, r.end) == self.model.stage_range(stage)]
+
+        with trio.move_on_after(STAGE_MAP_BUILD_TIMEOUT):
+            async with trio.open_nursery() as nursery:
+                for stage in stages:
+                    nursery.start_soon(one, stage)
+
+    def candidates(self, stage: int) -> list[StageRecord]:
+        """The peers serving ``stage`` that answered us recently, best first: what a router may use."""
+        return self.book.candidates(self.stages.get(stage, []), time.time())
 
     def records(self) -> dict[str, StageRecord]:
         """Every peer of the current map, by peer id."""
@@ -75,7 +95,8 @@ class StageMap:
                 str(stage): {
                     "start": self.model.stage_range(stage)[0],
                     "end": self.model.stage_range(stage)[1],
-                    "peers": [_record_doc(r, now) for r in records],
+                    "peers": [{**_record_doc(r, now), "answered": self.book.has_answered(r.peer_id, now)}
+                              for r in records],
                 }
                 for stage, records in self.stages.items()
             },
@@ -130,3 +151,42 @@ async def meet_peers(stage_map: StageMap, connected: set[str], connect: Callable
     async with trio.open_nursery() as nursery:
         for peer in chosen:
             nursery.start_soon(meet, peer)
+
+
+def neighbour_stages(model: ModelSpec, stage: int) -> list[int]:
+    """The stages a peer of ``stage`` exchanges work with: its own (replicas) and the adjacent ones."""
+    return [s for s in (stage - 1, stage, stage + 1) if 0 <= s < model.n_stages]
+
+
+async def serve_candidate_checks(stage_map: StageMap, stages: list[int], me: str,
+                                 round_trip: Callable[[str, tuple[str, ...]], Awaitable[object]]) -> None:
+    """Keep ``stages`` of the map fresh and ask their peers for a round trip, so that
+    ``StageMap.candidates`` offers only peers that answer us."""
+    limiter = trio.CapacityLimiter(MAX_CHECKS_AT_ONCE)
+
+    async def check(record: StageRecord) -> None:
+        async with limiter:
+            stage_map.book.asked(record.peer_id, time.time())
+            with trio.move_on_after(CHECK_TIMEOUT):
+                try:
+                    await round_trip(record.peer_id, record.addrs)
+                except DialError:
+                    return
+                stage_map.book.answered(record.peer_id, time.time())
+
+    while True:
+        await stage_map.refresh_stages(stages)
+        records = {r.peer_id: r for s in stages for r in stage_map.stages.get(s, []) if r.peer_id != me}
+        async with trio.open_nursery() as nursery:
+            for peer in stage_map.book.to_ask(records, time.time()):
+                nursery.start_soon(check, records[peer])
+        await trio.sleep(CHECK_PERIOD / 2)
+
+
+async def control_round_trip(connector, control, peer: str, addrs: tuple[str, ...]) -> None:
+    """Reach ``peer`` (direct, hole punch or relay) and get a Pong back; DialError otherwise."""
+    await connector.connect(peer, addrs)
+    nonce = random.getrandbits(63)
+    reply = await control.request(peer, wire.Ping(nonce=nonce), CHECK_TIMEOUT)
+    if reply != wire.Pong(nonce=nonce):
+        raise DialError(f"{peer} answered a ping with {reply!r:.80}")
