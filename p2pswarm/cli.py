@@ -19,6 +19,7 @@ from pathlib import Path
 import trio
 
 from p2pswarm import __version__
+from p2pswarm.api import parse_host_port
 from p2pswarm.config import DEFAULT_BOOTSTRAP_LISTEN, DEFAULT_LISTEN, DEFAULT_RELAY_LISTEN, DhtMode, NodeConfig, Role
 from p2pswarm.errors import ConfigError, P2PSwarmError, first_error
 from p2pswarm.logs import LOG_FORMATS, quiet_libp2p, setup_logging
@@ -112,6 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> NodeConfig:
     role = Role(args.command)
+    if args.api:
+        parse_host_port(args.api)  # ConfigError before the node listens and prints its addresses
     default_listen = {Role.BOOTSTRAP: DEFAULT_BOOTSTRAP_LISTEN, Role.RELAY: DEFAULT_RELAY_LISTEN}.get(role, DEFAULT_LISTEN)
     kwargs = dict(role=role, listen=tuple(args.listen or [default_listen]), bootstrap=tuple(args.bootstrap),
                   key_path=args.key, data_dir=args.data_dir, api=args.api,
@@ -155,8 +158,6 @@ def cmd_keygen(args: argparse.Namespace) -> int:
 
 
 def _get_json(api: str, path: str, timeout: float = STATUS_TIMEOUT) -> dict:
-    from p2pswarm.api import parse_host_port
-
     host, port = parse_host_port(api)
     try:
         with urllib.request.urlopen(f"http://{host}:{port}{path}", timeout=timeout) as response:

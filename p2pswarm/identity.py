@@ -42,19 +42,37 @@ def generate_identity() -> Identity:
 
 
 def write_key(path: Path, identity: Identity) -> None:
-    """Write the key atomically with mode 0600; refuse to overwrite an existing key."""
+    """Write the key atomically with mode 0600; refuse to overwrite an existing key.
+
+    ConfigError, never an OSError, when the file cannot be written (a file where a folder
+    should be, a read-only place, a full disk): the CLI prints it as one line.
+    """
     path = Path(path)
-    if path.exists():
-        raise ConfigError(f"key file {path} already exists; refusing to overwrite it")
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, KEY_FILE_MODE)
     try:
-        os.write(fd, identity.key_pair.private_key.serialize())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+        if path.exists():
+            raise ConfigError(f"key file {path} already exists; refusing to overwrite it")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, KEY_FILE_MODE)
+        try:
+            os.write(fd, identity.key_pair.private_key.serialize())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except OSError as exc:
+        _remove_quietly(tmp)
+        reason = exc.strerror or str(exc)
+        if isinstance(exc, (FileExistsError, NotADirectoryError)):  # from mkdir: "File exists" misleads
+            reason = "a file stands where a folder on its path should be"
+        raise ConfigError(f"cannot write key file {path}: {reason}") from None
+
+
+def _remove_quietly(path: Path) -> None:
+    try:
+        path.unlink(missing_ok=True)
+    except OSError:  # never created, or the place is not writable: nothing to clean up
+        pass
 
 
 def load_key(path: Path) -> Identity:
@@ -78,7 +96,10 @@ def load_key(path: Path) -> Identity:
         )
     if info.st_size > MAX_KEY_FILE_BYTES:
         raise ConfigError(f"key file {path} is {info.st_size} bytes; not a p2pswarm key")
-    data = path.read_bytes()
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read key file {path}: {exc.strerror or exc}") from None
     try:
         private_key = deserialize_private_key(data)
     except Exception:

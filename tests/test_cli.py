@@ -149,3 +149,28 @@ def test_ctrl_c_shuts_down_cleanly_and_json_logs_parse(tmp_path):
     assert any("shutting down" in entry["msg"] for entry in entries)
     with socket.socket() as probe:
         assert probe.connect_ex(("127.0.0.1", port)) != 0, "the listener outlived the node"
+
+
+def assert_only_one_stderr_line(result: subprocess.CompletedProcess, *words: str) -> None:
+    assert_one_line_error(result, *words)
+    assert len(result.stderr.splitlines()) == 1, result.stderr
+
+
+def test_key_or_data_dir_that_cannot_be_created_is_one_line(tmp_path):
+    """A file used as a folder: the key cannot be written (as root, nothing else is read-only)."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    listen = ("--listen", "/ip4/127.0.0.1/tcp/0")
+    for flags in (("--key", str(blocker / "sub" / "node.key")), ("--data-dir", str(blocker / "sub")),
+                  ("--data-dir", str(blocker))):
+        result = run("bootstrap", *listen, *flags)
+        assert_only_one_stderr_line(result, str(blocker))
+        assert result.stdout == "", result.stdout
+    assert_only_one_stderr_line(run("keygen", str(blocker / "node.key")), str(blocker))
+
+
+@pytest.mark.parametrize("api", ["nonsense", "127.0.0.1:99999", "127.0.0.1:", ":8700", "127.0.0.1:-1"])
+def test_bad_api_address_fails_before_the_node_listens(api):
+    result = run("bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0", "--api", api)
+    assert_only_one_stderr_line(result, "--api", api)
+    assert result.stdout == "", "the node listened and printed its addresses first"
