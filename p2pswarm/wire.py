@@ -348,7 +348,11 @@ async def read_frame(
 
 
 def check_tensor(dtype: str, shape: tuple[int, ...], nbytes: int) -> None:
-    """RemoteProtocolError unless ``nbytes`` is exactly a ``dtype`` tensor of ``shape``."""
+    """RemoteProtocolError unless ``nbytes`` is exactly a ``dtype`` tensor of ``shape``.
+
+    The shape's non-zero dims times the item size must stay within MAX_PAYLOAD_BYTES even when
+    another dim is 0: torch computes strides from them, and an empty (0, 2**32, 2**32) overflows.
+    """
     itemsize = DTYPE_SIZES.get(dtype) if type(dtype) is str else None
     if itemsize is None:
         raise RemoteProtocolError(f"unsupported tensor dtype {dtype!r:.40}")
@@ -356,11 +360,12 @@ def check_tensor(dtype: str, shape: tuple[int, ...], nbytes: int) -> None:
         raise RemoteProtocolError(f"tensor shape must be a tuple of <= {MAX_TENSOR_DIMS} dims")
     if any(type(d) is not int or d < 0 for d in shape):
         raise RemoteProtocolError("tensor dims must be non-negative ints")
-    size = 0 if 0 in shape else itemsize
+    extent = itemsize  # bytes of the shape with its zero dims left out: bounds every stride
     for dim in shape:
-        size *= dim
-        if size > nbytes:  # stop early: never multiply far past the payload
-            break
+        extent *= dim or 1
+        if extent > MAX_PAYLOAD_BYTES:  # stop early: never multiply far past the limit
+            raise RemoteProtocolError(f"{dtype} tensor of shape {shape} is too large (even if empty)")
+    size = 0 if 0 in shape else extent
     if size != nbytes:
         raise RemoteProtocolError(f"{dtype} tensor of shape {shape} is not {nbytes} bytes")
 

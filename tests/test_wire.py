@@ -293,3 +293,42 @@ def test_check_tensor_rejects(dtype, shape, nbytes):
 def test_import_pulls_in_neither_torch_nor_trio():
     code = "import p2pswarm.wire, sys; assert not {'torch', 'trio'} & set(sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+HUGE_DIMS = [2**31 - 1, 2**31, 2**32, 3036988439, 3037012561, 2**62, wire.INT_MAX]
+dims = st.one_of(st.integers(0, 6), st.sampled_from(HUGE_DIMS), st.integers(0, wire.INT_MAX), st.integers(-3, -1))
+dtypes = st.one_of(st.sampled_from(sorted(wire.DTYPE_SIZES)), st.text(max_size=10), st.sampled_from(["bool", "complex64"]))
+
+
+def small_size(dtype: str, shape: tuple[int, ...]) -> int | None:
+    """The payload size the shape asks for, when it is small enough to allocate in a test."""
+    size = wire.DTYPE_SIZES.get(dtype, 1)
+    for dim in shape:
+        size *= max(dim, 0)
+    return size if size <= 4096 else None
+
+
+@settings(max_examples=500, deadline=None)
+@given(dtypes, st.lists(dims, max_size=wire.MAX_TENSOR_DIMS + 1).map(tuple), st.data())
+def test_frame_to_tensor_is_total(dtype, shape, data):
+    """Any dtype string, shape (zeros, huge dims) and payload length: a tensor of exactly that
+    shape, or RemoteProtocolError, nothing else."""
+    fitting = small_size(dtype, shape)
+    nbytes = data.draw(st.integers(0, 64) if fitting is None else st.sampled_from([fitting, fitting + 1, 0]))
+    try:
+        tensor = wire.frame_to_tensor(TensorFrame("w", dtype, shape), bytes(nbytes))
+    except RemoteProtocolError:
+        return
+    assert tuple(tensor.shape) == shape and str(tensor.dtype) == f"torch.{dtype}"
+    assert tensor.nbytes == nbytes
+
+
+@pytest.mark.parametrize("dtype", sorted(wire.DTYPE_SIZES))
+def test_empty_tensor_with_huge_other_dims_is_refused(dtype):
+    """One dim 0 and the others near 2**31: torch's stride arithmetic overflows; we refuse first."""
+    frame = TensorFrame("w", dtype, (0, 3036988439, 3037012561))
+    with pytest.raises(RemoteProtocolError, match="too large"):
+        wire.frame_to_tensor(frame, b"")
+    with pytest.raises(RemoteProtocolError, match="too large"):
+        wire.decode_frame(framed(header(
+            t="tensor", n=0, f={"name": "w", "dtype": dtype, "shape": [0, 3036988439, 3037012561]})))
