@@ -11,7 +11,6 @@ from p2pswarm.nat.relay_service import RelayConfig
 from p2pswarm.net.budget import (
     CIRCUIT_HEADROOM_BYTES,
     CIRCUIT_TIME_MARGIN,
-    RELAY_MIN_RATE,
     WIRE_OVERHEAD,
     BudgetConfig,
     CircuitLedger,
@@ -19,6 +18,7 @@ from p2pswarm.net.budget import (
     InboundBudget,
     Ticket,
     Verdict,
+    frame_deadline,
 )
 
 SMALL = BudgetConfig(peer_bytes=1000, max_peers=3, streams_per_peer=2, min_charge=10)
@@ -132,7 +132,9 @@ def test_slots_and_streams_are_bounded_and_a_slot_outlives_its_streams_while_byt
 
 def test_config_is_checked():
     assert BudgetConfig().global_bytes == 16 * 64 * 1024 * 1024
-    for bad in [dict(peer_bytes=0), dict(max_peers=-1), dict(streams_per_peer=1.5), dict(min_charge=2000, peer_bytes=1000)]:
+    bad_configs = [dict(peer_bytes=0), dict(max_peers=-1), dict(streams_per_peer=1.5),
+                   dict(min_charge=2000, peer_bytes=1000)]
+    for bad in bad_configs:
         with pytest.raises(ValueError):
             BudgetConfig(**bad)
 
@@ -160,8 +162,9 @@ def test_admitted_frames_always_finish_inside_the_circuit(steps, limit_bytes, li
             admitted += nbytes
             ledger.record(key, sent=nbytes if outbound else 0, received=0 if outbound else nbytes)
             assert admitted * WIRE_OVERHEAD + CIRCUIT_HEADROOM_BYTES <= limit_bytes
-            assert now - 1000.0 + nbytes / RELAY_MIN_RATE <= limit_seconds - CIRCUIT_TIME_MARGIN
-            now += nbytes / RELAY_MIN_RATE
+            # even a frame that takes its whole deadline ends before the relay's clock does
+            assert now - 1000.0 + frame_deadline(nbytes) <= limit_seconds - CIRCUIT_TIME_MARGIN
+            now += frame_deadline(nbytes)
     usage = ledger.circuits[key]
     assert usage.sent + usage.received == admitted
 
@@ -175,7 +178,8 @@ def test_refusals_say_why_and_what_is_left():
     refusal = ledger.check(key, usable + 1, now=0.0)
     assert refusal.reason == "bytes" and refusal.remaining_bytes == usable
     assert refusal.remaining_seconds == 60 - CIRCUIT_TIME_MARGIN
-    assert ledger.check(key, 1, now=60 - CIRCUIT_TIME_MARGIN).reason == "time"
+    assert ledger.check(key, 1, now=60 - CIRCUIT_TIME_MARGIN - frame_deadline(1) - 0.01) is None
+    assert ledger.check(key, 1, now=60 - CIRCUIT_TIME_MARGIN - frame_deadline(1) + 0.01).reason == "time"
     assert ledger.check("untracked", 10**9, now=0.0) is None
     unlimited = CircuitLedger()
     unlimited.track(key, CircuitLimit(seconds=0, bytes=0), opened_at=0.0)

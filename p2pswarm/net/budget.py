@@ -24,7 +24,7 @@ The core is ``now``-free: waiting is the driver's business; the core only counts
 whatever frame is in flight. The ledger keeps, per relayed connection, the bytes the pool sent
 and received and the connection's age, and says whether a frame of ``n`` bytes can start and
 finish inside the circuit's remaining budget (with margins for traffic it does not see, wire
-overhead and the transfer time of the frame itself). It takes ``now``.
+overhead, and the time the frame may take at most: its ``frame_deadline``). It takes ``now``.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 MIB = 1024 * 1024
 
 PEER_BUDGET_BYTES = 64 * MIB  # one frame of wire.MAX_PAYLOAD_BYTES, or four 16 MiB activations in flight
-MAX_BUDGET_PEERS = 16  # a stage peer hears from its neighbour stages' replicas and its own; 16 x 64 MiB = 1 GiB worst case
+MAX_BUDGET_PEERS = 16  # senders at once: neighbour stages' replicas and its own; 16 x 64 MiB = 1 GiB at worst
 MAX_STREAMS_PER_PEER = 16  # a router keeps a few warm streams per candidate; bounds unread Yamux buffers (defect 3)
 MIN_FRAME_CHARGE = 4096  # a decoded header plus its queue entry is ~1-2 KiB of Python objects: round up
 
@@ -48,7 +48,13 @@ RELAY_CIRCUIT_SECONDS = 120.0  # RelayConfig.circuit_duration
 CIRCUIT_HEADROOM_BYTES = 1 * MIB  # control requests, identify, DCUtR and window updates share the circuit uncounted
 WIRE_OVERHEAD = 1.01  # Noise adds 18 B per 64 KiB message and Yamux 12 B per frame (<0.1 %); 1 % is a margin
 CIRCUIT_TIME_MARGIN = 10.0  # the relay's clock starts at CONNECT admission, before the upgrade we see
-RELAY_MIN_RATE = 1 * MIB  # B/s a relayed frame is assumed to move at: a third of the slowest path measured (3 MiB/s)
+MIN_TRANSFER_RATE = 1 * MIB  # B/s: a third of the slowest relayed path measured (3 MiB/s); slower is a dead path
+FRAME_DEADLINE_BASE = 5.0  # s: a live stream moves within this; Yamux itself gives up after 5 s of zero window
+
+
+def frame_deadline(nbytes: int) -> float:
+    """Seconds a frame of ``nbytes`` may take to write or arrive before its stream counts as dead."""
+    return FRAME_DEADLINE_BASE + nbytes / MIN_TRANSFER_RATE
 
 
 class Verdict(enum.Enum):
@@ -275,7 +281,7 @@ class CircuitLedger:
         reason = None
         if left_bytes is not None and nbytes > left_bytes:
             reason = "bytes"
-        elif left_seconds is not None and (left_seconds <= 0 or nbytes / RELAY_MIN_RATE > left_seconds):
+        elif left_seconds is not None and frame_deadline(nbytes) > left_seconds:
             reason = "time"
         if reason is None:
             return None

@@ -1,0 +1,182 @@
+"""The inbound side of the stream pool: frames read under a byte budget, handled, answered in order.
+
+Per inbound stream there is exactly one reader task (py-libp2p resets a sender blocked on a
+zero Yamux window for 5 s, defect 2) and one handler task; a memory channel between them holds
+the frames read but not yet handled. What bounds that channel is the byte budget, not a count:
+
+1. the reader reads a frame's header (wire framing: its payload length ``n`` is in it);
+2. it reserves the frame's bytes against the peer's share and the global budget
+   (``budget.InboundBudget``). Over its share, the frame waits, at most ``BUDGET_WAIT``, for that
+   peer's own earlier frames to be released; then, or if the frame can never fit, the stream is
+   reset and the refusal counted. Nothing of the payload is read before the reservation;
+3. it reads the payload within ``frame_deadline(n)`` (a stalled sender is reset);
+4. the handler task calls ``handler(peer, message, payload)`` frames in order, releases the
+   reservation when the handler returns, and writes the handler's reply (if any) whole on the
+   same stream. A handler that raises, or a reply that cannot be written, resets the stream.
+
+A stream ending at a frame boundary (EOF) is closed once its queued frames are handled.
+Because Yamux does not enforce its receive window (defect 3), a sender that ignores the
+window can still make Yamux buffer data while its frame waits; the wait is short and bounded
+and a peer has at most ``budget.MAX_STREAMS_PER_PEER`` streams, each then reset.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Union
+
+import trio
+
+from p2pswarm import wire
+from p2pswarm.errors import DialError, LocalProtocolError, ProtocolError, RemoteProtocolError
+from p2pswarm.net.budget import Ticket, Verdict, frame_deadline
+
+if TYPE_CHECKING:
+    from p2pswarm.net.pool import PoolStream, StreamPool
+
+log = logging.getLogger(__name__)
+
+BUDGET_WAIT = 2.0  # a slowed peer's frame waits at most this: well under Yamux's 5 s zero-window reset (defect 2)
+
+Reply = Union[wire.Message, tuple[wire.Message, bytes], None]
+Handler = Callable[[str, wire.Message, bytes], Awaitable[Reply]]
+
+
+class _Refused(Exception):
+    """The budget refused a frame; the stream is reset."""
+
+
+class InboundServer:
+    """Serves the pool's protocols; one instance per pool."""
+
+    def __init__(self, pool: StreamPool, budget_wait: float) -> None:
+        self._pool = pool
+        self._budget = pool.budget
+        self._budget_wait = budget_wait
+        self._released: dict[str, trio.Event] = {}  # peer -> set when one of its reservations is released
+
+    def serve(self, protocol: str, handler: Handler, max_payload: int) -> None:
+        self._pool.host.set_stream_handler(protocol, functools.partial(self._on_stream, handler, max_payload))
+
+    async def _on_stream(self, handler: Handler, max_payload: int, raw) -> None:
+        stream = self._pool.adopt(raw)
+        peer = stream.remote_peer
+        if not self._budget.open_stream(peer):
+            self._pool.stats.inbound_refused += 1
+            await stream.reset()
+            return
+        send, receive = trio.open_memory_channel(math.inf)  # bounded by the byte budget, see module doc
+        failure: list[str] = []
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._handle_frames, stream, peer, handler, receive, failure, nursery.cancel_scope)
+                try:
+                    await self._read_frames(stream, peer, max_payload, send)
+                except (_Refused, RemoteProtocolError, DialError, trio.TooSlowError) as exc:
+                    failure.append(f"{type(exc).__name__}: {exc}")
+                    nursery.cancel_scope.cancel()
+                finally:
+                    send.close()
+        finally:
+            self._drain(receive)
+            self._budget.close_stream(peer)
+            with trio.CancelScope(shield=True):
+                if failure:
+                    self._pool.stats.inbound_refused += 1
+                    log.info("pool: resetting an inbound stream from %s: %s", peer, failure[0])
+                    await stream.reset()
+                else:
+                    await stream.close()
+
+    async def _read_frames(self, stream: PoolStream, peer: str, max_payload: int, send) -> None:
+        """Read frames until EOF at a frame boundary; each admitted by the budget before its payload."""
+        while True:
+            head = await _read_header(stream, max_payload)
+            if head is None:
+                return
+            message, n, header_bytes = head
+            ticket = await self._reserve(peer, header_bytes + n)
+            try:
+                with trio.fail_after(frame_deadline(n)):
+                    payload = await wire.read_exactly(stream, n)
+                send.send_nowait((message, payload, ticket))
+            except BaseException:
+                self._release(ticket)
+                raise
+
+    async def _reserve(self, peer: str, nbytes: int) -> Ticket:
+        result = self._budget.reserve(peer, nbytes)
+        if result is Verdict.WAIT:
+            self._budget.note_wait(peer)
+            with trio.move_on_after(self._budget_wait):
+                while result is Verdict.WAIT:
+                    await self._released.setdefault(peer, trio.Event()).wait()
+                    result = self._budget.reserve(peer, nbytes)
+            if result is Verdict.WAIT:
+                self._budget.refuse(peer, "timeout")
+                raise _Refused(f"{nbytes} B frame waited {self._budget_wait:.1f} s over the peer's budget")
+        if result is Verdict.REFUSE:
+            raise _Refused(f"{nbytes} B frame refused by the budget")
+        return result
+
+    def _release(self, ticket: Ticket) -> None:
+        self._budget.release(ticket)
+        event = self._released.pop(ticket.peer, None)
+        if event is not None:
+            event.set()
+
+    def _drain(self, receive) -> None:
+        """Release the reservations of frames read but never handled (the stream failed)."""
+        while True:
+            try:
+                _, _, ticket = receive.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                break
+            self._release(ticket)
+        receive.close()
+
+    async def _handle_frames(self, stream: PoolStream, peer: str, handler: Handler, receive, failure: list[str],
+                             scope: trio.CancelScope) -> None:
+        while True:
+            try:
+                message, payload, ticket = await receive.receive()
+            except trio.EndOfChannel:
+                return
+            try:
+                reply = await handler(peer, message, payload)
+            except Exception as exc:
+                self._pool.stats.handler_failures += 1
+                if not isinstance(exc, ProtocolError):
+                    log.exception("pool: handler for %s from %s failed", message.TYPE, peer)
+                failure.append(f"handler: {type(exc).__name__}: {exc}")
+                scope.cancel()
+                return
+            finally:
+                del payload
+                self._release(ticket)
+            self._pool.stats.frames_served += 1
+            if reply is None:
+                continue
+            reply_message, reply_payload = reply if isinstance(reply, tuple) else (reply, b"")
+            try:
+                await self._pool.send_frame(stream, reply_message, reply_payload)
+            except (DialError, LocalProtocolError) as exc:
+                failure.append(f"reply: {type(exc).__name__}: {exc}")
+                scope.cancel()
+                return
+
+
+async def _read_header(stream, max_payload: int) -> tuple[wire.Message, int, int] | None:
+    """(message, payload length, frame bytes before the payload) of the next frame; None at EOF."""
+    first = await stream.read(wire.HEADER_LENGTH_BYTES)
+    if not first:
+        return None
+    prefix = first + await wire.read_exactly(stream, wire.HEADER_LENGTH_BYTES - len(first))
+    length = int.from_bytes(prefix, "big")
+    if length > wire.MAX_HEADER_BYTES:
+        raise RemoteProtocolError(f"header length {length} exceeds {wire.MAX_HEADER_BYTES}")
+    message, n = wire.decode_header(await wire.read_exactly(stream, length), max_payload=max_payload)
+    return message, n, wire.HEADER_LENGTH_BYTES + length

@@ -1,0 +1,331 @@
+"""The bulk stream pool between real libp2p hosts on loopback: leases, whole frames, the inbound
+byte budget under several senders of 8-16 MiB frames, and relayed connections (moving off them,
+refusing frames a circuit could not carry)."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from contextlib import AsyncExitStack
+
+import pytest
+import trio
+import trio.testing
+
+from p2pswarm import wire
+from p2pswarm.errors import DialError
+from p2pswarm.identity import generate_identity
+from p2pswarm.nat.relay_client import RelayPicker, serve_relay_reservations
+from p2pswarm.nat.relay_service import RelayConfig, serve_relay
+from p2pswarm.net.budget import BudgetConfig, CircuitLimit
+from p2pswarm.net.connect import Connector, connections_to, has_direct, is_relayed
+from p2pswarm.net.host import connect, open_host, peer_info_from_multiaddr, set_extra_addrs
+from p2pswarm.net.pool import CircuitExhausted, StreamPool
+from p2pswarm.net.streams import open_stream
+
+pytestmark = pytest.mark.timeout(120)
+
+LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+BULK = "/p2pswarm/test-bulk/1.0.0"
+MIB = 1024 * 1024
+
+
+def chunk(tag: str, payload: bytes) -> wire.TensorFrame:
+    """A data frame whose name carries the payload's digest, so the receiver can check it arrived intact."""
+    return wire.TensorFrame(name=f"{tag}:{hashlib.sha256(payload).hexdigest()}", dtype="uint8", shape=(len(payload),))
+
+
+def intact(message: wire.TensorFrame, payload: bytes) -> bool:
+    return message.name.rsplit(":", 1)[1] == hashlib.sha256(payload).hexdigest()
+
+
+class Receiver:
+    """A server handler that checks every payload and acks with its size; peers in ``gated`` wait for ``gate``."""
+
+    def __init__(self) -> None:
+        self.frames: list[tuple[str, str, int, bool]] = []  # (peer, tag, size, intact)
+        self.gated: set[str] = set()
+        self.gate = trio.Event()
+
+    async def __call__(self, peer: str, message: wire.Message, payload: bytes) -> wire.Message:
+        if peer in self.gated:
+            await self.gate.wait()
+        self.frames.append((peer, message.name.rsplit(":", 1)[0], len(payload), intact(message, payload)))
+        return wire.Pong(nonce=len(payload))
+
+
+async def exchange(pool: StreamPool, peer, payload: bytes, tag: str = "x", **lease_args) -> bool:
+    """One leased request/ack; True if the lease was relayed."""
+    async with pool.lease(peer, BULK, **lease_args) as stream:
+        await stream.write_frame(chunk(tag, payload), payload)
+        ack, _ = await stream.read_frame(timeout=30)
+        assert ack == wire.Pong(nonce=len(payload))
+        return stream.relayed
+
+
+def with_pools(test, n_clients: int = 1, budget: BudgetConfig | None = None, budget_wait: float = 2.0,
+               **client_args):
+    """Run ``test(server_host, server_pool, receiver, clients)``; each client is (host, pool), connected."""
+
+    async def main():
+        async with AsyncExitStack() as stack:
+            server, *hosts = [await stack.enter_async_context(open_host(generate_identity(), LOOPBACK))
+                              for _ in range(n_clients + 1)]
+            async with trio.open_nursery() as nursery:
+                server_pool = StreamPool(server, nursery, budget=budget, budget_wait=budget_wait)
+                receiver = Receiver()
+                server_pool.serve(BULK, receiver)
+                clients = []
+                for host in hosts:
+                    await connect(host, peer_info_from_multiaddr(str(server.get_addrs()[0])))
+                    clients.append((host, StreamPool(host, nursery, Connector(host, nursery), **client_args)))
+                with trio.fail_after(90):
+                    await test(server, server_pool, receiver, clients)
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+async def wait_until(condition, timeout: float = 10.0) -> None:
+    with trio.fail_after(timeout):
+        while not condition():
+            await trio.sleep(0.01)
+
+
+def test_sequential_leases_use_one_stream_and_warm_opens_ahead():
+    async def test(server, server_pool, receiver, clients):
+        host, pool = clients[0]
+        for n in range(20):
+            await exchange(pool, server.get_id(), bytes([n]) * 1000)
+        assert pool.stats.opened == 1 and pool.stats.reused == 19
+        assert server_pool.budget.stats()["peers"][str(host.get_id())]["streams"] == 1
+        assert await pool.warm(server.get_id(), BULK, 3) == 3
+        async with trio.open_nursery() as nursery:
+            for n in range(3):
+                nursery.start_soon(exchange, pool, server.get_id(), b"w" * 100_000)
+        assert pool.stats.opened == 3 and pool.stats.reused == 22  # the three were all warm
+        assert [ok for *_, ok in receiver.frames] == [True] * 23 and server_pool.stats.frames_served == 23
+
+    with_pools(test)
+
+
+def test_at_the_cap_a_lease_waits_for_the_stream_and_a_broken_one_is_replaced():
+    async def test(server, server_pool, receiver, clients):
+        host, pool = clients[0]
+        order, release = [], trio.Event()
+
+        async def breaks():
+            with pytest.raises(ValueError):
+                async with pool.lease(server.get_id(), BULK) as stream:
+                    order.append("first")
+                    await stream.write_frame(chunk("first", b"1" * 10), b"1" * 10)
+                    await release.wait()
+                    raise ValueError("the lessee failed: its stream must not be reused")
+
+        async def waits():
+            order.append("second waits")
+            await exchange(pool, server.get_id(), b"2" * 10)
+            order.append("second done")
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(breaks)
+            await wait_until(lambda: order == ["first"])
+            nursery.start_soon(waits)
+            await trio.testing.wait_all_tasks_blocked(cushion=0.05)
+            assert order == ["first", "second waits"] and pool.stats.opened == 1  # queued behind the cap
+            release.set()
+        assert order == ["first", "second waits", "second done"]
+        assert pool.stats.opened == 2 and pool.stats.reset == 1 and pool.idle_streams(server.get_id(), BULK) == 1
+        async with pool.lease(server.get_id(), BULK):
+            with pytest.raises(DialError, match="no .* stream"):
+                async with pool.lease(server.get_id(), BULK, timeout=0.2):
+                    pass
+
+    with_pools(test, streams_per_key=1)
+
+
+def test_a_stalled_write_retires_the_stream_and_the_receiver_never_sees_a_cut_frame():
+    """The receiver holds the sender's whole budget, so it stops reading that sender's next frame;
+    the write stalls past its deadline, the stream is reset and never leased again."""
+
+    async def test(server, server_pool, receiver, clients):
+        host, pool = clients[0]
+        receiver.gated.add(str(host.get_id()))
+        held = b"h" * (12 * MIB)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(exchange, pool, server.get_id(), held, "held")  # 12 of 16 MiB, held by the handler
+            await wait_until(lambda: server_pool.budget.peer_in_use(str(host.get_id())) > 0)
+            with pytest.raises(DialError, match="stalled"):
+                async with pool.lease(server.get_id(), BULK) as stream:
+                    await stream.write_frame(chunk("cut", held), held, timeout=0.5)
+            assert pool.stats.reset == 1 and pool.idle_streams(server.get_id(), BULK) == 0
+            receiver.gate.set()
+        await wait_until(lambda: server_pool.stats.inbound_refused == 1)  # the cut frame: a reset, not a frame
+        receiver.gated.clear()
+        await exchange(pool, server.get_id(), b"after" * 1000)
+        assert [(tag, ok) for _, tag, _, ok in receiver.frames] == [("held", True), ("x", True)]
+        assert pool.stats.opened == 2 and pool.stats.reused == 1  # the held stream came back, the cut one did not
+
+    with_pools(test, budget=BudgetConfig(peer_bytes=16 * MIB, max_peers=2), budget_wait=30.0)
+
+
+def test_many_senders_of_big_frames_stay_within_the_budget_and_a_greedy_one_is_refused():
+    budget = BudgetConfig(peer_bytes=40 * MIB, max_peers=4)
+    honest_frames = 3  # per stream, two streams per honest peer: at most 2 x 16 MiB in flight each
+
+    async def test(server, server_pool, receiver, clients):
+        rng = random.Random(7)
+        data = rng.randbytes(16 * MIB)
+        *honest, (greedy_host, greedy_pool) = clients
+        greedy = str(greedy_host.get_id())
+        receiver.gated.add(greedy)
+        refused = []
+
+        async def honest_stream(pool, n):
+            for k in range(honest_frames):
+                size = rng.randint(8 * MIB, 16 * MIB)
+                await exchange(pool, server.get_id(), data[:size], tag=f"{n}.{k}")
+
+        async def flood(stream_no):  # writes 16 MiB frames without ever reading an ack
+            try:
+                async with greedy_pool.lease(server.get_id(), BULK) as stream:
+                    for k in range(3):
+                        await stream.write_frame(chunk(f"greedy.{stream_no}.{k}", data), data)
+            except DialError as exc:
+                refused.append(exc)
+
+        async with trio.open_nursery() as nursery:
+            for n, (_, pool) in enumerate(honest):
+                nursery.start_soon(honest_stream, pool, n)
+                nursery.start_soon(honest_stream, pool, n)
+            for stream_no in range(3):
+                nursery.start_soon(flood, stream_no)
+            await wait_until(lambda: server_pool.budget.refused["timeout"] >= 1, timeout=60)
+            receiver.gate.set()
+        stats = server_pool.budget.stats()
+        assert 2 * 16 * MIB <= stats["high_water"] <= budget.global_bytes
+        honest_seen = [f for f in receiver.frames if f[0] != greedy]
+        assert len(honest_seen) == len(honest) * 2 * honest_frames and all(ok for *_, ok in honest_seen)
+        for host, _ in honest:  # never made to wait, never refused
+            assert stats["peers"][str(host.get_id())]["waits"] == 0
+            assert stats["peers"][str(host.get_id())]["refused"] == 0
+        assert stats["waits"] >= 1 and server_pool.stats.inbound_refused >= 1
+        assert refused and all(ok for peer, _, _, ok in receiver.frames if peer == greedy)
+        await wait_until(lambda: server_pool.budget.in_use == 0)  # every reservation released
+
+    with_pools(test, n_clients=4, budget=budget, budget_wait=1.0)
+
+
+def test_oversized_garbage_and_failing_handlers_reset_only_their_stream():
+    async def test(server, server_pool, receiver, clients):
+        host, pool = clients[0]
+        raw = await open_stream(host, server.get_id(), BULK)
+        big = wire.TensorFrame(name="big", dtype="uint8", shape=(2 * MIB,))
+        await raw.write(wire.encode_frame(big, b"\0" * (2 * MIB))[:1000])  # a header asking for more than a share
+        with trio.fail_after(5):
+            assert await raw.read(100) == b""  # reset before the payload was read
+        assert server_pool.budget.stats()["refused"] == {"too_large": 1}
+        raw = await open_stream(host, server.get_id(), BULK)
+        await raw.write(b"\x00\x00\x00\x03abc")
+        with trio.fail_after(5):
+            assert await raw.read(100) == b""
+        assert server_pool.stats.inbound_refused == 2
+
+        async def broken(peer, message, payload):
+            raise ValueError("bug")
+
+        server_pool.serve(BULK, broken)
+        with pytest.raises(DialError):
+            await exchange(pool, server.get_id(), b"z" * 10)
+        assert server_pool.stats.handler_failures == 1 and pool.stats.reset == 1
+        server_pool.serve(BULK, receiver)
+        await exchange(pool, server.get_id(), b"z" * 10)
+        await wait_until(lambda: server_pool.budget.in_use == 0)
+
+    with_pools(test, budget=BudgetConfig(peer_bytes=1 * MIB, max_peers=2))
+
+
+# ---------------------------------------------------------------- relayed connections
+
+async def _relay(config: RelayConfig, task_status=trio.TASK_STATUS_IGNORED):
+    async with open_host(generate_identity(), LOOPBACK) as host, trio.open_nursery() as nursery:
+        await nursery.start(serve_relay, host, config)
+        task_status.started(str(host.get_addrs()[0]))
+        await trio.sleep_forever()
+
+
+async def _reserve(host, relay_addr: str, nursery) -> str:
+    picker = RelayPicker(random.Random(1))
+    picker.add_candidate(relay_addr.rsplit("/p2p/", 1)[1], [relay_addr])
+    await nursery.start(lambda task_status: serve_relay_reservations(
+        host, picker, lambda addrs: set_extra_addrs(host, addrs), tick=0.2, task_status=task_status))
+    await wait_until(lambda: picker.held)
+    return f"{relay_addr}/p2p-circuit"
+
+
+async def dial_direct(a, b) -> None:
+    """A direct connection next to the relayed one (``host.connect`` returns early: a connection exists)."""
+    conn = await a.get_network()._dial_addr_single_attempt(b.get_addrs()[0], b.get_id())
+    await conn.event_started.wait()
+
+
+def with_relayed_pair(test, relay_config: RelayConfig = RelayConfig(), circuit_limit: CircuitLimit | None = None):
+    """Run ``test(a_host, a_pool, b_host, b_pool, receiver)`` with A connected to B only through a relay."""
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            relay_addr = await nursery.start(_relay, relay_config)
+            async with open_host(generate_identity(), LOOPBACK) as a, open_host(generate_identity(), LOOPBACK) as b:
+                a_pool = StreamPool(a, nursery, Connector(a, nursery), circuit_limit=circuit_limit)
+                b_pool = StreamPool(b, nursery, Connector(b, nursery), circuit_limit=circuit_limit)
+                receiver = Receiver()
+                b_pool.serve(BULK, receiver)
+                circuit = await _reserve(b, relay_addr, nursery)
+                assert await a_pool._connector.connect(str(b.get_id()), [circuit]) == "relay"
+                with trio.fail_after(60):
+                    await test(a, a_pool, b, b_pool, receiver)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_leases_move_off_a_relayed_connection_once_a_direct_one_exists():
+    async def test(a, a_pool, b, b_pool, receiver):
+        assert await exchange(a_pool, b.get_id(), b"r" * 50_000) is True
+        assert await exchange(a_pool, b.get_id(), b"r" * 50_000) is True  # the relayed stream is reused meanwhile
+        assert a_pool.stats.opened == 1
+        await dial_direct(a, b)  # as a hole punch would
+        assert has_direct(a, b.get_id())
+        assert await exchange(a_pool, b.get_id(), b"d" * 50_000) is False
+        assert a_pool.stats.moved_to_direct == 1 and a_pool.stats.opened == 2
+        assert await exchange(a_pool, b.get_id(), b"d" * 50_000) is False
+        assert a_pool.stats.opened == 2
+        assert sorted(is_relayed(c) for c in connections_to(a, b.get_id())) == [False, True]
+
+    with_relayed_pair(test)
+
+
+def test_a_frame_the_circuit_cannot_carry_is_refused_before_the_relay_would_cut_it():
+    """The relay allows 3 MiB per circuit; frames go until the next would not fit, which is refused
+    with CircuitExhausted (a DialError) while the circuit is still up, so it never cuts a frame."""
+    limit = 3 * MIB
+
+    async def test(a, a_pool, b, b_pool, receiver):
+        frame = b"c" * (256 * 1024)
+        sent = 0
+        with pytest.raises(CircuitExhausted) as refusal:
+            while True:
+                assert await exchange(a_pool, b.get_id(), frame) is True
+                sent += 1
+        assert isinstance(refusal.value, DialError)
+        assert sent >= 6 and len(receiver.frames) == sent and all(ok for *_, ok in receiver.frames)
+        [usage] = a_pool.status()["relay"]["circuits"]
+        assert usage["sent"] > sent * len(frame) and usage["remaining_bytes"] < len(frame) + 16 * 1024
+        assert a_pool.status()["relay"]["refused"] == {"bytes": 1} and a_pool.stats.circuit_refusals == 1
+        # the circuit is still up and carries what still fits: the relay has cut nothing
+        assert await exchange(a_pool, b.get_id(), b"small" * 100) is True
+        [usage], [b_usage] = a_pool.status()["relay"]["circuits"], b_pool.status()["relay"]["circuits"]
+        # the receiving side accounts the same connection (its pool serves the streams A opened)
+        assert b_usage["received"] == usage["sent"] and b_usage["sent"] == usage["received"]
+
+    with_relayed_pair(test, RelayConfig(circuit_bytes=limit), CircuitLimit(seconds=120, bytes=limit))
