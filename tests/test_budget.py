@@ -7,6 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, precondition, rule
 
+from p2pswarm import wire
 from p2pswarm.nat.relay_service import RelayConfig
 from p2pswarm.net.budget import (
     CIRCUIT_HEADROOM_BYTES,
@@ -131,7 +132,7 @@ def test_slots_and_streams_are_bounded_and_a_slot_outlives_its_streams_while_byt
 
 
 def test_config_is_checked():
-    assert BudgetConfig().global_bytes == 16 * 64 * 1024 * 1024
+    assert BudgetConfig().global_bytes == 16 * (64 * 1024 * 1024 + 4 + 16 * 1024)
     bad_configs = [dict(peer_bytes=0), dict(max_peers=-1), dict(streams_per_peer=1.5),
                    dict(min_charge=2000, peer_bytes=1000)]
     for bad in bad_configs:
@@ -189,3 +190,10 @@ def test_refusals_say_why_and_what_is_left():
     assert stats["circuits"][0]["remaining_bytes"] == usable and stats["circuits"][0]["age_s"] == 5.0
     ledger.forget(key)
     assert ledger.stats(0.0)["circuits"] == []
+
+
+def test_the_default_share_admits_the_largest_frame_wire_allows():
+    budget = InboundBudget()
+    assert budget.open_stream("p")
+    largest = wire.HEADER_LENGTH_BYTES + wire.MAX_HEADER_BYTES + wire.MAX_PAYLOAD_BYTES
+    assert isinstance(budget.reserve("p", largest), Ticket)

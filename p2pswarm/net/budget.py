@@ -34,10 +34,13 @@ import itertools
 from collections import Counter
 from dataclasses import dataclass, field
 
+from p2pswarm import wire
+
 MIB = 1024 * 1024
 
-PEER_BUDGET_BYTES = 64 * MIB  # one frame of wire.MAX_PAYLOAD_BYTES, or four 16 MiB activations in flight
-MAX_BUDGET_PEERS = 16  # senders at once: neighbour stages' replicas and its own; 16 x 64 MiB = 1 GiB at worst
+# A share holds the largest frame wire allows (64 MiB payload plus its header), or four 16 MiB activations.
+PEER_BUDGET_BYTES = wire.MAX_PAYLOAD_BYTES + wire.HEADER_LENGTH_BYTES + wire.MAX_HEADER_BYTES
+MAX_BUDGET_PEERS = 16  # senders at once: neighbour stages' replicas and its own; 16 shares = ~1 GiB at worst
 MAX_STREAMS_PER_PEER = 16  # a router keeps a few warm streams per candidate; bounds unread Yamux buffers (defect 3)
 MIN_FRAME_CHARGE = 4096  # a decoded header plus its queue entry is ~1-2 KiB of Python objects: round up
 

@@ -26,6 +26,9 @@ includes a reply that did not come in time: a late reply would reach the next le
 - **Inbound** (``serve``, in ``net/pool_inbound.py``): one reader per stream, each frame's
   bytes reserved against a per-peer and a global budget before its payload is read
   (``budget.InboundBudget``); a handler per frame whose reply goes back on the same stream.
+
+``status()`` returns the counters, the inbound budget (bytes in use per peer, waits,
+refusals, high-water mark) and the relayed connections' accounting as one dict.
 """
 
 from __future__ import annotations
@@ -117,12 +120,17 @@ class Lease:
         return self._pool.circuit_left(self._stream)
 
     async def write_frame(self, message: wire.Message, payload: bytes = b"", *, timeout: float | None = None) -> None:
+        """Write one frame whole within ``timeout`` (default ``frame_deadline``), or retire the stream.
+
+        DialError if the write fails or stalls; CircuitExhausted, before any byte, if the stream's
+        relay circuit could not carry the frame."""
         self._check()
         await self._pool.send_frame(self._stream, message, payload, timeout=timeout)
 
     async def read_frame(self, *, max_payload: int = wire.MAX_PAYLOAD_BYTES,
                          timeout: float = READ_TIMEOUT) -> tuple[wire.Message, bytes]:
-        """The next frame; DialError if none arrives within ``timeout`` (the stream is then retired)."""
+        """The next frame, whole, within ``timeout`` (waiting and transfer); else DialError and the
+        stream is retired (a late reply would reach the next lessee)."""
         self._check()
         stream, frame = self._stream, None
         with trio.move_on_after(timeout) as scope:
