@@ -20,7 +20,7 @@ from p2pswarm.nat.relay_service import RelayConfig, serve_relay
 from p2pswarm.net.budget import BudgetConfig, CircuitLimit
 from p2pswarm.net.connect import Connector, connections_to, has_direct, is_relayed
 from p2pswarm.net.host import connect, open_host, peer_info_from_multiaddr, set_extra_addrs
-from p2pswarm.net.pool import CircuitExhausted, StreamPool
+from p2pswarm.net.pool import CIRCUIT_LIMIT_ATTR, CircuitExhausted, StreamPool
 from p2pswarm.net.streams import open_stream
 
 pytestmark = pytest.mark.timeout(120)
@@ -269,15 +269,15 @@ async def dial_direct(a, b) -> None:
     await conn.event_started.wait()
 
 
-def with_relayed_pair(test, relay_config: RelayConfig = RelayConfig(), circuit_limit: CircuitLimit | None = None):
+def with_relayed_pair(test, relay_config: RelayConfig = RelayConfig()):
     """Run ``test(a_host, a_pool, b_host, b_pool, receiver)`` with A connected to B only through a relay."""
 
     async def main():
         async with trio.open_nursery() as nursery:
             relay_addr = await nursery.start(_relay, relay_config)
             async with open_host(generate_identity(), LOOPBACK) as a, open_host(generate_identity(), LOOPBACK) as b:
-                a_pool = StreamPool(a, nursery, Connector(a, nursery), circuit_limit=circuit_limit)
-                b_pool = StreamPool(b, nursery, Connector(b, nursery), circuit_limit=circuit_limit)
+                a_pool = StreamPool(a, nursery, Connector(a, nursery))
+                b_pool = StreamPool(b, nursery, Connector(b, nursery))
                 receiver = Receiver()
                 b_pool.serve(BULK, receiver)
                 circuit = await _reserve(b, relay_addr, nursery)
@@ -311,6 +311,9 @@ def test_a_frame_the_circuit_cannot_carry_is_refused_before_the_relay_would_cut_
     limit = 3 * MIB
 
     async def test(a, a_pool, b, b_pool, receiver):
+        for host, other in ((a, b), (b, a)):  # as the relayed dial (HOP) and accept (STOP) could, from the Limit
+            [conn] = connections_to(host, other.get_id())
+            setattr(conn, CIRCUIT_LIMIT_ATTR, CircuitLimit(seconds=120, bytes=limit))
         frame = b"c" * (256 * 1024)
         sent = 0
         with pytest.raises(CircuitExhausted) as refusal:
@@ -328,4 +331,4 @@ def test_a_frame_the_circuit_cannot_carry_is_refused_before_the_relay_would_cut_
         # the receiving side accounts the same connection (its pool serves the streams A opened)
         assert b_usage["received"] == usage["sent"] and b_usage["sent"] == usage["received"]
 
-    with_relayed_pair(test, RelayConfig(circuit_bytes=limit), CircuitLimit(seconds=120, bytes=limit))
+    with_relayed_pair(test, RelayConfig(circuit_bytes=limit))  # the pools' own default would be 16 MiB

@@ -53,7 +53,7 @@ STREAMS_PER_KEY = 8  # per peer and protocol: two bulk protocols stay under an a
 LEASE_TIMEOUT = 10.0  # wait for a free stream, or connect (relay dial: up to 10 s) and open one
 READ_TIMEOUT = 30.0  # default wait for a reply: a stage's forward pass plus a transfer; routers pass shorter ones
 FRAME_BOUND = wire.HEADER_LENGTH_BYTES + wire.MAX_HEADER_BYTES  # a frame's bytes beyond its payload, at most
-CIRCUIT_LIMIT_ATTR = "p2pswarm_circuit_limit"  # a CircuitLimit a relayed connection may carry (from HOP/STOP Limit)
+CIRCUIT_LIMIT_ATTR = "p2pswarm_circuit_limit"  # a CircuitLimit set on a relayed connection from the relay's Limit
 
 Reply = pool_inbound.Reply
 Handler = pool_inbound.Handler
@@ -83,6 +83,7 @@ class PoolStream(ByteStream):
     def __init__(self, raw, ledger: CircuitLedger | None = None) -> None:
         super().__init__(raw)
         self.conn = raw.muxed_conn
+        self.swarm_conn = getattr(raw, "swarm_conn", None)  # the INetConn that Connector and notifees see
         self.relayed = is_relayed(self.conn)
         self.ledger = ledger if self.relayed else None
         self.broken = False  # a frame was cut: never reuse
@@ -281,7 +282,8 @@ class StreamPool:
         """Wrap a libp2p stream; a relayed one gets its connection accounted."""
         stream = PoolStream(raw, self.ledger)
         if stream.relayed:
-            limit = getattr(stream.conn, CIRCUIT_LIMIT_ATTR, None) or self._circuit_limit
+            announced = [getattr(c, CIRCUIT_LIMIT_ATTR, None) for c in (stream.swarm_conn, stream.conn)]
+            limit = announced[0] or announced[1] or self._circuit_limit
             opened = self._opened_at.setdefault(stream.conn, trio.current_time())
             self.ledger.track(stream.conn, limit, opened)
         return stream
