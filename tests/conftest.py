@@ -2,9 +2,23 @@
 
 Hypothesis's per-example deadline is a timing assertion: on a loaded 2-core CI machine it
 fails tests that are correct. Tests check behaviour; timings live in bench/.
+
+Two hypothesis profiles, chosen by the environment variable HYPOTHESIS_PROFILE:
+- ``p2pswarm`` (the default, for local runs): explores new examples on every run and keeps
+  the failures it finds in ``.hypothesis/`` to replay them.
+- ``ci`` (``.ci/run`` exports HYPOTHESIS_PROFILE=ci): derandomized, so a CI run tests the same
+  examples every time and its verdict depends on the code, not on luck; no example database.
 """
+
+import os
 
 from hypothesis import HealthCheck, settings
 
-settings.register_profile("p2pswarm", deadline=None, suppress_health_check=[HealthCheck.too_slow])
-settings.load_profile("p2pswarm")
+PROFILE_VARIABLE = "HYPOTHESIS_PROFILE"  # the variable hypothesis users already know
+DEFAULT_PROFILE = "p2pswarm"  # local runs keep exploring: that is how the rare bugs are found
+SUPPRESSED = [HealthCheck.too_slow]  # "too slow" on a busy 2-core machine says nothing of the code
+
+settings.register_profile(DEFAULT_PROFILE, deadline=None, suppress_health_check=SUPPRESSED)
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True, deadline=None,
+                          suppress_health_check=SUPPRESSED)
+settings.load_profile(os.environ.get(PROFILE_VARIABLE) or DEFAULT_PROFILE)

@@ -9,7 +9,11 @@ running punches, backoff deadlines and outcomes, and checks the book against it.
 from __future__ import annotations
 
 import itertools
+import os
 import string
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -26,6 +30,7 @@ from p2pswarm.nat.punch import (
     initiates,
 )
 
+ROOT = Path(__file__).resolve().parent.parent
 OUTCOMES = (UNILATERAL, PUNCHED, FAILED)
 ids = st.text(string.ascii_letters + string.digits, min_size=1, max_size=8)
 
@@ -141,7 +146,9 @@ class PunchBookMachine(RuleBasedStateMachine):
         """Some time before the backoff deadline a peer is never due."""
         deadline = self.not_before.get(peer)
         if deadline is not None and deadline > self.now:
-            assert not self.book.due(peer, self.now + early * (deadline - self.now))
+            instant = self.now + early * (deadline - self.now)
+            if instant < deadline:  # early < 1, yet the float sum can round up onto the deadline
+                assert not self.book.due(peer, instant)
 
     @invariant()
     def budget_respected(self):
@@ -188,3 +195,46 @@ def test_punch_book_example():
     assert summary["upgrade_p50_ms"] == summary["upgrade_p95_ms"] == 2000.0
     book.forget("p")
     assert book.due("p", now) and book.known() == []
+
+
+def test_the_machine_never_asks_for_an_instant_that_rounds_onto_the_deadline():
+    """``now + early * (deadline - now)`` with ``early`` just below 1 can round to the deadline
+    itself, where the peer IS due (the core and the model agree: ``now >= next_try``). The
+    machine's rule must only ask about instants strictly before the deadline."""
+    early = 0.9999999999999999
+    now = 3.7
+    assert now + early * PUNCH_BACKOFF == now + PUNCH_BACKOFF  # the rounding this guards against
+    machine = PunchBookMachine()
+    machine.setup(max_attempts=2, backoff=PUNCH_BACKOFF)
+    machine.advance(now)
+    machine.maybe_start("QmA")
+    machine.finish(_Draws("QmA"), FAILED, 1.0)  # backoff deadline: now + PUNCH_BACKOFF; one try left
+    assert machine.book.due("QmA", now + PUNCH_BACKOFF)  # due again exactly at the deadline
+    machine.not_due_during_backoff("QmA", early)
+    machine.teardown()
+
+
+class _Draws:
+    """Stands in for hypothesis's ``data`` when a test replays the machine's rules by hand."""
+
+    def __init__(self, value) -> None:
+        self.value = value
+
+    def draw(self, strategy):
+        return self.value
+
+
+# --- the suite's hypothesis profiles (tests/conftest.py) ----------------------------------------
+
+
+@pytest.mark.parametrize("profile, derandomized", [("ci", True), (None, False)])
+def test_hypothesis_profile_follows_the_environment(profile, derandomized):
+    """HYPOTHESIS_PROFILE=ci (what .ci/run exports) makes runs derandomized; unset, they explore."""
+    env = {k: v for k, v in os.environ.items() if k != "HYPOTHESIS_PROFILE"}
+    if profile:
+        env["HYPOTHESIS_PROFILE"] = profile
+    code = ("import tests.conftest; from hypothesis import HealthCheck, settings; d = settings.default; "
+            "print(d.derandomize, d.database is None, d.deadline, HealthCheck.too_slow in d.suppress_health_check)")
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
+                         timeout=60, check=True).stdout.split()
+    assert out == [str(derandomized), str(derandomized), "None", "True"]
