@@ -50,6 +50,7 @@ from p2pswarm.net.connect import Connector
 from p2pswarm.net.control import ControlService
 from p2pswarm.net import probe
 from p2pswarm.net.host import open_host, peer_info_from_multiaddr
+from p2pswarm.net.pool import StreamPool
 from p2pswarm.net.probe_api import PingRoute
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,7 @@ class NodeState:
     host: object = None
     kad: object = None
     control: ControlService | None = None
+    pool: StreamPool | None = None  # bulk streams: activations, gradients, shards, snapshots
     connector: Connector | None = None
     nat: NatTraversal | None = None
     index: StageIndex | None = None
@@ -101,6 +103,7 @@ class NodeState:
             "discovery": index.stats_doc() if index else {},
             "control": vars(self.control.stats) if self.control else {},
             "connect": self.connector.stats.summary() if self.connector else {},
+            "pool": self.pool.status() if self.pool else {},
         }
 
     async def stats_json(self, params: dict) -> dict:
@@ -172,6 +175,8 @@ async def run_node(config: NodeConfig, *, on_listening: Callable[[list[str]], No
         state.connector = Connector(host, nursery)
         state.control = ControlService(host, nursery, state.connector)
         probe.register(host, state.control)  # every node answers probes, with or without an API
+        state.pool = StreamPool(host, nursery, state.connector)
+        state.load_sources.append(state.pool.queue_depth)
         state.nat = NatTraversal(host, nursery, config, rng, functools.partial(push_identify, host))
         await state.nat.start()
         async with open_kademlia(host, config.dht_server) as kad:

@@ -113,6 +113,7 @@ def test_a_greedy_peer_waits_and_others_do_not():
     assert stats["waits"] == 1 and stats["refused"] == {"no_stream": 1, "timeout": 1, "too_large": 1}
     assert stats["peers"]["greedy"] == {"in_use": 200, "streams": 1, "waits": 1, "refused": 1}
     assert stats["high_water"] == 1900 and stats["global_bytes"] == 3000
+    assert budget.frames_held() == 2  # greedy's 200 and honest's 1000: the queue depth a node publishes
 
 
 def test_slots_and_streams_are_bounded_and_a_slot_outlives_its_streams_while_bytes_are_held():

@@ -127,3 +127,29 @@ def test_direct_wins_when_it_works_and_relay_refusal_is_a_clean_dial_error():
             nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def test_a_relayed_dial_carries_the_relays_circuit_limit():
+    """The stream pool accounts a circuit against what its relay allows; the dialer learns that
+    from the relay's STATUS reply (the Limit field), not from a guess."""
+    from p2pswarm.net.budget import CircuitLimit
+    from p2pswarm.net.connect import dial_via_relay
+
+    async def small_relay(task_status=trio.TASK_STATUS_IGNORED):
+        async with open_host(generate_identity(), LOOPBACK) as host, trio.open_nursery() as inner:
+            await inner.start(serve_relay, host, RelayConfig(circuit_bytes=3 * 1024 * 1024, circuit_duration=45))
+            task_status.started(str(host.get_addrs()[0]))
+            await trio.sleep_forever()
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            relay_addr = await nursery.start(small_relay)
+            async with open_host(generate_identity(), LOOPBACK) as host_a, \
+                    open_host(generate_identity(), LOOPBACK) as host_b:
+                b = Peer(host_b, nursery)
+                circuit = await _reserve(b, relay_addr, nursery)
+                conn = await dial_via_relay(host_a, circuit, host_b.get_id())
+                assert conn.p2pswarm_circuit_limit == CircuitLimit(seconds=45.0, bytes=3 * 1024 * 1024)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)

@@ -191,6 +191,10 @@ class InboundBudget:
         if state.streams == 0 and state.in_use == 0:
             del self._peers[peer]  # frees its slot; its totals live on in the global counters
 
+    def frames_held(self) -> int:
+        """Inbound frames reserved and not yet released: work queued at this peer."""
+        return len(self._tickets)
+
     def peer_in_use(self, peer: str) -> int:
         state = self._peers.get(peer)
         return state.in_use if state is not None else 0

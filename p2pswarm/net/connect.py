@@ -131,7 +131,22 @@ async def dial_via_relay(host, circuit: str, peer_id) -> object:
             await stream.reset()
         raise
     conn.set_transport_info([target], ConnectionType.RELAYED)  # the upgrade path leaves it untagged
+    limit = circuit_limit(reply)
+    if limit is not None:  # what the relay allows this circuit; the stream pool accounts against it
+        conn.p2pswarm_circuit_limit = limit
     return conn
+
+
+def circuit_limit(reply):
+    """The ``CircuitLimit`` a relay's STATUS reply announces, or None when it names none."""
+    from p2pswarm.net.budget import CircuitLimit
+
+    if not reply.HasField("limit"):
+        return None
+    try:
+        return CircuitLimit(seconds=float(reply.limit.duration), bytes=int(reply.limit.data))
+    except ValueError:  # negative values cannot come from unsigned protobuf fields; be total anyway
+        return None
 
 
 async def read_hop_reply(stream):

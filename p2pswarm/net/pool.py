@@ -339,6 +339,10 @@ class StreamPool:
         slot = self._slots.get((str(peer), protocol))
         return len(slot.idle) if slot is not None else 0
 
+    def queue_depth(self) -> int:
+        """Inbound frames being handled or waiting for a handler (published as capacity)."""
+        return self.budget.frames_held()
+
     def status(self) -> dict:
         """Counters, the inbound budget and the relayed connections in use, for /api/stats."""
         return {**asdict(self.stats), "budget": self.budget.stats(),
