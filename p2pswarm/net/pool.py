@@ -22,7 +22,9 @@ includes a reply that did not come in time: a late reply would reach the next le
 - **Relay circuits.** Bytes the pool sends and receives on each relayed connection, and the
   connection's age, are accounted (``budget.CircuitLedger``); a frame that would not fit the
   circuit's remaining bytes or time is refused before its first byte with ``CircuitExhausted``
-  (a ``DialError``: try the next candidate) rather than cut by the relay mid-frame.
+  (a ``DialError``: try the next candidate) rather than cut by the relay mid-frame. The
+  exhausted connection takes no new leases and is closed once its last lease ends, so the next
+  lease reaches the peer anew: a fresh circuit with a fresh budget (or a direct connection).
 - **Inbound** (``serve``, in ``net/pool_inbound.py``): one reader per stream, each frame's
   bytes reserved against a per-peer and a global budget before its payload is read
   (``budget.InboundBudget``); a handler per frame whose reply goes back on the same stream.
@@ -34,6 +36,7 @@ refusals, high-water mark) and the relayed connections' accounting as one dict.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
@@ -70,6 +73,7 @@ class PoolStats:
     reset: int = 0  # streams retired after an error or a cut frame
     moved_to_direct: int = 0  # relayed streams retired because a direct connection exists
     circuit_refusals: int = 0  # frames refused before their first byte: the circuit could not carry them
+    circuits_recycled: int = 0  # exhausted relayed connections closed once idle (the next lease re-dials)
     frames_sent: int = 0
     frames_received: int = 0  # replies read by lessees
     frames_served: int = 0  # inbound frames handled
@@ -177,6 +181,8 @@ class StreamPool:
         self._streams_per_key = streams_per_key
         self._circuit_limit = circuit_limit or CircuitLimit()
         self._opened_at: dict[object, float] = {}  # muxed connection -> when it appeared
+        self._exhausted: set = set()  # relayed muxed connections that refused a frame: closed once idle
+        self._leased: Counter = Counter()  # muxed connection -> leases in progress on it
         self.ledger = CircuitLedger()
         self.budget = InboundBudget(budget or BudgetConfig())
         self.stats = PoolStats()
@@ -192,6 +198,7 @@ class StreamPool:
         key = (str(peer), protocol)
         slot, stream = await self._acquire(key, via_relay, timeout)
         lease = Lease(self, stream, key[0], protocol)
+        self._leased[stream.conn] += 1
         try:
             yield lease
         except BaseException:
@@ -199,7 +206,9 @@ class StreamPool:
             raise
         finally:
             lease.ended = True
+            self._leased[stream.conn] -= 1
             self._give_back(slot, stream)
+            self._recycle_if_idle(stream)
 
     async def warm(self, peer, protocol: str, n: int, *, via_relay: bool = True) -> int:
         """Open streams until ``n`` (at most the per-key cap) are idle; returns how many are idle."""
@@ -249,6 +258,8 @@ class StreamPool:
         for stream in slot.idle:
             if stream.dead:
                 self._retire(slot, stream, reset=True)
+            elif stream.conn in self._exhausted:
+                self._retire(slot, stream, reset=False)
             elif stream.relayed and has_direct(self.host, as_peer_id(slot.key[0])):
                 log.debug("pooled stream to %s moves to the direct connection", slot.key[0])
                 self.stats.moved_to_direct += 1
@@ -301,6 +312,7 @@ class StreamPool:
             refusal = self.ledger.check(stream.conn, len(payload) + FRAME_BOUND, trio.current_time())
             if refusal is not None:
                 self.stats.circuit_refusals += 1
+                self._exhausted.add(stream.conn)
                 raise CircuitExhausted(
                     f"relayed connection to {stream.remote_peer} cannot carry {len(payload)} B more "
                     f"({refusal.reason}: {refusal.remaining_bytes} B, {refusal.remaining_seconds} s left)")
@@ -323,6 +335,22 @@ class StreamPool:
     def _connection_closed(self, conn) -> None:
         self._opened_at.pop(conn.muxed_conn, None)
         self.ledger.forget(conn.muxed_conn)
+        self._exhausted.discard(conn.muxed_conn)
+        self._leased.pop(conn.muxed_conn, None)
+
+    def _recycle_if_idle(self, stream: PoolStream) -> None:
+        """Close an exhausted relayed connection once no lease uses it: the next one re-dials."""
+        conn = stream.conn
+        if conn not in self._exhausted or self._leased[conn] > 0:
+            return
+        self._exhausted.discard(conn)
+        del self._leased[conn]
+        for slot in self._slots.values():
+            self._prune(slot)
+        self.stats.circuits_recycled += 1
+        log.info("relayed connection to %s used up its circuit; closing it (the next lease re-dials)",
+                 stream.remote_peer)
+        self._nursery.start_soon(_close_quietly, stream.swarm_conn or conn)
 
     # --- inbound and status -------------------------------------------------------------------
 
@@ -347,6 +375,14 @@ class StreamPool:
         """Counters, the inbound budget and the relayed connections in use, for /api/stats."""
         return {**asdict(self.stats), "budget": self.budget.stats(),
                 "relay": self.ledger.stats(trio.current_time())}
+
+
+async def _close_quietly(conn) -> None:
+    with trio.CancelScope(shield=True), trio.move_on_after(5):
+        try:
+            await conn.close()
+        except Exception:  # already closing: nothing left to do
+            pass
 
 
 class _ConnectionClock:
