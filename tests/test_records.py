@@ -418,19 +418,20 @@ def test_best_first_ranks_and_ignores_input_order(items, rng):
     assert best_first(shuffled) == ranked
     for better, worse in zip(ranked, ranked[1:]):
         b, w = better.capacity, worse.capacity
-        assert (b.queue_depth, -b.free_memory_mb, -better.timestamp, better.peer_id) <= (
-            w.queue_depth, -w.free_memory_mb, -worse.timestamp, worse.peer_id
+        assert (b.flags & FLAG_RELAYED > 0, b.queue_depth, -b.free_memory_mb, -better.timestamp, better.peer_id) <= (
+            w.flags & FLAG_RELAYED > 0, w.queue_depth, -w.free_memory_mb, -worse.timestamp, worse.peer_id
         )
         assert routing_rank(better) <= routing_rank(worse)
 
 
 def test_best_first_example():
-    def rec(peer, queue, mem, ts):
-        return StageRecord(peer, (), "m", 0, 0, 1, Capacity(mem, queue), ts, 60.0)
+    def rec(peer, queue, mem, ts, flags=0):
+        return StageRecord(peer, (), "m", 0, 0, 1, Capacity(mem, queue, flags), ts, 60.0)
 
     idle_small, busy_big = rec("a", 0, 100, 10.0), rec("b", 5, 10_000, 10.0)
     idle_big, idle_big_newer = rec("c", 0, 900, 10.0), rec("d", 0, 900, 11.0)
     idle_big_newer_z = rec("z", 0, 900, 11.0)
-    items = [busy_big, idle_small, idle_big_newer_z, idle_big, idle_big_newer]
+    idle_relayed = rec("r", 0, 10_000, 12.0, FLAG_RELAYED)
+    items = [busy_big, idle_small, idle_big_newer_z, idle_big, idle_big_newer, idle_relayed]
     random.Random(0).shuffle(items)
-    assert best_first(items) == [idle_big_newer, idle_big_newer_z, idle_big, idle_small, busy_big]
+    assert best_first(items) == [idle_big_newer, idle_big_newer_z, idle_big, idle_small, busy_big, idle_relayed]

@@ -125,12 +125,14 @@ def stage_key(model: str, stage: int) -> bytes:
 def routing_rank(record: StageRecord) -> tuple:
     """Sort key of ``best_first``: a total order, so ranking never depends on input order."""
     cap = record.capacity
-    return (cap.queue_depth, -cap.free_memory_mb, -record.timestamp, record.peer_id, record.model,
+    relayed = bool(cap.flags & FLAG_RELAYED)  # reachable only through a relay: last (docs/nat.md)
+    return (relayed, cap.queue_depth, -cap.free_memory_mb, -record.timestamp, record.peer_id, record.model,
             record.stage, record.start, record.end, record.addrs, record.ttl, cap.flags, cap.throughput)
 
 
 def best_first(records: Iterable[StageRecord]) -> list[StageRecord]:
-    """Shortest queue first, then most free memory, then newest, then by peer id."""
+    """Directly reachable peers before relayed ones, then shortest queue, most free memory, newest,
+    and by peer id."""
     return sorted(records, key=routing_rank)
 
 
