@@ -13,7 +13,10 @@ import trio
 
 from p2pswarm.errors import DialError, StartupError
 from p2pswarm.identity import generate_identity
+from p2pswarm.net.guard import guard_stats, set_protocol_limits
 from p2pswarm.net.host import HostLimits, connect, expand_wildcards, open_host, peer_info_from_multiaddr
+from p2pswarm.net.limits import ProtocolLimits, StreamLimits
+from p2pswarm.net.streams import open_stream
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 
@@ -176,5 +179,122 @@ def test_connection_limit_is_enforced_exactly():
             # The first `limit` dials succeed; the one after may complete its handshake before the
             # server drops it, but the server never holds more than `limit`, and later dials fail.
             assert outcomes[:limit] == ["connected"] * limit and outcomes[-1] == "refused", outcomes
+
+    trio.run(main)
+
+
+# --- inbound stream limits (net/guard.py installed by build_host) ------------------------
+
+SILENT = "/p2pswarm/test-silent/1.0.0"
+
+
+def _silent_server(host, finished: list):
+    """A handler that waits for bytes that never come, noting when it ends (cancelled or not)."""
+
+    async def handler(stream):
+        try:
+            await stream.read(1)
+        finally:
+            finished.append(stream)
+
+    host.set_stream_handler(SILENT, handler)
+
+
+async def _wait_for(predicate, timeout: float = 5.0) -> None:
+    with trio.fail_after(timeout):
+        while not predicate():
+            await trio.sleep(0.02)
+
+
+def test_libp2p_stream_limit_queues_instead_of_refusing():
+    """The defect (9) behind the guard: py-libp2p's own stream limit makes the excess wait, silently.
+
+    A plain host with a 2-stream limit holding 2 silent streams never answers a third: the
+    stream is neither negotiated nor refused. Drop the guard when this no longer holds.
+    """
+    from libp2p import new_host
+    from libp2p.rcmgr import ResourceLimits, new_resource_manager
+    from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_ID
+    from libp2p.security.noise.transport import Transport as NoiseTransport
+    from libp2p.crypto.x25519 import create_new_key_pair
+
+    async def main():
+        identity = generate_identity()
+        plain = new_host(key_pair=identity.key_pair,
+                         sec_opt={NOISE_ID: NoiseTransport(identity.key_pair, noise_privkey=create_new_key_pair().private_key)},
+                         resource_manager=new_resource_manager(limits=ResourceLimits(max_streams=2), enable_metrics=False))
+        finished = []
+        _silent_server(plain, finished)
+        async with plain.run(listen_addrs=[multiaddr.Multiaddr(LOOPBACK[0])]):
+            try:
+                async with open_host(generate_identity(), LOOPBACK) as client:
+                    await connect(client, peer_info_from_multiaddr(first_addr(plain)))
+                    held = [await open_stream(client, plain.get_id(), SILENT) for _ in range(2)]
+                    with pytest.raises(DialError, match="no answer within"):
+                        await open_stream(client, plain.get_id(), SILENT, timeout=1.0)
+                    assert len(held) == 2
+            finally:
+                await plain.close()
+
+    trio.run(main)
+
+
+def test_excess_streams_of_a_peer_are_refused_at_once_and_others_still_served():
+    limits = HostLimits(streams=StreamLimits(max_inbound_per_peer=3))
+
+    async def main():
+        async with open_host(generate_identity(), LOOPBACK, limits) as server, \
+                open_host(generate_identity(), LOOPBACK) as greedy, open_host(generate_identity(), LOOPBACK) as other:
+            finished = []
+            _silent_server(server, finished)
+            for client in (greedy, other):
+                await connect(client, peer_info_from_multiaddr(first_addr(server)))
+            held = [await open_stream(greedy, server.get_id(), SILENT) for _ in range(3)]
+            with pytest.raises(DialError) as refused:
+                await open_stream(greedy, server.get_id(), SILENT)
+            assert "no answer within" not in str(refused.value)  # reset at once, not queued
+            held.append(await open_stream(other, server.get_id(), SILENT))  # another peer is served
+            stats = guard_stats(server)
+            assert stats["refused_peer"] == 1 and stats["open"] == 4 and stats["peers"] == 2
+
+    trio.run(main)
+
+
+def test_every_protocol_is_guarded_even_one_registered_after_the_host_was_built():
+    """A service registering its handler later (e.g. the stream pool) gets the same limits:
+    its excess streams are refused, and a silent one is closed at its idle deadline, its
+    handler cancelled (a local reset alone would leave the handler blocked in its read)."""
+
+    async def main():
+        async with open_host(generate_identity(), LOOPBACK) as server, open_host(generate_identity(), LOOPBACK) as client:
+            finished = []
+            _silent_server(server, finished)
+            set_protocol_limits(server, SILENT, ProtocolLimits(2, idle_timeout=0.5))
+            await connect(client, peer_info_from_multiaddr(first_addr(server)))
+            held = [await open_stream(client, server.get_id(), SILENT) for _ in range(2)]
+            try:  # refused after negotiation: the reset may overtake the protocol's echo, or not
+                held.append(await open_stream(client, server.get_id(), SILENT))
+            except DialError:
+                pass
+            await _wait_for(lambda: guard_stats(server)["refused_protocol"] == 1)
+            await _wait_for(lambda: len(finished) == 2)  # both cut at their idle deadline
+            stats = guard_stats(server)
+            assert stats["closed_idle"] == 2 and stats["open"] == 0
+            assert len(held) >= 2
+
+    trio.run(main)
+
+
+def test_a_stream_that_never_negotiates_is_closed_at_its_deadline():
+    limits = HostLimits(streams=StreamLimits(negotiation_timeout=0.5))
+
+    async def main():
+        async with open_host(generate_identity(), LOOPBACK, limits) as server, open_host(generate_identity(), LOOPBACK) as client:
+            await connect(client, peer_info_from_multiaddr(first_addr(server)))
+            muxed = client.get_network().get_connections(server.get_id())[0].muxed_conn
+            raw = await muxed.open_stream()  # a Yamux stream on which the client never says a word
+            await _wait_for(lambda: guard_stats(server)["closed_negotiation"] == 1)
+            assert guard_stats(server)["open"] == 0
+            await raw.reset()
 
     trio.run(main)

@@ -17,6 +17,11 @@ workarounds"), so the host is always built here:
   listener accepting connections.
 - a port already in use is detected before listening: libp2p binds with SO_REUSEPORT (for
   hole punching), so a second node on a taken port would silently share it with the first.
+- every inbound stream passes ``net/guard.StreamGuard`` (installed as the swarm's common stream
+  handler, in place of BasicHost's): per-peer and per-(peer, protocol) limits refused at once,
+  negotiation and idle deadlines. The swarm's node-wide stream semaphore is left out: it
+  *queues* the excess (defect 9), so one peer holding ~4,000 silent streams made every other
+  peer's streams, and our own outbound ones, wait for as long as it held them.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ import trio
 
 from p2pswarm.errors import ConfigError, DialError, StartupError
 from p2pswarm.identity import Identity
+from p2pswarm.net.guard import StreamGuard
+from p2pswarm.net.limits import StreamLimits
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +52,8 @@ class HostLimits:
     """Resource limits set explicitly, since the library's own are loose or unchecked."""
 
     max_connections: int = 256  # a trainer talks to a few dozen peers; a bootstrap to hundreds
-    max_streams: int = 4096  # a handful of streams per connection
+    max_streams: int = 8192  # libp2p's own cap, in and out: the guard's inbound limit plus as many of ours
+    streams: StreamLimits = StreamLimits()  # inbound limits and deadlines enforced by net/guard.py
     max_memory_mb: int = 1024  # bound for libp2p's own buffers, not model memory
     dial_timeout: float = 5.0  # Petals' connect timeout; a peer slower than this is not useful
     upgrade_timeout: float = 5.0  # Noise + Yamux negotiation on a live TCP connection
@@ -136,6 +144,10 @@ def build_host(identity: Identity, limits: HostLimits = DEFAULT_LIMITS):
         enable_mDNS=False,
         enable_upnp=False,
     )
+    # Without the swarm's stream semaphore: it queues instead of refusing (see the module doc).
+    host.get_network().set_resource_manager(resource_manager, enable_stream_semaphore=False)
+    host.p2pswarm_guard = StreamGuard(host, limits.streams)
+    host.p2pswarm_guard.install()
     host.get_network().auto_connector.start = _auto_connector_stays_off
     host.get_network().dial_peer = _dial_every_address(host)
     host.p2pswarm_extra_addrs = extra_addrs

@@ -1,0 +1,137 @@
+"""One peer holding thousands of silent streams must not lock anyone else out (issue 7, item 2).
+
+Real py-libp2p hosts on loopback, in one trio run. The attacker switches off its own library's
+stream limits (as a malicious peer would), negotiates thousands of control streams and never
+writes on them, and keeps opening raw Yamux streams that never even negotiate. Meanwhile fresh
+honest hosts connect, ping the node over the control channel, and the node pings them back:
+each exchange must be answered within the normal request timeout for the whole attack, and the
+node's guard must show the streams it refused and closed. Afterwards the node recovers alone.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import libp2p  # noqa: F401 - importing sets up libp2p's logging; done here, before caplog quiets it
+import trio
+
+from p2pswarm import wire
+from p2pswarm.identity import generate_identity
+from p2pswarm.net.control import CONTROL_PROTOCOL, REQUEST_TIMEOUT, ControlService
+from p2pswarm.net.guard import guard_stats, set_protocol_limits
+from p2pswarm.net.host import HostLimits, connect, open_host, peer_info_from_multiaddr
+from p2pswarm.net.limits import ProtocolLimits, StreamLimits
+
+LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+RAW_BURST = 1000  # raw Yamux streams (never negotiated) per burst: a few bursts exceed py-libp2p's 4096
+RAW_PERIOD = 1.0  # seconds between bursts
+NEGOTIATE_BATCH = 100  # control streams negotiated at once, then held silent
+ATTACK_SECONDS = 12.0  # long enough for silent streams to pass the short deadlines below
+TEST_LIMITS = HostLimits(streams=StreamLimits(negotiation_timeout=2.0))  # short deadlines keep the test short
+CONTROL_IDLE = 3.0  # the control idle deadline in this test (minutes in a real node)
+
+
+async def pong(peer: str, message: wire.Ping) -> wire.Pong:
+    return wire.Pong(nonce=message.nonce + 1)
+
+
+def info(host):
+    return peer_info_from_multiaddr(str(host.get_addrs()[0]))
+
+
+def unleash(attacker, target_id):
+    """Switch off the attacker's own library limits; return its muxed connection to the target."""
+    network = attacker.get_network()
+    network.set_resource_manager(None)
+    muxed = network.get_connections(target_id)[0].muxed_conn
+    muxed.stream_backlog_semaphore = trio.Semaphore(1 << 20)  # Yamux's 256 outbound streams a connection
+    return muxed
+
+
+class Attack:
+    """What the attacker did: streams it opened raw, negotiated, and tried to negotiate."""
+
+    def __init__(self) -> None:
+        self.raw = 0
+        self.negotiated = 0
+        self.attempts = 0
+        self.held: list = []
+
+    async def run(self, attacker, node_id) -> None:
+        """Until cancelled: bursts of raw streams, and control streams negotiated then left silent."""
+        muxed = unleash(attacker, node_id)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._negotiate, attacker, node_id)
+            while True:
+                for _ in range(RAW_BURST):
+                    self.held.append(await muxed.open_stream())
+                    self.raw += 1
+                await trio.sleep(RAW_PERIOD)
+
+    async def _negotiate(self, attacker, node_id) -> None:
+        async def one() -> None:
+            try:
+                stream = await attacker.new_stream(node_id, [CONTROL_PROTOCOL])
+            except Exception:  # refused during negotiation
+                return
+            self.held.append(stream)
+            self.negotiated += 1
+
+        while True:
+            async with trio.open_nursery() as nursery:
+                for _ in range(NEGOTIATE_BATCH):
+                    self.attempts += 1
+                    nursery.start_soon(one)
+
+
+async def honest_round(node, node_control, nursery) -> None:
+    """A fresh host connects and pings the node; the node pings it back. Raises if either fails."""
+    async with open_host(generate_identity(), LOOPBACK) as honest:
+        control = ControlService(honest, nursery)
+        control.handle(wire.Ping, pong)
+        with trio.fail_after(REQUEST_TIMEOUT):
+            await connect(honest, info(node))
+        assert await control.request(node.get_id(), wire.Ping(nonce=1)) == wire.Pong(nonce=2)
+        assert await node_control.request(honest.get_id(), wire.Ping(nonce=3)) == wire.Pong(nonce=4)
+
+
+def test_one_peer_with_thousands_of_silent_streams_locks_nobody_out(caplog):
+    caplog.set_level(logging.CRITICAL, logger="libp2p")  # the attacker's library logs each refusal
+
+    async def main():
+        async with open_host(generate_identity(), LOOPBACK, TEST_LIMITS) as node, \
+                open_host(generate_identity(), LOOPBACK) as attacker:
+            async with trio.open_nursery() as nursery:
+                node_control = ControlService(node, nursery)
+                node_control.handle(wire.Ping, pong)
+                set_protocol_limits(node, CONTROL_PROTOCOL, ProtocolLimits(16, idle_timeout=CONTROL_IDLE))
+                await connect(attacker, info(node))
+                attack, attack_scope = Attack(), trio.CancelScope()
+
+                async def run_attack():
+                    with attack_scope:
+                        await attack.run(attacker, node.get_id())
+
+                nursery.start_soon(run_attack)
+                rounds = 0
+                with trio.move_on_after(ATTACK_SECONDS):
+                    while True:
+                        await honest_round(node, node_control, nursery)
+                        rounds += 1
+                stats = guard_stats(node)
+                print(f"attacker: {attack.raw} raw streams, {attack.negotiated} of {attack.attempts} negotiated; "
+                      f"{rounds} honest rounds answered; guard: {stats}")
+                assert attack.raw >= 4 * RAW_BURST and attack.attempts >= NEGOTIATE_BATCH
+                assert rounds >= 3
+                assert stats["refused_peer"] > 0 and stats["refused_protocol"] > 0
+                assert stats["closed_negotiation"] > 0 and stats["closed_idle"] > 0
+                assert stats["open"] <= TEST_LIMITS.streams.max_inbound_per_peer + 4
+                attack_scope.cancel()
+                await attacker.close()
+                with trio.fail_after(10):
+                    while guard_stats(node)["open"] > 0:  # every admitted stream was released
+                        await trio.sleep(0.05)
+                await honest_round(node, node_control, nursery)
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
