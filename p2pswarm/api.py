@@ -100,13 +100,20 @@ async def _serve_connection(stream: trio.SocketStream, routes: Routes) -> None:
         await stream.aclose()
 
 
-async def serve_api(address: str, routes: Routes, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Serve ``routes`` on ``address`` (HOST:PORT) until cancelled."""
+async def open_api_listeners(address: str) -> list[trio.SocketListener]:
+    """Bind the API's address (HOST:PORT) now; StartupError if it cannot be (a port in use, a bad
+    host), so a node fails before it listens for peers rather than after."""
     host, port = parse_host_port(address)
     try:
-        listeners = await trio.open_tcp_listeners(port, host=host)
+        return await trio.open_tcp_listeners(port, host=host)
     except OSError as exc:
         raise StartupError(f"cannot serve the API on {address}: {exc.strerror or exc}") from None
+
+
+async def serve_api(address: str | list[trio.SocketListener], routes: Routes, *,
+                    task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Serve ``routes`` on ``address`` (HOST:PORT, or listeners already bound) until cancelled."""
+    listeners = await open_api_listeners(address) if isinstance(address, str) else address
     bound = listeners[0].socket.getsockname()
     log.info("status API on http://%s:%d/api/stats", bound[0], bound[1])
     task_status.started(f"{bound[0]}:{bound[1]}")

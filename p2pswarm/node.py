@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import trio
 
 from p2pswarm import __version__
-from p2pswarm.api import serve_api
+from p2pswarm.api import open_api_listeners, serve_api
 from p2pswarm.config import BOOTSTRAP_DIAL_TIMEOUT, NodeConfig, Role
 from p2pswarm.dht.announce import capacity_flags, stage_record
 from p2pswarm.dht.discovery import (
@@ -133,7 +133,7 @@ async def _meet_peers(state: NodeState, rng: random.Random, want: int) -> None:
     await meet_peers(state.stage_map, connected, state.connector.connect, rng, want)
 
 
-async def _join_dht(state: NodeState, nursery: trio.Nursery, rng: random.Random) -> None:
+async def _join_dht(state: NodeState, nursery: trio.Nursery, rng: random.Random, api_listeners: list) -> None:
     """Kademlia, the stage index and map, the API, reachability checks, our stage."""
     config, host = state.config, state.host
     bootstrap_infos = [peer_info_from_multiaddr(a) for a in config.bootstrap]
@@ -143,10 +143,10 @@ async def _join_dht(state: NodeState, nursery: trio.Nursery, rng: random.Random)
     reached = await join_network(host, state.kad, bootstrap_infos, BOOTSTRAP_DIAL_TIMEOUT)
     log.info("joined the DHT through %d bootstrap peer(s); routing table holds %d",
              reached, state.kad.get_routing_table_size())
-    if config.api:
+    if api_listeners:
         ping = PingRoute(host, state.connector, state.control, state.stage_map.addrs_of)
         routes = {"/api/stats": state.stats_json, **state.stage_map.routes(), **ping.routes()}
-        state.api_address = await nursery.start(serve_api, config.api, routes)
+        state.api_address = await nursery.start(serve_api, api_listeners, routes)
     nursery.start_soon(state.index.serve_store_pruning)
     nursery.start_soon(serve_routing_upkeep, host, state.kad, bootstrap_infos)
     nursery.start_soon(state.nat.serve_reachability, functools.partial(_meet_peers, state, rng))
@@ -168,6 +168,7 @@ async def run_node(config: NodeConfig, *, on_listening: Callable[[list[str]], No
         peer_info_from_multiaddr(addr)  # ConfigError before anything starts
     identity = load_or_create_key(config.resolved_key_path())
     state = NodeState(identity=identity, config=config, model=model)
+    api_listeners = await open_api_listeners(config.api) if config.api else []  # fails before we listen
     async with open_host(identity, config.listen) as host, trio.open_nursery() as nursery:
         state.host = host
         log.info("peer %s listening on %s", identity.peer_id_text, ", ".join(state.addrs()))
@@ -181,6 +182,6 @@ async def run_node(config: NodeConfig, *, on_listening: Callable[[list[str]], No
         await state.nat.start()
         async with open_kademlia(host, config.dht_server) as kad:
             state.kad = kad
-            await _join_dht(state, nursery, rng)
+            await _join_dht(state, nursery, rng, api_listeners)
             task_status.started(state)
             await trio.sleep_forever()

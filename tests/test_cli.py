@@ -174,3 +174,17 @@ def test_bad_api_address_fails_before_the_node_listens(api):
     result = run("bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0", "--api", api)
     assert_only_one_stderr_line(result, "--api", api)
     assert result.stdout == "", "the node listened and printed its addresses first"
+
+
+def test_an_api_port_in_use_fails_before_the_node_listens():
+    """A well-formed --api that cannot be bound (here: a port in use) is one line and exit 1, and
+    the node never prints its addresses first."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run("bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0", "--api", f"127.0.0.1:{port}")
+    assert_only_one_stderr_line(result, "cannot serve the API")
+    assert result.stdout == "", "the node listened and printed its addresses first"
