@@ -10,6 +10,7 @@ module that talks to the foreign library.
     │   ├── LocalProtocolError   we tried to send something the protocol forbids (a bug)
     │   └── RemoteProtocolError  a peer sent bytes that are not a valid message: drop it
     ├── DialError              a peer or address could not be reached
+    │   └── CircuitExhausted     a relay circuit cannot carry the next frame: try another peer
     ├── NoCandidates           no fresh peer serves what was asked for
     └── StartupError           the node could not start (port in use, no bootstrap reachable)
 """
@@ -37,6 +38,10 @@ class RemoteProtocolError(ProtocolError):
 
 class DialError(P2PSwarmError):
     """A peer or address could not be reached."""
+
+
+class CircuitExhausted(DialError):
+    """A frame would not fit the remaining bytes or time of the relay circuit it would travel on."""
 
 
 class NoCandidates(P2PSwarmError):

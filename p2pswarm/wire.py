@@ -331,16 +331,32 @@ async def read_exactly(stream: Any, n: int) -> bytes:
     return b"".join(chunks)
 
 
-async def read_frame(
+async def read_header(
     stream: Any, *, max_payload: int = MAX_PAYLOAD_BYTES
-) -> tuple[Message, bytes] | None:
-    """Read one frame; None on EOF before its first byte, RemoteProtocolError if invalid."""
+) -> tuple[Message, int, int] | None:
+    """Read a frame up to its payload: (message, payload length, bytes read so far).
+
+    None on EOF before the first byte, RemoteProtocolError if invalid. A reader that must
+    account for a payload before reading it (the stream pool's budget) reads it afterwards
+    with ``read_exactly``.
+    """
     first = await stream.read(HEADER_LENGTH_BYTES)
     if not first:
         return None
     prefix = first + await read_exactly(stream, HEADER_LENGTH_BYTES - len(first))
-    header = await read_exactly(stream, _header_length(prefix))
-    msg, n = decode_header(header, max_payload=max_payload)
+    length = _header_length(prefix)
+    msg, n = decode_header(await read_exactly(stream, length), max_payload=max_payload)
+    return msg, n, HEADER_LENGTH_BYTES + length
+
+
+async def read_frame(
+    stream: Any, *, max_payload: int = MAX_PAYLOAD_BYTES
+) -> tuple[Message, bytes] | None:
+    """Read one frame; None on EOF before its first byte, RemoteProtocolError if invalid."""
+    head = await read_header(stream, max_payload=max_payload)
+    if head is None:
+        return None
+    msg, n, _ = head
     return msg, await read_exactly(stream, n)
 
 

@@ -44,7 +44,7 @@ from dataclasses import asdict, dataclass, field
 import trio
 
 from p2pswarm import wire
-from p2pswarm.errors import DialError, LocalProtocolError
+from p2pswarm.errors import CircuitExhausted, DialError, LocalProtocolError
 from p2pswarm.net import pool_inbound
 from p2pswarm.net.budget import BudgetConfig, CircuitLedger, CircuitLimit, InboundBudget, frame_deadline
 from p2pswarm.net.connect import Connector, as_peer_id, has_direct, is_relayed
@@ -60,10 +60,6 @@ CIRCUIT_LIMIT_ATTR = "p2pswarm_circuit_limit"  # a CircuitLimit set on a relayed
 
 Reply = pool_inbound.Reply
 Handler = pool_inbound.Handler
-
-
-class CircuitExhausted(DialError):
-    """A frame would not fit the remaining bytes or time of the relay circuit it would travel on."""
 
 
 @dataclass

@@ -94,7 +94,7 @@ class InboundServer:
     async def _read_frames(self, stream: PoolStream, peer: str, max_payload: int, send) -> None:
         """Read frames until EOF at a frame boundary; each admitted by the budget before its payload."""
         while True:
-            head = await _read_header(stream, max_payload)
+            head = await wire.read_header(stream, max_payload=max_payload)
             if head is None:
                 return
             message, n, header_bytes = head
@@ -167,16 +167,3 @@ class InboundServer:
                 failure.append(f"reply: {type(exc).__name__}: {exc}")
                 scope.cancel()
                 return
-
-
-async def _read_header(stream, max_payload: int) -> tuple[wire.Message, int, int] | None:
-    """(message, payload length, frame bytes before the payload) of the next frame; None at EOF."""
-    first = await stream.read(wire.HEADER_LENGTH_BYTES)
-    if not first:
-        return None
-    prefix = first + await wire.read_exactly(stream, wire.HEADER_LENGTH_BYTES - len(first))
-    length = int.from_bytes(prefix, "big")
-    if length > wire.MAX_HEADER_BYTES:
-        raise RemoteProtocolError(f"header length {length} exceeds {wire.MAX_HEADER_BYTES}")
-    message, n = wire.decode_header(await wire.read_exactly(stream, length), max_payload=max_payload)
-    return message, n, wire.HEADER_LENGTH_BYTES + length
