@@ -13,14 +13,13 @@ import trio
 import trio.testing
 
 from p2pswarm import wire
-from p2pswarm.errors import DialError
+from p2pswarm.errors import CircuitExhausted, DialError
 from p2pswarm.identity import generate_identity
 from p2pswarm.nat.relay_client import RelayPicker, serve_relay_reservations
 from p2pswarm.nat.relay_service import RelayConfig, serve_relay
 from p2pswarm.net.budget import BudgetConfig, CircuitLimit
 from p2pswarm.net.connect import Connector, connections_to, has_direct, is_relayed
 from p2pswarm.net.host import connect, open_host, peer_info_from_multiaddr, set_extra_addrs
-from p2pswarm.errors import CircuitExhausted
 from p2pswarm.net.pool import CIRCUIT_LIMIT_ATTR, StreamPool
 from p2pswarm.net.streams import open_stream
 
