@@ -113,14 +113,15 @@ def test_one_peer_with_thousands_of_silent_streams_locks_nobody_out(caplog):
                         await attack.run(attacker, node.get_id())
 
                 nursery.start_soon(run_attack)
-                rounds = 0
+                rounds, slowest = 0, 0.0
                 with trio.move_on_after(ATTACK_SECONDS):
                     while True:
+                        began = trio.current_time()
                         await honest_round(node, node_control, nursery)
-                        rounds += 1
+                        rounds, slowest = rounds + 1, max(slowest, trio.current_time() - began)
                 stats = guard_stats(node)
                 print(f"attacker: {attack.raw} raw streams, {attack.negotiated} of {attack.attempts} negotiated; "
-                      f"{rounds} honest rounds answered; guard: {stats}")
+                      f"{rounds} honest rounds answered (slowest {slowest:.2f} s); guard: {stats}")
                 assert attack.raw >= 4 * RAW_BURST and attack.attempts >= NEGOTIATE_BATCH
                 assert rounds >= 3
                 assert stats["refused_peer"] > 0 and stats["refused_protocol"] > 0
