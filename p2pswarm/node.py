@@ -49,6 +49,7 @@ from p2pswarm.nat.traversal import NatTraversal
 from p2pswarm.net.connect import Connector
 from p2pswarm.net.control import ControlService
 from p2pswarm.net import probe
+from p2pswarm.net.guard import guard_stats
 from p2pswarm.net.host import open_host, peer_info_from_multiaddr
 from p2pswarm.net.pool import StreamPool
 from p2pswarm.net.probe_api import PingRoute
@@ -104,6 +105,7 @@ class NodeState:
             "control": vars(self.control.stats) if self.control else {},
             "connect": self.connector.stats.summary() if self.connector else {},
             "pool": self.pool.status() if self.pool else {},
+            "streams": guard_stats(self.host) if self.host else {},
         }
 
     async def stats_json(self, params: dict) -> dict:

@@ -144,6 +144,8 @@ def test_announced_records_carry_the_stage_and_live_capacity():
             assert (record.stage, record.start, record.end) == (1, 2, 4)
             assert record.capacity.flags & records_module.FLAG_TRAINING
             assert record.capacity.free_memory_mb > 0
+            stats = nodes[0].stats()  # each service's own stats reach /api/stats
+            assert stats["stage"] == 1 and stats["streams"]["admitted"] > 0 and "budget" in stats["pool"]
             nursery.cancel_scope.cancel()
 
     trio.run(main)

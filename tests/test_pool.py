@@ -20,6 +20,7 @@ from p2pswarm.nat.relay_service import RelayConfig, serve_relay
 from p2pswarm.net.budget import BudgetConfig, CircuitLimit
 from p2pswarm.net.connect import Connector, connections_to, has_direct, is_relayed
 from p2pswarm.net.host import connect, open_host, peer_info_from_multiaddr, set_extra_addrs
+import p2pswarm.net.pool as pool_module
 from p2pswarm.net.pool import CIRCUIT_LIMIT_ATTR, StreamPool
 from p2pswarm.net.streams import open_stream
 
@@ -105,6 +106,22 @@ def test_sequential_leases_use_one_stream_and_warm_opens_ahead():
                 nursery.start_soon(exchange, pool, server.get_id(), b"w" * 100_000)
         assert pool.stats.opened == 3 and pool.stats.reused == 22  # the three were all warm
         assert [ok for *_, ok in receiver.frames] == [True] * 23 and server_pool.stats.frames_served == 23
+
+    with_pools(test)
+
+
+def test_an_idle_warm_stream_is_closed_before_the_acceptors_idle_deadline(monkeypatch):
+    monkeypatch.setattr(pool_module, "IDLE_RETIRE", 0.3)
+
+    async def test(server, server_pool, receiver, clients):
+        host, pool = clients[0]
+        await exchange(pool, server.get_id(), b"a" * 1000)
+        await exchange(pool, server.get_id(), b"b" * 1000)
+        assert pool.stats.opened == 1
+        await trio.sleep(0.5)  # the idle time itself is what is tested: no event to wait for
+        await exchange(pool, server.get_id(), b"c" * 1000)
+        assert pool.stats.opened == 2 and pool.stats.reset == 0  # closed cleanly, a fresh one opened
+        await wait_until(lambda: server_pool.budget.stats()["peers"].get(str(host.get_id()), {}).get("streams") == 1)
 
     with_pools(test)
 

@@ -55,6 +55,7 @@ log = logging.getLogger(__name__)
 STREAMS_PER_KEY = 8  # per peer and protocol: two bulk protocols stay under an acceptor's 16 streams per peer
 LEASE_TIMEOUT = 10.0  # wait for a free stream, or connect (relay dial: up to 10 s) and open one
 READ_TIMEOUT = 30.0  # default wait for a reply: a stage's forward pass plus a transfer; routers pass shorter ones
+IDLE_RETIRE = 60.0  # an idle warm stream is closed by us before the acceptor's idle deadline (120 s) resets it
 FRAME_BOUND = wire.HEADER_LENGTH_BYTES + wire.MAX_HEADER_BYTES  # a frame's bytes beyond its payload, at most
 CIRCUIT_LIMIT_ATTR = "p2pswarm_circuit_limit"  # a CircuitLimit set on a relayed connection from the relay's Limit
 
@@ -87,6 +88,7 @@ class PoolStream(ByteStream):
         self.relayed = is_relayed(self.conn)
         self.ledger = ledger if self.relayed else None
         self.broken = False  # a frame was cut: never reuse
+        self.idle_since = 0.0  # trio time it last went back to the pool
 
     @property
     def dead(self) -> bool:
@@ -214,7 +216,9 @@ class StreamPool:
             self._prune(slot)
             if len(slot.idle) >= min(n, self._streams_per_key) or slot.count >= self._streams_per_key:
                 return len(slot.idle)
-            slot.idle.append(await self._open_counted(slot, via_relay))
+            stream = await self._open_counted(slot, via_relay)
+            stream.idle_since = trio.current_time()
+            slot.idle.append(stream)
             slot.notify()
 
     def _slot(self, key: tuple[str, str]) -> _Slot:
@@ -254,7 +258,7 @@ class StreamPool:
         for stream in slot.idle:
             if stream.dead:
                 self._retire(slot, stream, reset=True)
-            elif stream.conn in self._exhausted:
+            elif stream.conn in self._exhausted or trio.current_time() - stream.idle_since > IDLE_RETIRE:
                 self._retire(slot, stream, reset=False)
             elif stream.relayed and has_direct(self.host, as_peer_id(slot.key[0])):
                 log.debug("pooled stream to %s moves to the direct connection", slot.key[0])
@@ -270,6 +274,7 @@ class StreamPool:
             self._retire(slot, stream, reset=True)
             self._forget_if_unused(slot)
         else:
+            stream.idle_since = trio.current_time()
             slot.idle.append(stream)
             slot.notify()
 

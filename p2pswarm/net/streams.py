@@ -45,14 +45,15 @@ class ByteStream:
             raise DialError(f"stream to {self.remote_peer} closed: {type(exc).__name__}") from None
 
     async def close(self) -> None:
-        with trio.move_on_after(1):
+        # Shielded: an interrupted close or reset skips the library's stream bookkeeping.
+        with trio.CancelScope(shield=True), trio.move_on_after(1):
             try:
                 await self._stream.close()
             except Exception:  # closing a dead stream is not an error worth reporting
                 pass
 
     async def reset(self) -> None:
-        with trio.move_on_after(1):
+        with trio.CancelScope(shield=True), trio.move_on_after(1):
             try:
                 await self._stream.reset()
             except Exception:  # resetting a dead stream is not an error worth reporting
