@@ -8,7 +8,8 @@ a time and 20 at a time. The baseline, on the same hosts in the same run, is py-
 
 The whole swarm (1 bootstrap + 31 joiners) runs in ONE process on 2 cores, so all 32 nodes
 share the one core a Python process can use, and every node's background traffic (announces
-every 5 s, stage-map refreshes every 5 s) competes with the lookups. At the shipped periods that
+every 5 s, stage-map refreshes every 5 s, candidate checks of the neighbouring stages every 5 s)
+competes with the lookups. At the shipped periods that
 background alone needs several cores, so by default the benchmark stretches the node's periods
 (and the record TTL) by TIME_DILATION = 32, the number of nodes per core: each node then
 spends the same share of its CPU on background work as one node per core would.
@@ -104,13 +105,21 @@ async def start_swarm(nursery: trio.Nursery, batch_size: int = START_BATCH) -> S
 
 
 def dilate_node_periods(factor: float) -> None:
-    """Stretch the node's announce and stage-map periods and the record TTL in this process."""
+    """Stretch the node's announce, stage-map and candidate-check periods and the record TTL (and
+    its cap) in this process."""
+    import p2pswarm.dht.candidates as candidates
+    import p2pswarm.dht.records as records
     import p2pswarm.dht.stagemap as stagemap
     import p2pswarm.node as node
 
     stagemap.ANNOUNCE_PERIOD *= factor
     stagemap.STAGE_MAP_PERIOD *= factor
+    stagemap.CHECK_PERIOD *= factor
+    candidates.CHECK_PERIOD *= factor
+    candidates.RETRY_AFTER *= factor
+    candidates.ANSWER_FRESH *= factor
     node.RECORD_TTL *= factor
+    records.MAX_TTL *= factor
 
 
 async def announce_all(swarm: Swarm) -> None:
@@ -127,6 +136,17 @@ async def announce_all(swarm: Swarm) -> None:
     async with trio.open_nursery() as nursery:
         for state in swarm.nodes[1:]:
             nursery.start_soon(announce, state, limiter)
+
+
+async def wait_for_dht_servers(swarm: Swarm) -> float | None:
+    """Seconds until every joiner is a DHT server (a PUBLIC verdict: records are stored only on
+    servers, so the closest sets settle only then); None if some never became one."""
+    started = time.perf_counter()
+    with trio.move_on_after(CONVERGE_TIMEOUT):
+        while not all(state.index.server for state in swarm.nodes):
+            await trio.sleep(CONVERGE_POLL)
+        return time.perf_counter() - started
+    return None
 
 
 async def maps_complete(swarm: Swarm) -> bool:
@@ -256,6 +276,7 @@ async def measure_swarm_start(nursery: trio.Nursery, args: argparse.Namespace, r
     swarm = await start_swarm(nursery, args.start_batch)
     results["start_s"] = time.perf_counter() - started
     results["empty_tables"] = sum(state.kad.get_routing_table_size() == 0 for state in swarm.nodes)
+    results["servers_s"] = await wait_for_dht_servers(swarm)
     if args.time_dilation > 1:  # with the shipped periods the nodes' own loops re-announce
         await announce_all(swarm)
     results["converge_s"] = await wait_for_stage_maps(swarm)
@@ -294,6 +315,9 @@ def report_swarm(results: dict) -> None:
           f"{results['start_s']:.1f} s; {converged}.")
     print(f"joiners started {results['start_batch']} at a time; nodes whose DHT routing table was empty "
           f"after the start: {results['empty_tables']} of {JOINERS + 1}")
+    servers = results["servers_s"]
+    print("every joiner a DHT server (PUBLIC) " + (f"{servers:.1f} s after the start" if servers is not None
+                                                   else f"NOT within {CONVERGE_TIMEOUT:.0f} s"))
     dilation = results["dilation"]
     print(f"node periods x{dilation:g}: announce every {ANNOUNCE_PERIOD * dilation:g} s, stage-map "
           f"refresh every {STAGE_MAP_PERIOD * dilation:g} s, record TTL {RECORD_TTL * dilation:g} s")
