@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import trio
 
-from p2pswarm import __version__
+from p2pswarm import __version__, wire
 from p2pswarm.api import open_api_listeners, serve_api
 from p2pswarm.config import BOOTSTRAP_DIAL_TIMEOUT, NodeConfig, Role
 from p2pswarm.dht.announce import capacity_flags, stage_record
@@ -156,6 +156,7 @@ async def _join_dht(state: NodeState, nursery: trio.Nursery, rng: random.Random,
         stage = state.model.stage_of(*config.layers) if config.layers else None
         state.stage = stage if stage is not None else await state.stage_map.choose_stage(rng)
         nursery.start_soon(serve_announcements, state.index, state.signed_record)
+        state.control.handle(wire.Ping, state.stage_map.answer_ping)  # a peer checking us answered us
         nursery.start_soon(serve_candidate_checks, state.stage_map, neighbour_stages(state.model, state.stage),
                            state.identity.peer_id_text,
                            functools.partial(control_round_trip, state.connector, state.control))

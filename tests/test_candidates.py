@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from p2pswarm.dht.candidates import ANSWER_FRESH, CHECK_PERIOD, RETRY_AFTER, CandidateBook
+from p2pswarm.dht.candidates import ANSWER_FRESH, CHECK_PERIOD, RETRY_AFTER, CandidateBook, asks_first
 from p2pswarm.dht.protocol import StoreRecord
 from p2pswarm.dht.records import Capacity, StageRecord, sign_record
 from p2pswarm.identity import generate_identity
@@ -75,6 +75,12 @@ def test_a_peer_that_never_answered_is_never_offered(asked, later):
     assert book.candidates(map(record, PEERS), later) == []
 
 
+@given(st.text(min_size=1), st.text(min_size=1))
+def test_exactly_one_of_two_different_peers_asks_first(a, b):
+    if a != b:
+        assert asks_first(a, b) != asks_first(b, a)
+
+
 def test_memory_is_bounded():
     book = CandidateBook(max_tracked=3)
     for i in range(10):
@@ -99,12 +105,16 @@ def test_a_record_author_that_answers_nothing_is_no_candidate():
                 assert reply.accepted
                 live, ghost_id = second.identity.peer_id_text, ghost.peer_id_text
                 with trio.fail_after(30):
+                    # whichever of the two asks, both end up counting the other as answered
                     while [r.peer_id for r in first.stage_map.candidates(1)] != [live]:
+                        await trio.sleep(0.2)
+                    while [r.peer_id for r in second.stage_map.candidates(0)] != [first.identity.peer_id_text]:
                         await trio.sleep(0.2)
                     while ghost_id not in {r.peer_id for r in first.stage_map.stages.get(1, [])}:
                         await trio.sleep(0.2)
-                    while not first.stage_map.book._seen.get(ghost_id):
-                        await trio.sleep(0.2)
+                    if asks_first(first.identity.peer_id_text, ghost_id):  # else the ghost would have to ask us
+                        while not first.stage_map.book._seen.get(ghost_id):
+                            await trio.sleep(0.2)
                 assert ghost_id not in {r.peer_id for r in first.stage_map.candidates(1)}
                 doc = first.stage_map.doc()["stages"]["1"]["peers"]
                 assert {p["peer_id"]: p["answered"] for p in doc} == {live: True, ghost_id: False}

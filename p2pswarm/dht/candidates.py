@@ -4,7 +4,11 @@ A stage record proves that its peer signed it and stored it itself, some seconds
 not prove that the peer answers *us* now: it may have died within its TTL, sit behind a NAT
 we cannot cross, or be an attacker's identity that stores records and answers nothing else. So
 a node asks each record's peer for a round trip (a ``Ping`` on the control channel) and offers
-a router only the peers that answered one recently. Pure bookkeeping; ``dht.stagemap`` drives it.
+a router only the peers that answered one recently. Of two peers that check each other, only the
+one with the smaller peer id asks (``asks_first``); the other counts the ping it receives and
+answers as the same evidence. That halves the checks and never has both sides dial each other
+at once (two crossed relayed connections would each start a hole punch). Pure bookkeeping;
+``dht.stagemap`` drives it.
 """
 
 from __future__ import annotations
@@ -24,6 +28,11 @@ MAX_TRACKED = 4096  # peers remembered; the oldest are forgotten first beyond th
 class _Seen:
     answered_at: float | None  # last answer, None if it never answered
     asked_at: float  # last time we asked
+
+
+def asks_first(me: str, peer: str) -> bool:
+    """Whether we, not ``peer``, start the round trips between us (the smaller peer id does)."""
+    return me < peer
 
 
 class CandidateBook:

@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 import trio
 
 from p2pswarm import wire
-from p2pswarm.dht.candidates import CHECK_PERIOD, CandidateBook
+from p2pswarm.dht.candidates import CHECK_PERIOD, CandidateBook, asks_first
 from p2pswarm.dht.discovery import ANNOUNCE_PERIOD, DEFAULT_K, LOOKUP_TIMEOUT, STAGE_MAP_PERIOD, StageIndex
 from p2pswarm.dht.records import StageRecord
 from p2pswarm.errors import DialError
@@ -62,6 +62,11 @@ class StageMap:
             async with trio.open_nursery() as nursery:
                 for stage in stages:
                     nursery.start_soon(one, stage)
+
+    async def answer_ping(self, peer: str, message: wire.Ping) -> wire.Pong:
+        """Answer a peer's ping (control channel); a peer that checks us has answered us too."""
+        self.book.answered(peer, time.time())
+        return wire.Pong(nonce=message.nonce)
 
     def candidates(self, stage: int) -> list[StageRecord]:
         """The peers serving ``stage`` that answered us recently, best first: what a router may use."""
@@ -161,7 +166,8 @@ def neighbour_stages(model: ModelSpec, stage: int) -> list[int]:
 async def serve_candidate_checks(stage_map: StageMap, stages: list[int], me: str,
                                  round_trip: Callable[[str, tuple[str, ...]], Awaitable[object]]) -> None:
     """Keep ``stages`` of the map fresh and ask their peers for a round trip, so that
-    ``StageMap.candidates`` offers only peers that answer us."""
+    ``StageMap.candidates`` offers only peers that answer us. Peers with a smaller id than ours
+    ask us instead (``StageMap.answer_ping`` counts their pings)."""
     limiter = trio.CapacityLimiter(MAX_CHECKS_AT_ONCE)
 
     async def check(record: StageRecord) -> None:
@@ -176,7 +182,7 @@ async def serve_candidate_checks(stage_map: StageMap, stages: list[int], me: str
 
     while True:
         await stage_map.refresh_stages(stages)
-        records = {r.peer_id: r for s in stages for r in stage_map.stages.get(s, []) if r.peer_id != me}
+        records = {r.peer_id: r for s in stages for r in stage_map.stages.get(s, []) if asks_first(me, r.peer_id)}
         async with trio.open_nursery() as nursery:
             for peer in stage_map.book.to_ask(records, time.time()):
                 nursery.start_soon(check, records[peer])
