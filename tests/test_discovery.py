@@ -149,3 +149,26 @@ def test_announced_records_carry_the_stage_and_live_capacity():
             nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def test_a_peer_that_failed_a_request_is_not_asked_again_for_a_while():
+    """DHT traffic dials directly; a peer that could not be reached (e.g. behind a symmetric NAT,
+    offered by another server's answer) must not be picked again at once: each try costs a
+    lookup its whole timeout (seen in the NAT lab: a stage map that never caught up)."""
+    from p2pswarm.errors import DialError
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            boot, (node,) = await start_swarm(nursery, [(0, 2)], DhtMode.SERVER)
+            index, peer = node.index, boot.host.get_id()
+            now = [time.time()]
+            index._clock = lambda: now[0]
+            assert index._may_hold_records(peer)
+            index._forget(peer, DialError("unreachable"))
+            assert not index._may_hold_records(peer)
+            assert peer not in await index.closest_peers(b"k" * 32, 5)
+            now[0] += discovery.UNREACHABLE_MEMORY
+            assert index._may_hold_records(peer)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)

@@ -38,6 +38,7 @@ READ_WIDTH = 5  # closest peers a reader asks: wider than REPLICATION, as views 
 LOOKUP_WIDTH = 8  # closest peers asked of Kademlia, so enough servers remain after filtering
 KADEMLIA_PROTOCOL = "/ipfs/kad/1.0.0"
 NOT_A_SERVER_MEMORY = 600.0  # a DHT client may turn server when its reachability changes
+UNREACHABLE_MEMORY = 60.0  # a peer that failed a stage-record request is not asked again this long
 MAX_REMEMBERED_CLIENTS = 4096  # bound on that memory; forgetting only costs one more request
 LOOKUP_TIMEOUT = 3.0  # per closest-peer fetch; hivemind's DHT timeout is 3 s
 DEFAULT_K = 8  # records a lookup returns; the router needs a few live candidates per stage
@@ -162,6 +163,7 @@ class StageIndex:
         self._clock = clock
         self.stats = DiscoveryStats()
         self._not_servers: dict = {}  # peer → when it answered "unsupported" to a stage-record request
+        self._failed: dict = {}  # peer → when a stage-record request to it failed (DHT traffic dials directly)
         self._closest = ClosestPeersCache(want=REPLICATION)  # writers only: readers always search
         control.handle(StoreRecord, self._on_store)
         control.handle(FetchRecords, self._on_fetch)
@@ -218,15 +220,21 @@ class StageIndex:
     def _may_hold_records(self, peer_id) -> bool:
         """False for peers known to be DHT clients: their identify lists no Kademlia, they said so,
         or they advertise relay circuits (only an unreachable peer does, and it is a client)."""
-        said_at = self._not_servers.get(peer_id)
-        if said_at is not None and self._clock() - said_at < NOT_A_SERVER_MEMORY:
+        now = self._clock()
+        said_at, failed_at = self._not_servers.get(peer_id), self._failed.get(peer_id)
+        if said_at is not None and now - said_at < NOT_A_SERVER_MEMORY:
             return False
+        if failed_at is not None and now - failed_at < UNREACHABLE_MEMORY:
+            return False  # other servers' answers would otherwise offer it again at once
         return not known_client(self._host, peer_id)
 
     def _forget(self, peer_id, exc: Exception) -> None:
         log.debug("peer %s failed a stage-record request, removing it from the routing table: %s", peer_id, exc)
         self._kad.routing_table.remove_peer(peer_id)
         self._closest.forget_peer(peer_id)
+        if len(self._failed) >= MAX_REMEMBERED_CLIENTS:
+            self._failed.clear()
+        self._failed[peer_id] = self._clock()
 
     def _forget_if_not_a_server(self, peer_id, reply) -> None:
         """py-libp2p lets client-mode peers into servers' routing tables; they hold no records."""
