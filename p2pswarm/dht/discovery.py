@@ -25,7 +25,6 @@ from p2pswarm.dht.protocol import FetchRecords, FetchReply, StoreRecord, StoreRe
 from p2pswarm.dht.records import StageRecord, best_first, stage_key, verify_record
 from p2pswarm.dht.store import RecordStore
 from p2pswarm.errors import DialError, ProtocolError, StartupError
-from p2pswarm.model.catalog import ModelSpec
 from p2pswarm.net.connect import as_peer_id, remote_ip
 from p2pswarm.net.control import ControlService
 from p2pswarm.net.host import connect
@@ -313,19 +312,6 @@ class StageIndex:
         held = newest.get(record.peer_id)
         if held is None or record.timestamp > held.timestamp:
             newest[record.peer_id] = record
-
-    async def stage_map(self, model: ModelSpec) -> dict[int, list[StageRecord]]:
-        """Every stage of ``model`` mapped to the fresh records serving it (with its exact range)."""
-        result: dict[int, list[StageRecord]] = {}
-
-        async def fill(stage: int) -> None:
-            records = await self.lookup_stage(model.name, stage, k=DEFAULT_K)
-            result[stage] = [r for r in records if (r.start, r.end) == model.stage_range(stage)]
-
-        async with trio.open_nursery() as nursery:
-            for stage in range(model.n_stages):
-                nursery.start_soon(fill, stage)
-        return dict(sorted(result.items()))
 
     def stats_doc(self) -> dict:
         """What /api/stats shows of discovery."""

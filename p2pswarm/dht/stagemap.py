@@ -24,7 +24,8 @@ from p2pswarm.model.catalog import ModelSpec, least_served_stage
 
 log = logging.getLogger(__name__)
 
-STAGE_MAP_BUILD_TIMEOUT = 2 * LOOKUP_TIMEOUT  # closest-peer search plus one fetch round, each bounded
+STAGE_MAP_BUILD_TIMEOUT = 2 * LOOKUP_TIMEOUT + 1.0  # a closest-peer search and a fetch round, each
+#                                                   bounded, with room to finish rather than be cut
 CHECK_TIMEOUT = 3.0  # connect plus one control round trip; a peer slower than this is no candidate
 MAX_CHECKS_AT_ONCE = 8  # round trips in flight while checking candidates
 
@@ -40,20 +41,21 @@ class StageMap:
         self.book = CandidateBook()  # who answered us; only they are candidates
 
     async def refresh(self) -> dict[int, list[StageRecord]]:
-        self.stages = await self._index.stage_map(self.model)
+        """Look every stage up again (each stage's answer kept as soon as it is in)."""
+        await self.refresh_stages(list(range(self.model.n_stages)))
         self.updated_at = time.time()
         return self.stages
 
     async def current(self) -> dict[int, list[StageRecord]]:
-        """The stage map, rebuilt when older than STAGE_MAP_PERIOD."""
+        """The stage map, rebuilt when older than STAGE_MAP_PERIOD (a stage whose lookup overruns
+        its bound keeps its previous answer; the others are updated)."""
         async with self._lock:
             if time.time() - self.updated_at >= STAGE_MAP_PERIOD:
-                with trio.move_on_after(STAGE_MAP_BUILD_TIMEOUT):
-                    await self.refresh()
+                await self.refresh()
         return self.stages
 
     async def refresh_stages(self, stages: list[int]) -> None:
-        """Look up only ``stages`` (those a node routes to) and update them in the map."""
+        """Look up ``stages`` and update each in the map as its answer comes in (bounded)."""
         async def one(stage: int) -> None:
             records = await self._index.lookup_stage(self.model.name, stage, k=DEFAULT_K)
             self.stages[stage] = [r for r in records if (r.start, r.end) == self.model.stage_range(stage)]
@@ -103,7 +105,7 @@ class StageMap:
                     "peers": [{**_record_doc(r, now), "answered": self.book.has_answered(r.peer_id, now)}
                               for r in records],
                 }
-                for stage, records in self.stages.items()
+                for stage, records in sorted(self.stages.items())
             },
         }
 
