@@ -2,8 +2,10 @@
 
 The map (which peers serve each stage of the model, with what capacity) is rebuilt on demand,
 when asked and older than STAGE_MAP_PERIOD: a full map costs one lookup per stage, and a node
-nobody asks should not spend that every few seconds. A rebuild that overruns its bound leaves
-the previous map in place. ``/api/stages`` serves it.
+nobody asks should not spend that every few seconds. Each stage's answer replaces its entry as
+soon as it is in; a stage whose lookup overruns the bound keeps its previous entry. A joining
+peer also keeps its own and the adjacent stages fresh and checks their peers (candidates).
+``/api/stages`` serves the map.
 """
 
 from __future__ import annotations
