@@ -18,7 +18,10 @@ PROFILE_VARIABLE = "HYPOTHESIS_PROFILE"  # the variable hypothesis users already
 DEFAULT_PROFILE = "p2pswarm"  # local runs keep exploring: that is how the rare bugs are found
 SUPPRESSED = [HealthCheck.too_slow]  # "too slow" on a busy 2-core machine says nothing of the code
 
-settings.register_profile(DEFAULT_PROFILE, deadline=None, suppress_health_check=SUPPRESSED)
+# Based explicitly on hypothesis's "default" profile: otherwise, with CI=true in the environment,
+# hypothesis's own "ci" profile is the parent and the "exploring" profile would not explore.
+settings.register_profile(DEFAULT_PROFILE, parent=settings.get_profile("default"), deadline=None,
+                          suppress_health_check=SUPPRESSED)
 settings.register_profile("ci", derandomize=True, database=None, print_blob=True, deadline=None,
                           suppress_health_check=SUPPRESSED)
 settings.load_profile(os.environ.get(PROFILE_VARIABLE) or DEFAULT_PROFILE)
