@@ -1,1 +1,2 @@
-"""The model: its catalog (importable without torch) and, later, the stage-sliceable transformer."""
+"""The model: its catalog and dimensions (importable without torch), the stage-sliceable transformer
+(``transformer``, imports torch), the training corpus (``corpus``, pure) and stage assignment."""
