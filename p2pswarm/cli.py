@@ -203,7 +203,8 @@ def format_status(stats: dict, stages: dict) -> str:
         held = ", ".join(f"{r['peer'][-8:]} ({r['expires_in_s']:.0f} s)" for r in stats["relays"])
         lines.insert(5, f"relays        {held}; {len(stats.get('circuit_addrs', []))} circuit address(es)")
     for stage, doc in stages["stages"].items():
-        peers = ", ".join(f"{r['peer_id'][-8:]} (queue {r['queue_depth']})" for r in doc["peers"]) or "(nobody)"
+        peers = ", ".join(f"{r['peer_id'][-8:]} (queue {r['queue_depth']}{', answered' if r.get('answered') else ''})"
+                          for r in doc["peers"]) or "(nobody)"
         lines.append(f"  stage {int(stage):>3}  layers [{doc['start']}, {doc['end']})  "
                      f"{len(doc['peers'])} peer(s)  {peers}")
     return "\n".join(lines)
