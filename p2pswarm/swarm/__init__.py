@@ -1,0 +1,1 @@
+"""SWARM parallelism: choosing peers for micro-batches, buffering and computing them."""

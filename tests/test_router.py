@@ -1,0 +1,203 @@
+"""Properties of the pure router core: staleness, backoff, failover order, score and timeout bounds."""
+
+import random
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from p2pswarm.dht.records import FLAG_DRAINING, FLAG_RELAYED, Capacity, StageRecord
+from p2pswarm.errors import NoCandidates
+from p2pswarm.swarm.router import (
+    ACK_TIMEOUT_CEILING, ACK_TIMEOUT_FLOOR, BACKOFF_CAP, K_CANDIDATES, STALE_AFTER, Candidate, Failure,
+    Router, RouterConfig, backoff_delay, rto, score,
+)
+
+PEERS = [f"peer{i}" for i in range(8)]
+latencies = st.floats(0.0, 2.0, allow_nan=False)
+queues = st.integers(0, 500)
+candidates = st.builds(Candidate, peer=st.sampled_from(PEERS), stage=st.integers(0, 1), queue_depth=queues,
+                       flags=st.sampled_from([0, FLAG_RELAYED, FLAG_DRAINING]),
+                       heard_at=st.floats(0.0, 40.0, allow_nan=False))
+observations = st.lists(st.tuples(st.sampled_from(["ack", "fail", "cap"]), st.sampled_from(PEERS), latencies,
+                                  queues), max_size=30)
+
+
+def _router(seed: int, offered, obs, now: float) -> Router:
+    router = Router(random.Random(seed))
+    router.offer(offered, now=0.0)
+    for kind, peer, latency, queue in obs:
+        if kind == "ack":
+            router.observe_ack(peer, latency, now=0.0, queue_depth=queue)
+        elif kind == "fail":
+            router.observe_failure(peer, now=now - latency * 10)
+        else:
+            router.observe_capacity(peer, queue, now=0.0)
+    return router
+
+
+@given(st.integers(), st.lists(candidates, max_size=12), observations, st.floats(0.0, 60.0))
+def test_never_routes_to_a_stale_backed_off_or_draining_peer(seed, offered, obs, now):
+    router = _router(seed, offered, obs, now)
+    for stage in (0, 1):
+        chosen = router.choose(stage, now)
+        assert len(chosen) <= K_CANDIDATES and len(set(chosen)) == len(chosen)
+        for peer in router.ranked(stage, now):
+            state = router.peers[peer]
+            assert now - state.candidate.heard_at < STALE_AFTER
+            assert now >= state.backoff_until
+            assert not state.candidate.flags & FLAG_DRAINING
+            assert state.candidate.stage == stage
+
+
+@given(st.integers(), st.lists(candidates, max_size=12), observations, st.floats(0.0, 30.0),
+       st.sets(st.sampled_from(PEERS)))
+def test_failover_tries_every_live_candidate_before_no_candidates(seed, offered, obs, now, good):
+    router = _router(seed, offered, obs, now)
+    live = set(router.ranked(0, now))
+    tried: list[str] = []
+    with pytest.raises(NoCandidates):
+        for _ in range(len(PEERS) + 1):
+            peer = router.next_after(0, tried, now)
+            assert peer not in tried and router.is_live(peer, now)
+            tried.append(peer)
+            if peer not in good:
+                router.observe_failure(peer, now, Failure.ERROR)
+    assert set(tried) == live
+
+
+@given(st.integers(), st.lists(candidates, min_size=1, max_size=12), st.floats(0.0, 14.0))
+def test_choose_is_the_head_of_the_failover_order_and_direct_before_relayed(seed, offered, now):
+    router = _router(seed, offered, [], now)
+    ranked = router.ranked(0, now)
+    assert router.choose(0, now) == ranked[:K_CANDIDATES]
+    relayed = [router.peers[p].candidate.relayed for p in ranked]
+    assert relayed == sorted(relayed)
+    if ranked:
+        assert router.next_after(0, (), now) == ranked[0]
+
+
+@given(latencies, latencies, queues)
+def test_score_is_monotone_in_latency(a, b, queue):
+    low, high = sorted((a, b))
+    assert score(low, queue) <= score(high, queue)
+
+
+@given(queues, queues, latencies)
+def test_score_is_monotone_in_queue_depth(a, b, latency):
+    low, high = sorted((a, b))
+    assert score(latency, low) <= score(latency, high)
+
+
+@given(latencies, queues, queues)
+def test_a_deeper_queue_never_ranks_first(latency, q1, q2):
+    router = Router(random.Random(0))
+    router.offer([Candidate("a", 0, q1, heard_at=0.0), Candidate("b", 0, q2, heard_at=0.0)], now=0.0)
+    router.observe_ack("a", latency, 0.0)
+    router.observe_ack("b", latency, 0.0)
+    if q1 < q2:
+        assert router.choose(0, 1.0)[0] == "a"
+    elif q2 < q1:
+        assert router.choose(0, 1.0)[0] == "b"
+
+
+@given(st.lists(latencies, min_size=0, max_size=40))
+def test_ack_timeout_stays_within_floor_and_ceiling(samples):
+    router = Router(random.Random(0))
+    router.offer([Candidate("a", 0, 0, heard_at=0.0)], now=0.0)
+    assert router.ack_timeout("a") == ACK_TIMEOUT_CEILING  # no sample yet: the conservative bound
+    for sample in samples:
+        router.observe_ack("a", sample, now=0.0)
+        assert ACK_TIMEOUT_FLOOR <= router.ack_timeout("a") <= ACK_TIMEOUT_CEILING
+    assert ACK_TIMEOUT_FLOOR <= router.ack_timeout("unknown") <= ACK_TIMEOUT_CEILING
+
+
+def test_ack_timeout_follows_the_measured_latency():
+    assert rto(0.001, 0.0) == ACK_TIMEOUT_FLOOR
+    assert rto(0.05, 0.005) == pytest.approx(0.07)
+    assert rto(1.0, 1.0) == ACK_TIMEOUT_CEILING
+
+
+@given(st.integers(1, 200), st.integers())
+def test_backoff_is_capped_jittered_and_grows(failures, seed):
+    delay = backoff_delay(failures, random.Random(seed))
+    assert 0 < delay <= BACKOFF_CAP
+    config = RouterConfig()
+    nominal = min(BACKOFF_CAP, config.backoff_base * 2.0 ** (failures - 1))
+    assert nominal / 2 <= delay <= nominal
+
+
+def test_from_record_carries_queue_flags_and_time():
+    record = StageRecord("p", ("/ip4/127.0.0.1/tcp/1",), "tiny-lm", 1, 2, 4, Capacity(100, 7, FLAG_RELAYED), 5.0, 30.0)
+    c = Candidate.from_record(record)
+    assert (c.peer, c.stage, c.queue_depth, c.relayed, c.heard_at) == ("p", 1, 7, True, 5.0)
+
+
+class RouterMachine(RuleBasedStateMachine):
+    """Peers appear, report, fail, recover when their backoff ends, and die (go stale)."""
+
+    @initialize(seed=st.integers())
+    def start(self, seed):
+        self.router = Router(random.Random(seed))
+        self.now = 0.0
+        self.dead: set[str] = set()
+
+    @rule(peer=st.sampled_from(PEERS), queue=queues, relayed=st.booleans())
+    def appear(self, peer, queue, relayed):
+        self.dead.discard(peer)
+        self.router.offer([Candidate(peer, 0, queue, FLAG_RELAYED if relayed else 0, self.now)], self.now)
+
+    @rule(peer=st.sampled_from(PEERS), latency=latencies)
+    def ack(self, peer, latency):
+        if peer not in self.dead:
+            self.router.observe_ack(peer, latency, self.now)
+            if peer in self.router.peers:
+                assert self.router.is_live(peer, self.now) == (
+                    self.now - self.router.peers[peer].candidate.heard_at < STALE_AFTER)
+
+    @rule(peer=st.sampled_from(PEERS))
+    def fail(self, peer):
+        self.router.observe_failure(peer, self.now)
+        assert not self.router.is_live(peer, self.now)
+
+    @rule(peer=st.sampled_from(PEERS))
+    def die(self, peer):
+        self.dead.add(peer)
+
+    @rule(dt=st.floats(0.0, 20.0))
+    def advance(self, dt):
+        self.now += dt
+
+    @precondition(lambda self: any(s.backoff_until > self.now for s in self.router.peers.values()))
+    @rule()
+    def wait_for_a_recovery(self):
+        self.now = min(s.backoff_until for s in self.router.peers.values() if s.backoff_until > self.now)
+
+    @invariant()
+    def routes_only_to_live_peers_in_order(self):
+        if not hasattr(self, "router"):
+            return
+        ranked = self.router.ranked(0, self.now)
+        for peer in ranked:
+            state = self.router.peers[peer]
+            assert self.now - state.candidate.heard_at < STALE_AFTER and self.now >= state.backoff_until
+        assert self.router.choose(0, self.now) == ranked[:K_CANDIDATES]
+        relayed = [self.router.peers[p].candidate.relayed for p in ranked]
+        assert relayed == sorted(relayed)
+        if not ranked:
+            with pytest.raises(NoCandidates):
+                self.router.next_after(0, (), self.now)
+
+    @invariant()
+    def fresh_unfailed_peers_are_routable(self):
+        if not hasattr(self, "router"):
+            return
+        for peer, state in self.router.peers.items():
+            fresh = self.now - state.candidate.heard_at < STALE_AFTER
+            if fresh and self.now >= state.backoff_until:
+                assert peer in self.router.ranked(0, self.now)
+            assert ACK_TIMEOUT_FLOOR <= self.router.ack_timeout(peer) <= ACK_TIMEOUT_CEILING
+
+
+TestRouterMachine = RouterMachine.TestCase
