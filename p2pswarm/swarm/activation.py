@@ -1,0 +1,118 @@
+"""The messages of the activation protocol, ``/p2pswarm/activation/1.0.0``: what stages send each other.
+
+Micro-batches cross stage boundaries as tensors: activations forward, gradients backward. Each
+travels as one frame whose header says where it belongs (session, micro-batch, stage, priority,
+step) and what the payload is (dtype and shape); the payload is the tensor's raw bytes, as in
+``wire.TensorFrame``. The receiver answers every tensor frame with an ``Ack`` (it took the
+micro-batch, and here is its queue depth, which the router reads for free) or a ``Busy`` (its
+queue is full: explicit backpressure, so a sender never mistakes a full peer for a dead one).
+
+This module only defines and validates the messages; it imports neither trio nor torch. Every
+field is bounded, and a header that does not match its payload is a ``RemoteProtocolError``.
+``docs/protocols.md`` ("Activations") is the normative description.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from p2pswarm import wire
+from p2pswarm.dht.records import MAX_STAGES
+from p2pswarm.errors import RemoteProtocolError
+
+PROTOCOL_ID = "/p2pswarm/activation/1.0.0"  # the libp2p protocol these frames travel on
+SESSION_BYTES = 16  # a session id is 128 random bits: no two sessions collide by chance
+MAX_MICRO_BATCH = wire.INT_MAX  # micro-batch ids count up for a whole run: any u63 is fine
+MAX_STEP = wire.INT_MAX  # training steps count up for a whole run: any u63 is fine
+MAX_QUEUE_DEPTH = 1 << 20  # far beyond any real buffer; bounds what a peer can claim
+MAX_RETRY_AFTER_MS = 10_000  # a hint beyond 10 s means "dead" to a router: fail over instead
+
+
+class Priority(enum.IntEnum):
+    """Inbound buffer classes, most urgent first (the lower the value, the sooner it is served)."""
+
+    INFERENCE_URGENT = 0
+    INFERENCE = 1
+    TRAINING_FORWARD = 2
+    TRAINING_BACKWARD = 3
+
+
+_PRIORITIES = frozenset(int(p) for p in Priority)
+
+
+def _check_int(kind: str, name: str, value: int, low: int, high: int) -> None:
+    if not low <= value <= high:
+        raise RemoteProtocolError(f"{kind}: {name} {value} is not within [{low}, {high}]")
+
+
+def _check_session(kind: str, session: bytes) -> None:
+    if len(session) != SESSION_BYTES:
+        raise RemoteProtocolError(f"{kind}: session id of {len(session)} bytes, not {SESSION_BYTES}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _TensorMessage(wire.Message):
+    """Fields and checks shared by Forward and Backward; the payload is the tensor's bytes."""
+
+    session: bytes  # SESSION_BYTES random bytes naming one training (or inference) session
+    micro_batch: int  # 0 <= id <= MAX_MICRO_BATCH, unique within the session
+    stage: int  # the stage that is to process this tensor, 0 <= stage < MAX_STAGES
+    priority: int  # a Priority value: which inbound buffer class it joins
+    step: int  # the sender's training step, 0 <= step <= MAX_STEP
+    dtype: str  # a wire.DTYPE_SIZES key
+    shape: tuple[int, ...]  # at most wire.MAX_TENSOR_DIMS non-negative dims
+
+    def check(self, payload_len: int) -> None:
+        kind = self.TYPE
+        _check_session(kind, self.session)
+        _check_int(kind, "micro-batch", self.micro_batch, 0, MAX_MICRO_BATCH)
+        _check_int(kind, "stage", self.stage, 0, MAX_STAGES - 1)
+        if self.priority not in _PRIORITIES:
+            raise RemoteProtocolError(f"{kind}: priority {self.priority} is not one of {sorted(_PRIORITIES)}")
+        _check_int(kind, "step", self.step, 0, MAX_STEP)
+        wire.check_tensor(self.dtype, self.shape, payload_len)
+
+
+@wire.message("activation.forward")
+class Forward(_TensorMessage):
+    """Activations of a micro-batch, for ``stage`` to run forward."""
+
+
+@wire.message("activation.backward")
+class Backward(_TensorMessage):
+    """Gradients with respect to ``stage``'s output, for ``stage`` to run backward."""
+
+
+class _NoPayload(wire.Message):
+    def check(self, payload_len: int) -> None:
+        if payload_len:
+            raise RemoteProtocolError(f"{self.TYPE} carries no payload, got {payload_len} bytes")
+
+
+@wire.message("activation.ack")
+class Ack(_NoPayload):
+    """The receiver queued ``micro_batch``; ``queue_depth`` is its inbound queue after that."""
+
+    micro_batch: int
+    queue_depth: int
+
+    def check(self, payload_len: int) -> None:
+        super().check(payload_len)
+        _check_int(self.TYPE, "micro-batch", self.micro_batch, 0, MAX_MICRO_BATCH)
+        _check_int(self.TYPE, "queue depth", self.queue_depth, 0, MAX_QUEUE_DEPTH)
+
+
+@wire.message("activation.busy")
+class Busy(_NoPayload):
+    """The receiver's queue is full: it dropped ``micro_batch``; try elsewhere, or here later."""
+
+    micro_batch: int
+    queue_depth: int
+    retry_after_ms: int  # when the receiver expects room again; 0 = no estimate
+
+    def check(self, payload_len: int) -> None:
+        super().check(payload_len)
+        _check_int(self.TYPE, "micro-batch", self.micro_batch, 0, MAX_MICRO_BATCH)
+        _check_int(self.TYPE, "queue depth", self.queue_depth, 0, MAX_QUEUE_DEPTH)
+        _check_int(self.TYPE, "retry-after", self.retry_after_ms, 0, MAX_RETRY_AFTER_MS)

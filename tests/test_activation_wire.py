@@ -1,0 +1,154 @@
+"""Properties of the activation protocol's messages: round trips, total decoding, header/payload checks."""
+
+import cbor2
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from p2pswarm import wire
+from p2pswarm.errors import LocalProtocolError, RemoteProtocolError
+from p2pswarm.swarm.activation import (
+    MAX_QUEUE_DEPTH, MAX_RETRY_AFTER_MS, SESSION_BYTES, Ack, Backward, Busy, Forward, Priority,
+)
+from p2pswarm.testing.strategies import SMALL_DIM, register_frames
+
+TYPES = (Forward, Backward, Ack, Busy)
+IDS = st.integers(0, wire.INT_MAX)
+DEPTHS = st.integers(0, MAX_QUEUE_DEPTH)
+
+
+@st.composite
+def tensor_frames(draw, cls):
+    dtype = draw(st.sampled_from(sorted(wire.DTYPE_SIZES)))
+    shape = tuple(draw(st.lists(st.integers(0, SMALL_DIM), max_size=3)))
+    count = 1
+    for dim in shape:
+        count *= dim
+    size = count * wire.DTYPE_SIZES[dtype]
+    payload = draw(st.binary(min_size=size, max_size=size))
+    msg = cls(draw(st.binary(min_size=SESSION_BYTES, max_size=SESSION_BYTES)), draw(IDS),
+              draw(st.integers(0, 63)), int(draw(st.sampled_from(Priority))), draw(IDS), dtype, shape)
+    return msg, payload
+
+
+ACKS = st.builds(Ack, IDS, DEPTHS).map(lambda m: (m, b""))
+BUSIES = st.builds(Busy, IDS, DEPTHS, st.integers(0, MAX_RETRY_AFTER_MS)).map(lambda m: (m, b""))
+STRATEGIES = {Forward: tensor_frames(Forward), Backward: tensor_frames(Backward), Ack: ACKS, Busy: BUSIES}
+for _cls, _strategy in STRATEGIES.items():  # tests/test_wire.py then covers these types too
+    register_frames(_cls, _strategy)
+FRAMES = st.one_of(*STRATEGIES.values())
+
+
+def decodes_or_raises_remote_error(data: bytes) -> None:
+    try:
+        msg, payload = wire.decode_frame(data)
+    except RemoteProtocolError:
+        return
+    assert wire.encode_frame(msg, payload) == data
+
+
+@given(FRAMES)
+def test_round_trip(pair):
+    msg, payload = pair
+    assert wire.decode_frame(wire.encode_frame(msg, payload)) == (msg, payload)
+
+
+@given(FRAMES, st.data())
+def test_every_truncation_is_refused(pair, data):
+    frame = wire.encode_frame(*pair)
+    cut = data.draw(st.integers(0, len(frame) - 1))
+    with pytest.raises(RemoteProtocolError):
+        wire.decode_frame(frame[:cut])
+
+
+@given(FRAMES, st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), min_size=1, max_size=3))
+def test_corrupted_frames_decode_or_raise_remote_error(pair, flips):
+    frame = bytearray(wire.encode_frame(*pair))
+    for pos, byte in flips:
+        frame[pos % len(frame)] = byte
+    decodes_or_raises_remote_error(bytes(frame))
+
+
+@given(st.binary(max_size=300))
+def test_arbitrary_bytes_decode_or_raise_remote_error(data):
+    decodes_or_raises_remote_error(data)
+
+
+@given(FRAMES, st.sampled_from(["session", "micro_batch", "stage", "priority", "step", "dtype", "shape",
+                                "queue_depth", "retry_after_ms"]),
+       st.none() | st.integers() | st.binary(max_size=40) | st.text(max_size=8)
+       | st.lists(st.integers(-2, 2**40), max_size=10))
+def test_mutated_fields_decode_or_raise_remote_error(pair, field, value):
+    raw = cbor2.loads(wire.encode_frame(*pair)[4:])
+    if field in raw["f"]:
+        raw["f"][field] = value
+    header = cbor2.dumps(raw, canonical=True)
+    decodes_or_raises_remote_error(len(header).to_bytes(4, "big") + header + pair[1])
+
+
+@given(st.sampled_from([Forward, Backward]).flatmap(tensor_frames), st.integers(-64, 64).filter(bool))
+def test_payload_not_matching_the_header_is_refused(pair, delta):
+    msg, payload = pair
+    wrong = payload + b"\0" * delta if delta > 0 else payload[:delta]
+    if len(wrong) == len(payload):  # cutting an empty payload leaves it as it was
+        return
+    header = cbor2.dumps({"t": msg.TYPE, "v": 1, "n": len(wrong),
+                          "f": {f: getattr(msg, f) for f in msg.__dataclass_fields__}}, canonical=True)
+    with pytest.raises(RemoteProtocolError, match="tensor"):
+        wire.decode_frame(len(header).to_bytes(4, "big") + header + wrong)
+    with pytest.raises(LocalProtocolError):
+        wire.encode_frame(msg, wrong)
+
+
+GOOD = dict(session=b"s" * SESSION_BYTES, micro_batch=1, stage=0, priority=2, step=0, dtype="float32",
+            shape=(1,))
+BAD_TENSOR_FIELDS = {
+    "short session": dict(session=b"s"), "long session": dict(session=b"s" * 17),
+    "negative id": dict(micro_batch=-1), "negative stage": dict(stage=-1), "huge stage": dict(stage=4096),
+    "priority": dict(priority=4), "negative priority": dict(priority=-1), "negative step": dict(step=-1),
+    "dtype": dict(dtype="float128"), "negative dim": dict(shape=(-1,)), "too many dims": dict(shape=(1,) * 9),
+    "too large": dict(shape=(2**20, 2**20)),
+}
+
+
+@pytest.mark.parametrize("cls", [Forward, Backward])
+@pytest.mark.parametrize("name", sorted(BAD_TENSOR_FIELDS))
+def test_out_of_bounds_tensor_headers_are_refused(cls, name):
+    msg = cls(**dict(GOOD, **BAD_TENSOR_FIELDS[name]))
+    with pytest.raises(RemoteProtocolError):
+        msg.check(4)
+    with pytest.raises(LocalProtocolError):
+        wire.encode_frame(msg, b"\0" * 4)
+
+
+@pytest.mark.parametrize("msg", [
+    Ack(-1, 0), Ack(0, -1), Ack(0, MAX_QUEUE_DEPTH + 1),
+    Busy(-1, 0, 0), Busy(0, -1, 0), Busy(0, 0, -1), Busy(0, 0, MAX_RETRY_AFTER_MS + 1),
+])
+def test_out_of_bounds_replies_are_refused(msg):
+    with pytest.raises(LocalProtocolError):
+        wire.encode_frame(msg)
+
+
+@pytest.mark.parametrize("msg", [Ack(1, 2), Busy(1, 2, 3)])
+def test_replies_carry_no_payload(msg):
+    with pytest.raises(LocalProtocolError, match="no payload"):
+        wire.encode_frame(msg, b"x")
+
+
+def test_registered_and_tensor_free():
+    assert {cls.TYPE for cls in TYPES} <= set(wire.registered_types())
+    import subprocess
+    import sys
+    code = "import p2pswarm.swarm.activation, sys; assert not {'torch', 'trio'} & set(sys.modules)"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_tensor_round_trip_through_a_forward():
+    torch = pytest.importorskip("torch")
+    tensor = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    frame, payload = wire.tensor_to_frame("x", tensor)
+    msg = Forward(b"s" * SESSION_BYTES, 7, 1, int(Priority.TRAINING_FORWARD), 3, frame.dtype, frame.shape)
+    got, body = wire.decode_frame(wire.encode_frame(msg, payload))
+    back = wire.frame_to_tensor(wire.TensorFrame("x", got.dtype, got.shape), body)
+    assert torch.equal(back, tensor)
