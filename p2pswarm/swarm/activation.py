@@ -15,11 +15,11 @@ field is bounded, and a header that does not match its payload is a ``RemoteProt
 from __future__ import annotations
 
 import dataclasses
-import enum
 
 from p2pswarm import wire
 from p2pswarm.dht.records import MAX_STAGES
 from p2pswarm.errors import RemoteProtocolError
+from p2pswarm.swarm.buffers import Priority  # the inbound buffer's classes: one enum for both
 
 PROTOCOL_ID = "/p2pswarm/activation/1.0.0"  # the libp2p protocol these frames travel on
 SESSION_BYTES = 16  # a session id is 128 random bits: no two sessions collide by chance
@@ -27,15 +27,6 @@ MAX_MICRO_BATCH = wire.INT_MAX  # micro-batch ids count up for a whole run: any 
 MAX_STEP = wire.INT_MAX  # training steps count up for a whole run: any u63 is fine
 MAX_QUEUE_DEPTH = 1 << 20  # far beyond any real buffer; bounds what a peer can claim
 MAX_RETRY_AFTER_MS = 10_000  # a hint beyond 10 s means "dead" to a router: fail over instead
-
-
-class Priority(enum.IntEnum):
-    """Inbound buffer classes, most urgent first (the lower the value, the sooner it is served)."""
-
-    INFERENCE_URGENT = 0
-    INFERENCE = 1
-    TRAINING_FORWARD = 2
-    TRAINING_BACKWARD = 3
 
 
 _PRIORITIES = frozenset(int(p) for p in Priority)
