@@ -77,8 +77,8 @@ def run_demo(peers: int, duration: float, directory: Path | None) -> int:
                           f"stages and each peer serves one")
     workdir = Path(directory or tempfile.mkdtemp(prefix="p2pswarm-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    print(f"demo: {peers} peers training {model.name} ({model.n_layers} layers, {model.n_stages} stages); "
-          f"keys and logs in {workdir}", flush=True)
+    print(f"demo: {peers} peers serving the {model.n_stages} stages of {model.name} ({model.n_layers} layers); "
+          f"no training yet (it comes with the next issue); keys and logs in {workdir}", flush=True)
     processes: list[subprocess.Popen] = []
     try:
         boot = spawn(["bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0", "--data-dir", str(workdir / "bootstrap")],
