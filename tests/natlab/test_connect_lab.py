@@ -52,7 +52,9 @@ def test_connection_matrix_direct_punched_and_relayed(lab, tmp_path):
         assert doc.get("bytes") == NBYTES, (pair, doc, swarm.log_tail(pair[0]))
     for pair in [("pub", "easy1"), ("easy1", "easy2")]:
         doc = results[pair]
-        assert doc["method"] == "relay" and doc["push_path"] == "relayed", (pair, doc)
+        # The bytes go over the relayed connection, or over the direct one when the punch finished
+        # first (a slow first round trip on a loaded machine gives it time): both are right.
+        assert doc["method"] == "relay" and doc["push_path"] in ("relayed", "direct"), (pair, doc)
         assert doc["path"] == "direct" and doc["upgrade_ms"] is not None, (pair, doc, swarm.log_tail(pair[1]))
     for pair in [("easy1", "sym1"), ("sym1", "sym2")]:
         doc = results[pair]
