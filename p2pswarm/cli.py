@@ -24,6 +24,7 @@ from p2pswarm.config import DEFAULT_BOOTSTRAP_LISTEN, DEFAULT_LISTEN, DEFAULT_RE
 from p2pswarm.errors import ConfigError, P2PSwarmError, first_error
 from p2pswarm.logs import LOG_FORMATS, quiet_libp2p, setup_logging
 from p2pswarm.model.catalog import DEFAULT_MODEL, MODELS, get_model, parse_layers
+from p2pswarm.model.corpus import data_corpus
 from p2pswarm.nat.relay_service import RelayConfig, load_relay_config
 from p2pswarm.nat.stun import parse_stun_server
 from p2pswarm.net.host import peer_info_from_multiaddr
@@ -84,6 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--model", default=DEFAULT_MODEL, help=f"model to train ({', '.join(MODELS)})")
     join.add_argument("--layers", default="auto", metavar="START:END|auto",
                       help="layer range to serve; auto picks the least-served stage (default)")
+    join.add_argument("--data", metavar="PATH",
+                      help="training text for stage 0: a file or a folder of text files, streamed (default: "
+                           "the Python standard library's sources, embedded, no download)")
+    join.add_argument("--threads", type=int, metavar="N",
+                      help="torch compute threads (default: all cores; use 1 when several peers share a machine)")
     join.add_argument("--dht-mode", default="auto", choices=[m.value for m in DhtMode],
                       help="Kademlia server or client mode (auto: client until found publicly reachable)")
     join.add_argument("--relay", action="append", default=[], metavar="MULTIADDR",
@@ -125,8 +131,12 @@ def config_from_args(args: argparse.Namespace) -> NodeConfig:
         model = get_model(args.model)
         for relay in args.relay:
             peer_info_from_multiaddr(relay)  # ConfigError unless it ends in /p2p/<peer id>
+        if args.threads is not None and args.threads < 1:
+            raise ConfigError(f"--threads must be at least 1, not {args.threads}")
+        if args.data is not None:
+            data_corpus(args.data)  # ConfigError (one line) for a missing, empty or binary-only path
         kwargs.update(model=model.name, layers=parse_layers(args.layers, model), dht_mode=DhtMode(args.dht_mode),
-                      relays=tuple(args.relay))
+                      relays=tuple(args.relay), data=args.data, threads=args.threads)
     return NodeConfig(**kwargs)
 
 

@@ -41,6 +41,8 @@ class NodeConfig:
     stun: tuple[str, int] | None = None  # STUN server to learn our public UDP address and NAT type
     relay: RelayConfig | None = None  # limits of the relay service; only used with Role.RELAY
     relays: tuple[str, ...] = ()  # relays (multiaddrs ending in /p2p/<id>) to reserve on while PRIVATE
+    data: str | None = None  # training text (a file or a folder) for stage 0; None: the embedded stdlib corpus
+    threads: int | None = None  # torch compute threads; None: torch's default (all cores)
 
     @property
     def serves_layers(self) -> bool:

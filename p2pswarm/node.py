@@ -75,6 +75,7 @@ class NodeState:
     stage: int | None = None
     api_address: str | None = None
     load_sources: list[Callable[[], int]] = field(default_factory=list)  # queued work, summed in records
+    swarm: object = None  # the SwarmService training our stage (p2pswarm.swarm.service), join only
     started_at: float = field(default_factory=time.time)
 
     def addrs(self) -> list[str]:
@@ -115,7 +116,8 @@ class NodeState:
         """Our live capacity: free memory, queued work, and flags from role and reachability."""
         private = self.nat is not None and self.nat.private
         return Capacity(free_memory_mb=free_memory_mb(), queue_depth=sum(load() for load in self.load_sources),
-                        flags=capacity_flags(training=self.config.role is Role.JOIN, private=private))
+                        flags=capacity_flags(training=self.config.role is Role.JOIN, private=private),
+                        throughput=round(self.swarm.throughput(), 1) if self.swarm else 0.0)
 
     def signed_record(self, now: float) -> tuple[StageRecord, bytes]:
         record = stage_record(self.identity.peer_id_text, self.addrs(), tuple(self.nat.public_addrs), self.model,
@@ -145,10 +147,7 @@ async def _join_dht(state: NodeState, nursery: trio.Nursery, rng: random.Random,
     reached = await join_network(host, state.kad, bootstrap_infos, BOOTSTRAP_DIAL_TIMEOUT)
     log.info("joined the DHT through %d bootstrap peer(s); routing table holds %d",
              reached, state.kad.get_routing_table_size())
-    if api_listeners:
-        ping = PingRoute(host, state.connector, state.control, state.stage_map.addrs_of)
-        routes = {"/api/stats": state.stats_json, **state.stage_map.routes(), **ping.routes()}
-        state.api_address = await nursery.start(serve_api, api_listeners, routes)
+    routes = {}
     nursery.start_soon(state.index.serve_store_pruning)
     nursery.start_soon(serve_routing_upkeep, host, state.kad, bootstrap_infos)
     nursery.start_soon(state.nat.serve_reachability, functools.partial(_meet_peers, state, rng))
@@ -160,6 +159,23 @@ async def _join_dht(state: NodeState, nursery: trio.Nursery, rng: random.Random,
         nursery.start_soon(serve_candidate_checks, state.stage_map, neighbour_stages(state.model, state.stage),
                            state.identity.peer_id_text,
                            functools.partial(control_round_trip, state.connector, state.control))
+        state.swarm = await nursery.start(_train, state, rng)
+        state.load_sources.append(state.swarm.queue_depth)
+        routes.update(state.swarm.routes())
+    if api_listeners:
+        ping = PingRoute(host, state.connector, state.control, state.stage_map.addrs_of)
+        routes.update({"/api/stats": state.stats_json, **state.stage_map.routes(), **ping.routes()})
+        state.api_address = await nursery.start(serve_api, api_listeners, routes)
+
+
+async def _train(state: NodeState, rng: random.Random, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Train our stage (imports torch: only a training peer does)."""
+    from p2pswarm.swarm.service import SwarmService
+
+    service = SwarmService(spec=state.model, stage=state.stage, me=state.identity.peer_id_text, pool=state.pool,
+                           stage_map=state.stage_map, host=state.host, data=state.config.data,
+                           threads=state.config.threads, rng=rng)
+    await service.run(task_status=task_status)
 
 
 async def run_node(config: NodeConfig, *, on_listening: Callable[[list[str]], None] = lambda addrs: None,

@@ -25,9 +25,10 @@ def tensor_frames(draw, cls):
     for dim in shape:
         count *= dim
     size = count * wire.DTYPE_SIZES[dtype]
-    payload = draw(st.binary(min_size=size, max_size=size))
+    targets = 0 if cls is Backward else draw(st.integers(0, 64))
+    payload = draw(st.binary(min_size=size + targets, max_size=size + targets))
     msg = cls(draw(st.binary(min_size=SESSION_BYTES, max_size=SESSION_BYTES)), draw(IDS),
-              draw(st.integers(0, 63)), int(draw(st.sampled_from(Priority))), draw(IDS), dtype, shape)
+              draw(st.integers(0, 63)), int(draw(st.sampled_from(Priority))), draw(IDS), dtype, shape, targets)
     return msg, payload
 
 
@@ -75,7 +76,7 @@ def test_arbitrary_bytes_decode_or_raise_remote_error(data):
 
 
 @given(FRAMES, st.sampled_from(["session", "micro_batch", "stage", "priority", "step", "dtype", "shape",
-                                "queue_depth", "retry_after_ms"]),
+                                "targets", "queue_depth", "retry_after_ms"]),
        st.none() | st.integers() | st.binary(max_size=40) | st.text(max_size=8)
        | st.lists(st.integers(-2, 2**40), max_size=10))
 def test_mutated_fields_decode_or_raise_remote_error(pair, field, value):
@@ -94,20 +95,21 @@ def test_payload_not_matching_the_header_is_refused(pair, delta):
         return
     header = cbor2.dumps({"t": msg.TYPE, "v": 1, "n": len(wrong),
                           "f": {f: getattr(msg, f) for f in msg.__dataclass_fields__}}, canonical=True)
-    with pytest.raises(RemoteProtocolError, match="tensor"):
+    with pytest.raises(RemoteProtocolError, match="tensor|targets"):
         wire.decode_frame(len(header).to_bytes(4, "big") + header + wrong)
     with pytest.raises(LocalProtocolError):
         wire.encode_frame(msg, wrong)
 
 
 GOOD = dict(session=b"s" * SESSION_BYTES, micro_batch=1, stage=0, priority=2, step=0, dtype="float32",
-            shape=(1,))
+            shape=(1,), targets=0)
 BAD_TENSOR_FIELDS = {
     "short session": dict(session=b"s"), "long session": dict(session=b"s" * 17),
     "negative id": dict(micro_batch=-1), "negative stage": dict(stage=-1), "huge stage": dict(stage=4096),
     "priority": dict(priority=4), "negative priority": dict(priority=-1), "negative step": dict(step=-1),
     "dtype": dict(dtype="float128"), "negative dim": dict(shape=(-1,)), "too many dims": dict(shape=(1,) * 9),
-    "too large": dict(shape=(2**20, 2**20)),
+    "too large": dict(shape=(2**20, 2**20)), "negative targets": dict(targets=-1),
+    "targets past the payload": dict(targets=5), "targets leave the tensor short": dict(targets=1),
 }
 
 
@@ -148,7 +150,16 @@ def test_tensor_round_trip_through_a_forward():
     torch = pytest.importorskip("torch")
     tensor = torch.arange(6, dtype=torch.float32).reshape(2, 3)
     frame, payload = wire.tensor_to_frame("x", tensor)
-    msg = Forward(b"s" * SESSION_BYTES, 7, 1, int(Priority.TRAINING_FORWARD), 3, frame.dtype, frame.shape)
+    msg = Forward(b"s" * SESSION_BYTES, 7, 1, int(Priority.TRAINING_FORWARD), 3, frame.dtype, frame.shape, 0)
     got, body = wire.decode_frame(wire.encode_frame(msg, payload))
     back = wire.frame_to_tensor(wire.TensorFrame("x", got.dtype, got.shape), body)
     assert torch.equal(back, tensor)
+
+
+def test_forward_targets_follow_the_tensor():
+    msg = Forward(**dict(GOOD, targets=3))
+    tensor, targets = msg.split(b"\0" * 4 + b"abc")
+    assert (tensor, targets) == (b"\0" * 4, b"abc")
+    assert wire.decode_frame(wire.encode_frame(msg, tensor + targets)) == (msg, tensor + targets)
+    with pytest.raises(RemoteProtocolError):
+        Backward(**dict(GOOD, targets=3)).check(7)

@@ -139,8 +139,6 @@ def test_constructor_rejects_a_round_without_micro_batches():
             EvalBook(expected)
 
 
-@pytest.mark.xfail(strict=True, reason="EvalBook keeps no memory of closed rounds: a straggler of round r "
-                   "arriving after round r+1 started re-opens r and yields a second, one-batch EvalRound of it")
 def test_a_straggler_of_a_round_already_over_makes_no_second_round():
     book = EvalBook(2)
     book.record(b"alice", 0, 10.0, 10, 0.0)

@@ -16,6 +16,8 @@ model long before any weights exist.
 
 from __future__ import annotations
 
+import dataclasses
+
 import random
 from dataclasses import dataclass
 
@@ -73,6 +75,11 @@ class ModelSpec:
         stage, rest = divmod(start, self.stage_size)
         return stage if rest == 0 and 0 <= stage < self.n_stages and self.stage_range(stage) == (start, end) else None
 
+    @property
+    def family(self) -> str:
+        """The model without its stage cut: ``tiny-lm/2`` and ``tiny-lm`` have the same weights."""
+        return self.name.partition("/")[0]
+
     def stage_ranges_text(self) -> str:
         return ", ".join(f"{a}:{b}" for a, b in map(self.stage_range, range(self.n_stages)))
 
@@ -99,10 +106,20 @@ MODELS = {
 
 
 def get_model(name: str) -> ModelSpec:
+    """A catalog model by name; ``NAME/S`` is NAME cut into S equal stages (S must divide its blocks)."""
+    base, _, stages = name.partition("/")
     try:
-        return MODELS[name]
+        spec = MODELS[base]
     except KeyError:
-        raise ConfigError(f"unknown model {name!r}; known models: {', '.join(sorted(MODELS))}") from None
+        raise ConfigError(f"unknown model {name!r}; known models: {', '.join(sorted(MODELS))} "
+                          f"(NAME/S cuts NAME into S stages)") from None
+    if not stages:
+        return spec
+    if not stages.isdigit() or int(stages) < 1 or spec.n_layers % int(stages):
+        divisors = [d for d in range(1, spec.n_layers + 1) if spec.n_layers % d == 0]
+        raise ConfigError(f"model {name!r}: {base} has {spec.n_layers} blocks; it can be cut into "
+                          f"{', '.join(map(str, divisors))} stages, not {stages!r}")
+    return dataclasses.replace(spec, name=f"{base}/{int(stages)}", stage_size=spec.n_layers // int(stages))
 
 
 def parse_layers(text: str, model: ModelSpec) -> tuple[int, int] | None:

@@ -232,8 +232,9 @@ def _check_shape(shard: int, n_shards: int, seq_len: int, batch_size: int) -> No
         raise ValueError(f"seq_len and batch_size must be positive, got {seq_len}, {batch_size}")
 
 
-def _shard_windows(corpus: Corpus, shard: int, n_shards: int, length: int) -> Iterator[bytes]:
-    for i, w in enumerate(windows(read_segments(corpus.train, corpus.chunk_size), length)):
+def _shard_windows(corpus: Corpus, shard: int, n_shards: int, length: int, offset: int = 0) -> Iterator[bytes]:
+    segments = corpus.train[offset % len(corpus.train):] + corpus.train[:offset % len(corpus.train)]
+    for i, w in enumerate(windows(read_segments(segments, corpus.chunk_size), length)):
         if i % n_shards == shard:
             yield w
 
@@ -257,13 +258,15 @@ def _shuffled(items: Iterator[bytes], rng: random.Random, size: int) -> Iterator
 
 
 def batches(corpus: Corpus, shard: int, n_shards: int, seq_len: int, batch_size: int,
-            seed: int = 0) -> Iterator[MicroBatch]:
+            seed: int = 0, offset: int = 0) -> Iterator[MicroBatch]:
     """Micro-batches of this shard's training windows, cycling forever.
 
     The training part is cut into consecutive windows of ``seq_len + 1`` bytes; shard ``s`` takes
     windows ``s, s + n_shards, s + 2 n_shards, …``, so shards are disjoint and each sees the whole
     corpus. Within an epoch the windows pass through a bounded shuffle buffer seeded by
     (seed, shard, epoch): deterministic, different every epoch. A batch may span two epochs.
+    ``offset`` starts the pass at training file ``offset`` (modulo their count) and wraps around:
+    replicas that share a shard but not an offset read different parts of the corpus at a time.
     """
     _check_shape(shard, n_shards, seq_len, batch_size)
     length = seq_len + 1
@@ -276,7 +279,7 @@ def batches(corpus: Corpus, shard: int, n_shards: int, seq_len: int, batch_size:
     while True:
         rng = _epoch_rng(seed, shard, epoch)
         got = False
-        for w in _shuffled(_shard_windows(corpus, shard, n_shards, length), rng, SHUFFLE_WINDOWS):
+        for w in _shuffled(_shard_windows(corpus, shard, n_shards, length, offset), rng, SHUFFLE_WINDOWS):
             got = True
             rows.append(w)
             if len(rows) == batch_size:

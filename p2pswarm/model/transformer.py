@@ -14,7 +14,7 @@ Each block: ``x + attn(ln1(x))`` then ``x + mlp(ln2(x))``; causal self-attention
 ``scaled_dot_product_attention(is_causal=True)``, a GELU MLP. No dropout: the swarm's
 replicas must compute the same function from the same weights.
 
-Initial weights are a pure function of (model name, seed, part), where a part is
+Initial weights are a pure function of (model family, seed, part), where a part is
 ``"embed"``, ``"block/<global layer index>"`` or ``"head"``: each part draws its weights from
 its own ``torch.Generator`` seeded by sha256 of those. So every replica of a stage starts
 identical without a transfer, a stage's weights are a pure function of (model, seed, stage),
@@ -106,7 +106,7 @@ class StageModule(nn.Module):
 
     def reset_parameters(self, seed: int) -> None:
         """Set every weight from (model name, seed, part): see the module docstring."""
-        name = self.spec.name
+        name = self.spec.family  # the same weights however the model is cut into stages
         with torch.no_grad():
             if self.is_first:
                 generator = _generator(name, seed, "embed")

@@ -3,7 +3,8 @@
 Micro-batches cross stage boundaries as tensors: activations forward, gradients backward. Each
 travels as one frame whose header says where it belongs (session, micro-batch, stage, priority,
 step) and what the payload is (dtype and shape); the payload is the tensor's raw bytes, as in
-``wire.TensorFrame``. The receiver answers every tensor frame with an ``Ack`` (it took the
+``wire.TensorFrame``, followed on a forward by the micro-batch's target bytes (``targets`` of
+them: tokens are bytes), which ride along to the last stage for its loss. The receiver answers every tensor frame with an ``Ack`` (it took the
 micro-batch, and here is its queue depth, which the router reads for free) or a ``Busy`` (its
 queue is full: explicit backpressure, so a sender never mistakes a full peer for a dead one).
 
@@ -27,6 +28,7 @@ MAX_MICRO_BATCH = wire.INT_MAX  # micro-batch ids count up for a whole run: any 
 MAX_STEP = wire.INT_MAX  # training steps count up for a whole run: any u63 is fine
 MAX_QUEUE_DEPTH = 1 << 20  # far beyond any real buffer; bounds what a peer can claim
 MAX_RETRY_AFTER_MS = 10_000  # a hint beyond 10 s means "dead" to a router: fail over instead
+MAX_TARGETS = 1 << 20  # target bytes a forward may carry: batch x context of any catalog model fits
 
 
 _PRIORITIES = frozenset(int(p) for p in Priority)
@@ -53,6 +55,7 @@ class _TensorMessage(wire.Message):
     step: int  # the sender's training step, 0 <= step <= MAX_STEP
     dtype: str  # a wire.DTYPE_SIZES key
     shape: tuple[int, ...]  # at most wire.MAX_TENSOR_DIMS non-negative dims
+    targets: int  # target bytes (byte tokens, uint8) after the tensor in the payload; 0 if none
 
     def check(self, payload_len: int) -> None:
         kind = self.TYPE
@@ -62,7 +65,13 @@ class _TensorMessage(wire.Message):
         if self.priority not in _PRIORITIES:
             raise RemoteProtocolError(f"{kind}: priority {self.priority} is not one of {sorted(_PRIORITIES)}")
         _check_int(kind, "step", self.step, 0, MAX_STEP)
-        wire.check_tensor(self.dtype, self.shape, payload_len)
+        _check_int(kind, "targets", self.targets, 0, min(MAX_TARGETS, payload_len))
+        wire.check_tensor(self.dtype, self.shape, payload_len - self.targets)
+
+    def split(self, payload: bytes) -> tuple[bytes, bytes]:
+        """The payload as (tensor bytes, target bytes)."""
+        cut = len(payload) - self.targets
+        return payload[:cut], payload[cut:]
 
 
 @wire.message("activation.forward")
@@ -72,7 +81,12 @@ class Forward(_TensorMessage):
 
 @wire.message("activation.backward")
 class Backward(_TensorMessage):
-    """Gradients with respect to ``stage``'s output, for ``stage`` to run backward."""
+    """Gradients with respect to ``stage``'s output, for ``stage`` to run backward (no targets)."""
+
+    def check(self, payload_len: int) -> None:
+        super().check(payload_len)
+        if self.targets:
+            raise RemoteProtocolError(f"{self.TYPE} carries no targets, got {self.targets}")
 
 
 class _NoPayload(wire.Message):

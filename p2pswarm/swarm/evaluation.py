@@ -1,0 +1,92 @@
+"""Held-out loss as the last stage sees it: evaluation rounds gathered from their micro-batches.
+
+Every stage-0 peer periodically sends the fixed held-out set (``corpus.heldout_batches``, the same
+bytes on every peer) through the swarm as a round of inference-priority micro-batches: ``step``
+is the round's number, the session is the sender's. Only the last stage computes a loss, so it
+is the last stage that adds each micro-batch's summed loss into its round and publishes the
+latest complete round in bits per byte. A round is complete when ``expected`` micro-batches
+arrived, or when a later round of the same session starts (a round cut short by a lost
+micro-batch still counts, over the bytes that arrived). A straggler of a round already closed
+(late or duplicated) is ignored.
+
+Pure: no trio, no torch; ``now`` is seconds. Bounded: at most ``MAX_OPEN_ROUNDS`` open rounds.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+EVAL_BATCHES = 8  # micro-batches per round: 8 x 32 rows x 128 bytes = 32 KiB of held-out text
+EVAL_ROWS = 32  # rows per evaluation micro-batch
+MAX_OPEN_ROUNDS = 64  # rounds being gathered at once (a few per stage-0 peer)
+HISTORY = 256  # completed rounds kept for /api/swarm and the demo's curve
+
+
+@dataclass(frozen=True)
+class EvalRound:
+    """One completed evaluation round: the held-out loss of one stage-0 peer's weights at a time."""
+
+    session: bytes
+    round: int
+    bits_per_byte: float
+    tokens: int
+    batches: int
+    at: float  # when it completed
+
+
+@dataclass
+class _Open:
+    nats: float = 0.0
+    tokens: int = 0
+    batches: int = 0
+
+
+class EvalBook:
+    """Gathers evaluation micro-batches into rounds (module docstring)."""
+
+    def __init__(self, expected: int = EVAL_BATCHES) -> None:
+        if expected < 1:
+            raise ValueError(f"an evaluation round has at least one micro-batch, not {expected}")
+        self.expected = expected
+        self._open: dict[tuple[bytes, int], _Open] = {}
+        self._closed: dict[bytes, int] = {}  # session -> its latest closed round: stragglers are ignored
+        self.history: list[EvalRound] = []
+
+    def record(self, session: bytes, round_: int, nats_sum: float, tokens: int, now: float) -> EvalRound | None:
+        """Add one micro-batch's summed loss (nats over ``tokens`` bytes); the round it completed, if any."""
+        if tokens <= 0 or not math.isfinite(nats_sum) or round_ <= self._closed.get(session, -1):
+            return None
+        done = None
+        for key in [k for k in self._open if k[0] == session and k[1] < round_]:
+            done = self._close(key, now) or done  # a later round started: the earlier one is over
+        key = (session, round_)
+        if key not in self._open:
+            if len(self._open) >= MAX_OPEN_ROUNDS:
+                self._close(min(self._open, key=lambda k: k[1]), now)
+            self._open[key] = _Open()
+        entry = self._open[key]
+        entry.nats += nats_sum
+        entry.tokens += tokens
+        entry.batches += 1
+        if entry.batches >= self.expected:
+            done = self._close(key, now)
+        return done
+
+    def _close(self, key: tuple[bytes, int], now: float) -> EvalRound | None:
+        entry = self._open.pop(key)
+        self._closed[key[0]] = max(key[1], self._closed.get(key[0], -1))
+        if len(self._closed) > MAX_OPEN_ROUNDS * 4:  # bounded: forget the sessions closed longest ago
+            del self._closed[next(iter(self._closed))]
+        if entry.tokens <= 0:
+            return None
+        done = EvalRound(key[0], key[1], entry.nats / entry.tokens / math.log(2), entry.tokens, entry.batches, now)
+        self.history.append(done)
+        del self.history[:-HISTORY]
+        return done
+
+    def latest(self) -> EvalRound | None:
+        return self.history[-1] if self.history else None
+
+    def best(self) -> EvalRound | None:
+        return min(self.history, key=lambda r: r.bits_per_byte) if self.history else None

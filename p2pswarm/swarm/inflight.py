@@ -1,0 +1,104 @@
+"""Micro-batches a stage holds state for until their gradient comes back: the pure book of them.
+
+When a stage runs a training forward it keeps what the backward will need (the engine's saved
+graph) and waits for the gradient from the stage after it. That gradient may never come: the
+peer the activations went to died after acking them, or the path behind it did. This book says
+which waits to give up, so that the engine frees their state and the stage-0 driver cuts new
+micro-batches instead of waiting forever:
+
+- ``add`` a micro-batch when its forward has run (``upstream`` is the peer it came from, None
+  on stage 0, where micro-batches start), ``sent_to`` once a downstream peer acked it;
+- ``finish`` it when its gradient arrived (the entry is returned: the backward goes upstream);
+- ``peer_failed`` gives up every micro-batch that went to a peer now known dead;
+- ``expire`` gives up those older than the deadline (a silent loss somewhere downstream).
+
+Pure: time is ``now`` (seconds), no trio, no torch. Bounded: at most ``capacity`` entries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+Key = tuple[bytes, int]  # (session, micro-batch id)
+
+IN_FLIGHT_DEADLINE = 30.0  # seconds a micro-batch may wait for its gradient: a stage's compute on a loaded machine, twice
+IN_FLIGHT_CAPACITY = 256  # entries at most: a stage's inbound buffer (64) several times over
+
+
+@dataclass(frozen=True)
+class Pending:
+    """One micro-batch waiting for its gradient."""
+
+    upstream: str | None  # the peer that sent us its forward; None where it started (stage 0)
+    started: float
+    sent_to: str | None = None  # the downstream peer that acked its activations
+
+
+class InFlight:
+    """The micro-batches of one stage that wait for a gradient (module docstring)."""
+
+    def __init__(self, deadline: float = IN_FLIGHT_DEADLINE, capacity: int = IN_FLIGHT_CAPACITY) -> None:
+        if deadline <= 0 or capacity < 1:
+            raise ValueError(f"in-flight deadline and capacity must be positive, not {deadline}, {capacity}")
+        self.deadline, self.capacity = deadline, capacity
+        self._entries: dict[Key, Pending] = {}
+        self.finished = 0
+        self.given_up = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: Key) -> bool:
+        return key in self._entries
+
+    @property
+    def full(self) -> bool:
+        return len(self._entries) >= self.capacity
+
+    def add(self, key: Key, upstream: str | None, now: float) -> bool:
+        """Start waiting for ``key``'s gradient; False (nothing kept) when full or already waiting."""
+        if self.full or key in self._entries:
+            return False
+        self._entries[key] = Pending(upstream, now)
+        return True
+
+    def sent_to(self, key: Key, peer: str) -> None:
+        """``peer`` acked ``key``'s activations: its death now means this gradient will not come."""
+        entry = self._entries.get(key)
+        if entry is not None:
+            self._entries[key] = replace(entry, sent_to=peer)
+
+    def finish(self, key: Key) -> Pending | None:
+        """``key``'s gradient arrived: the entry (to send the gradient upstream), or None if not waiting."""
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            self.finished += 1
+        return entry
+
+    def give_up(self, key: Key) -> Pending | None:
+        """Stop waiting for ``key`` (its activations could not be delivered anywhere)."""
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            self.given_up += 1
+        return entry
+
+    def peer_failed(self, peer: str) -> list[Key]:
+        """Give up every micro-batch whose activations went to ``peer``; their keys."""
+        keys = [k for k, e in self._entries.items() if e.sent_to == peer]
+        for key in keys:
+            self.give_up(key)
+        return keys
+
+    def expire(self, now: float) -> list[Key]:
+        """Give up every micro-batch older than the deadline; their keys."""
+        keys = [k for k, e in self._entries.items() if now - e.started >= self.deadline]
+        for key in keys:
+            self.give_up(key)
+        return keys
+
+    def entries(self) -> list[Pending]:
+        return list(self._entries.values())
+
+    def waiting_from(self, upstream: str | None) -> int:
+        """Micro-batches from ``upstream`` still waiting (None: those that started here)."""
+        return sum(1 for e in self._entries.values() if e.upstream == upstream)

@@ -1,0 +1,415 @@
+"""A peer's training: its stage's compute engine fed by the activation protocol, and SWARM routing.
+
+``SwarmService`` is what ``p2pswarm join`` runs once the node has its stage:
+
+- **inbound**: ``/p2pswarm/activation/1.0.0`` frames are checked (right stage, right shape and
+  dtype, targets where the last stage needs them; a peer that sends anything else has its stream
+  reset and is refused for ``BAN_PERIOD``), queued in the bounded priority buffer and acked with
+  our queue depth, or refused with ``Busy`` when the buffer is full;
+- **compute**: one worker takes the most urgent micro-batch and runs it in a thread
+  (``engine.StageEngine``), so the trio loop never waits on torch; results go to the outbound
+  queue, and when that is full the step counts as local-only and the worker goes on;
+- **outbound**: ``SENDERS`` tasks deliver forwards to the next stage with failover and
+  gradients back to the peer each micro-batch came from (``swarm/sender.py``);
+- **stage 0** cuts micro-batches from its own offset of the corpus, keeps ``MAX_IN_FLIGHT`` of
+  them in flight, and every ``EVAL_PERIOD`` sends the fixed held-out set through the swarm; the
+  last stage turns those into held-out bits per byte (``swarm/evaluation.py``);
+- **upkeep**: candidates of the next stage from the stage map into the router, streams to the
+  best of them kept warm, micro-batches whose path died given up (``swarm/inflight.py``).
+
+``doc()`` is ``GET /api/swarm``. This module and the engine are the only networking-side code
+that imports torch; ``node.py`` imports this module only for a training peer.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import logging
+import math
+import os
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+
+import trio
+
+from p2pswarm.errors import RemoteProtocolError
+from p2pswarm.model import corpus as corpora
+from p2pswarm.model.catalog import ModelSpec
+from p2pswarm.swarm import engine as eng
+from p2pswarm.swarm.activation import PROTOCOL_ID, SESSION_BYTES, Ack, Backward, Busy, Forward
+from p2pswarm.swarm.buffers import EngineLedger, Outcome, Priority, hand_on, inbound_buffer, outbound_queue
+from p2pswarm.swarm.evaluation import EVAL_BATCHES, EVAL_ROWS, EvalBook
+from p2pswarm.swarm.inflight import InFlight
+from p2pswarm.swarm.router import Candidate, Router
+from p2pswarm.swarm.sender import Deliverer, Send
+
+log = logging.getLogger(__name__)
+
+BATCH_ROWS = 8  # sequences per training micro-batch: 8 x 128 bytes, ~1 MiB of activations
+MAX_ROWS = 256  # rows a peer may send us in one micro-batch
+MAX_IN_FLIGHT = 6  # stage-0 micro-batches between being cut and their gradient coming back
+SENDERS = 4  # concurrent deliveries: a slow peer never holds up the others
+EVAL_PERIOD = 10.0  # seconds between held-out evaluation rounds sent by a stage-0 peer
+UPKEEP_PERIOD = 0.5  # seconds between candidate refreshes, stream warming and in-flight checks
+WARM_STREAMS = 2  # idle streams kept open to each of the router's best candidates
+BAN_PERIOD = 60.0  # seconds a peer that sent us garbage is refused
+RATE_WINDOW = 20.0  # seconds over which throughput (tokens/s) is measured
+LOSS_EMA = 0.05  # weight of a new micro-batch in the training-loss average
+
+
+@dataclass(frozen=True)
+class Job:
+    """A unit of work in the inbound buffer, with the peer it came from (None: cut here)."""
+
+    work: eng.Work
+    upstream: str | None
+
+
+class SwarmService:
+    """The training of one stage by one peer (module docstring)."""
+
+    def __init__(self, *, spec: ModelSpec, stage: int, me: str, pool, stage_map, host,
+                 config: eng.TrainConfig = eng.TrainConfig(), data: str | None = None,
+                 threads: int | None = None, rng: random.Random | None = None) -> None:
+        self.spec, self.stage, self.me = spec, stage, me
+        self._pool, self._stage_map, self._host = pool, stage_map, host
+        self.config, self._data, self._threads = config, data, threads
+        self.rng = rng or random.Random()
+        self.is_first, self.is_last = stage == 0, stage == spec.last_stage
+        now = trio.current_time()
+        self.inbound, self.outbound = inbound_buffer(now), outbound_queue(now)
+        self.ledger = EngineLedger(now)
+        self.inflight = InFlight()
+        self.router = Router(self.rng)
+        self.evals = EvalBook()
+        self.engine: eng.StageEngine | None = None
+        self.deliverer: Deliverer | None = None
+        self.counts: Counter = Counter()
+        self.train_loss_bpb: float | None = None
+        self._banned: dict[str, float] = {}
+        self._work_ready = trio.Event()
+        self._sends_ready = trio.Event()
+        self._progress = trio.Event()
+        self._local_queued = 0
+        self._compute_s = 0.05  # EMA of one job's compute time: the basis of Busy's retry-after
+        self._rate: collections.deque = collections.deque()
+        self.session = os.urandom(SESSION_BYTES)
+
+    # --- running --------------------------------------------------------------------------------
+
+    async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        eng.set_threads(self._threads)
+        self.engine = await trio.to_thread.run_sync(eng.StageEngine, self.spec, self.stage, self.config)
+        log.info("training stage %d of %s: %d parameters, lr %g", self.stage, self.spec.name,
+                 self.engine.module.param_count(), self.config.lr)
+        async with trio.open_nursery() as nursery:
+            self.deliverer = Deliverer(self._pool, self.router, nursery, on_acked=self.inflight.sent_to,
+                                       on_lost=self._send_lost, on_peer_error=self._downstream_failed)
+            self._pool.serve(PROTOCOL_ID, self._on_frame, max_payload=self._max_payload())
+            nursery.start_soon(self._compute_worker)
+            for _ in range(SENDERS):
+                nursery.start_soon(self._sender)
+            nursery.start_soon(self._upkeep)
+            task_status.started(self)
+            if self.is_first:
+                corpus = await trio.to_thread.run_sync(corpora.load_corpus, self._data)
+                log.info("stage 0 reads %s: %.1f MB to train on, %.1f MB held out", corpus.name,
+                         corpus.train_bytes / 1e6, corpus.heldout_bytes / 1e6)
+                nursery.start_soon(self._feed, corpus)
+                nursery.start_soon(self._evaluate, corpus)
+
+    def _max_payload(self) -> int:
+        return MAX_ROWS * self.spec.context * (self.spec.width * 4 + 1)
+
+    # --- inbound ----------------------------------------------------------------------------------
+
+    async def _on_frame(self, peer: str, message, payload: bytes):
+        if self._banned.get(peer, float("-inf")) > trio.current_time():
+            raise RemoteProtocolError(f"{peer} is refused for sending garbage")
+        try:
+            job, priority = self._job_from(peer, message, payload)
+        except RemoteProtocolError as exc:
+            self.counts["garbage_frames"] += 1
+            self._banned[peer] = trio.current_time() + BAN_PERIOD
+            log.warning("dropping %s: %s", peer, exc)
+            raise
+        if job is None:  # a gradient for a micro-batch given up already
+            return Ack(message.micro_batch, len(self.inbound))
+        if not self.inbound.offer(job, priority, trio.current_time()).accepted:
+            self.counts["busy_replies"] += 1
+            retry_ms = min(10_000, int(1000 * self._compute_s * max(1, len(self.inbound))))
+            return Busy(message.micro_batch, len(self.inbound), retry_ms)
+        self._work_ready.set()
+        return Ack(message.micro_batch, len(self.inbound))
+
+    def _job_from(self, peer: str, message, payload: bytes) -> tuple[Job | None, Priority]:
+        """The job a frame asks for; RemoteProtocolError for anything we would not compute."""
+        if not isinstance(message, (Forward, Backward)):
+            raise RemoteProtocolError(f"{message.TYPE} is not a request")
+        if message.stage != self.stage:
+            raise RemoteProtocolError(f"a {message.TYPE} for stage {message.stage}; we serve {self.stage}")
+        tensor_bytes, target_bytes = message.split(payload)
+        shape = message.shape
+        if message.dtype != eng.ACTIVATION_DTYPE or len(shape) != 3 or shape[2] != self.spec.width \
+                or not 0 < shape[0] <= MAX_ROWS or not 0 < shape[1] <= self.spec.context:
+            raise RemoteProtocolError(f"{message.dtype} {shape} is not a [rows, seq, {self.spec.width}] "
+                                      f"{eng.ACTIVATION_DTYPE} micro-batch")
+        key = (message.session, message.micro_batch)
+        if isinstance(message, Backward):
+            if message.priority != Priority.TRAINING_BACKWARD:
+                raise RemoteProtocolError(f"a gradient with priority {message.priority}")
+            if key not in self.inflight:
+                self.counts["late_gradients"] += 1
+                return None, Priority.TRAINING_BACKWARD
+            work = eng.Work("backward", key, eng.from_wire(message.dtype, shape, tensor_bytes), None)
+            return Job(work, peer), Priority.TRAINING_BACKWARD
+        if self.is_first or message.priority == Priority.TRAINING_BACKWARD:
+            raise RemoteProtocolError(f"a forward with priority {message.priority} for stage {self.stage}")
+        if self.is_last and not target_bytes:
+            raise RemoteProtocolError("a forward for the last stage without its targets")
+        targets = eng.targets_from_bytes(target_bytes, shape[0], shape[1]) if target_bytes else None
+        kind = "forward" if message.priority == Priority.TRAINING_FORWARD else "eval"
+        work = eng.Work(kind, key, eng.from_wire(message.dtype, shape, tensor_bytes), targets, message.step)
+        return Job(work, peer), Priority(message.priority)
+
+    # --- compute --------------------------------------------------------------------------------
+
+    async def _compute_worker(self) -> None:
+        while True:
+            entry = self.inbound.take(trio.current_time())
+            if entry is None:
+                self._work_ready = trio.Event()
+                await self._work_ready.wait()
+                continue
+            job: Job = entry.item
+            if job.upstream is None and job.work.kind == "forward":
+                self._local_queued -= 1
+            self.ledger.begin(trio.current_time())
+            started = trio.current_time()
+            try:
+                sends, out = await trio.to_thread.run_sync(self._compute, job)
+            except Exception as exc:  # a bad tensor from a peer, or a bug: one micro-batch lost, never the node
+                log.warning("micro-batch %d of %s failed on stage %d: %r", job.work.key[1],
+                            job.upstream or "us", self.stage, exc)
+                self.ledger.finish(trio.current_time(), Outcome.DROPPED)
+                self._give_up(job.work.key)
+                continue
+            self._compute_s += 0.1 * (trio.current_time() - started - self._compute_s)
+            if out.loss_nats is not None:
+                self._record_loss(job.work, out)
+            self.ledger.finish(trio.current_time(), self._hand_on(job, sends))
+            self._progress.set()
+
+    def _compute(self, job: Job) -> tuple[list[Send], eng.Output]:
+        """Worker thread: run the job, turn its output into frames (tensor bytes made off the loop).
+        Only the engine is touched here; the service's own state changes on the trio side."""
+        work, engine = job.work, self.engine
+        out = engine.compute(work)
+        sends = []
+        if out.forward is not None:
+            priority = Priority.TRAINING_FORWARD if work.kind == "forward" else Priority.INFERENCE
+            dtype, shape, data = eng.to_wire(out.forward)
+            targets = eng.targets_to_bytes(work.targets)
+            message = Forward(work.key[0], work.key[1], self.stage + 1, int(priority),
+                              work.step if work.kind == "eval" else engine.step, dtype, shape, len(targets))
+            sends.append(Send(message, data + targets, work.key))
+        if out.backward is not None:
+            dtype, shape, data = eng.to_wire(out.backward)
+            message = Backward(work.key[0], work.key[1], self.stage - 1, int(Priority.TRAINING_BACKWARD),
+                               engine.step, dtype, shape, 0)
+            sends.append(Send(message, data, work.key, to=job.upstream))  # a backward job: set in _hand_on
+        return sends, out
+
+    def _record_loss(self, work: eng.Work, out: eng.Output) -> None:
+        if work.kind == "eval":
+            done = self.evals.record(work.key[0], work.step, out.loss_nats, out.tokens, time.time())
+            if done:
+                log.info("held-out loss %.3f bits/byte (round %d, %d bytes)", done.bits_per_byte, done.round,
+                         done.tokens)
+            return
+        bpb = out.loss_nats / out.tokens / math.log(2)
+        self.train_loss_bpb = bpb if self.train_loss_bpb is None else \
+            self.train_loss_bpb + LOSS_EMA * (bpb - self.train_loss_bpb)
+
+    def _hand_on(self, job: Job, sends: list[Send]) -> Outcome:
+        work, now = job.work, trio.current_time()
+        if work.kind == "backward":
+            entry = self.inflight.finish(work.key)
+            if entry is None:  # given up while it was computed: its gradient goes nowhere
+                sends = []
+            else:
+                sends = [dataclasses.replace(s, to=entry.upstream) for s in sends]
+                self.counts["micro_batches_done" if self.is_first else "gradients_passed"] += 1
+        if work.kind == "forward" and not self.is_last:
+            self.inflight.add(work.key, job.upstream, now)
+        outcome = Outcome.SENT
+        for send in sends:
+            priority = Priority(send.message.priority)
+            if hand_on(self.outbound, send, priority, now, len(send.payload)) is Outcome.LOCAL_ONLY:
+                outcome = Outcome.LOCAL_ONLY
+                self._send_lost(send, "the outbound queue was full")
+            else:
+                self._sends_ready.set()
+        return outcome
+
+    # --- outbound -------------------------------------------------------------------------------
+
+    async def _sender(self) -> None:
+        while True:
+            entry = self.outbound.take(trio.current_time())
+            if entry is None:
+                self._sends_ready = trio.Event() if self._sends_ready.is_set() else self._sends_ready
+                await self._sends_ready.wait()
+                continue
+            send: Send = entry.item
+            if isinstance(send.message, Forward):
+                await self.deliverer.forward(send)
+            else:
+                await self.deliverer.backward(send)
+
+    def _send_lost(self, send: Send, why: str) -> None:
+        self.counts["lost_" + send.message.TYPE.split(".")[-1]] += 1
+        if isinstance(send.message, Forward) and send.message.priority == Priority.TRAINING_FORWARD:
+            self._give_up(send.key)
+
+    def _give_up(self, key) -> None:
+        if self.inflight.give_up(key) is not None:
+            self.counts["given_up"] += 1
+        self.engine.forget(key)
+        self._progress.set()
+
+    def _downstream_failed(self, peer: str) -> None:
+        for key in self.inflight.peer_failed(peer):
+            self.engine.forget(key)
+            self.counts["given_up"] += 1
+        self._progress.set()
+
+    # --- stage 0: data and evaluation ---------------------------------------------------------------
+
+    async def _feed(self, corpus) -> None:
+        offset = int.from_bytes(hashlib.sha256(self.me.encode()).digest()[:8], "big")
+        batches = corpora.batches(corpus, 0, 1, self.spec.context, BATCH_ROWS, seed=offset, offset=offset)
+        micro_batch = 0
+        while True:
+            while self._local_queued + self.inflight.waiting_from(None) >= MAX_IN_FLIGHT:
+                self._progress = trio.Event()
+                await self._progress.wait()
+            batch = await trio.to_thread.run_sync(next, batches)
+            ids = eng.ids_tensor(batch.rows)
+            work = eng.Work("forward", (self.session, micro_batch), ids[:, :-1], ids[:, 1:].contiguous())
+            micro_batch += 1
+            if self.inbound.offer(Job(work, None), Priority.TRAINING_FORWARD, trio.current_time()).accepted:
+                self._local_queued += 1
+                self._work_ready.set()
+            else:
+                await trio.sleep(UPKEEP_PERIOD)
+
+    async def _evaluate(self, corpus) -> None:
+        held = await trio.to_thread.run_sync(
+            lambda: list(corpora.heldout_batches(corpus, self.spec.context, EVAL_ROWS, EVAL_BATCHES * EVAL_ROWS)))
+        if not held:
+            log.warning("the corpus has no held-out part: no evaluation")
+            return
+        session, micro_batch, round_ = os.urandom(SESSION_BYTES), 0, 0
+        while True:
+            await trio.sleep(EVAL_PERIOD if round_ else EVAL_PERIOD / 2)
+            for batch in held:
+                ids = eng.ids_tensor(batch.rows)
+                work = eng.Work("eval", (session, micro_batch), ids[:, :-1], ids[:, 1:].contiguous(), round_)
+                micro_batch += 1
+                if self.inbound.offer(Job(work, None), Priority.INFERENCE, trio.current_time()).accepted:
+                    self._work_ready.set()
+            round_ += 1
+
+    # --- upkeep and status ------------------------------------------------------------------------
+
+    async def _upkeep(self) -> None:
+        warming: set[str] = set()
+        async with trio.open_nursery() as nursery:
+            while True:
+                now = time.time()
+                if not self.is_last:
+                    candidates = self._stage_map.candidates(self.stage + 1)
+                    self.router.offer([Candidate.from_record(r) for r in candidates], now)
+                    for peer in self.router.choose(self.stage + 1, now):
+                        if peer not in warming:
+                            warming.add(peer)
+                            nursery.start_soon(self._warm, peer, warming)
+                connected = {str(p) for p in self._host.get_connected_peers()}
+                for peer in {e.sent_to for e in self.inflight.entries() if e.sent_to} - connected:
+                    self._downstream_failed(peer)
+                for key in self.inflight.expire(trio.current_time()):
+                    self.engine.forget(key)
+                    self.counts["given_up"] += 1
+                    self._progress.set()
+                self._sample_rate()
+                await trio.sleep(UPKEEP_PERIOD)
+
+    async def _warm(self, peer: str, warming: set[str]) -> None:
+        try:
+            with trio.move_on_after(10):
+                await self._pool.warm(peer, PROTOCOL_ID, WARM_STREAMS)
+        except Exception as exc:  # a candidate we cannot reach: the sender will find out and back it off
+            log.debug("could not warm streams to %s: %r", peer, exc)
+        finally:
+            warming.discard(peer)
+
+    def _sample_rate(self) -> None:
+        now = trio.current_time()
+        self._rate.append((now, self.engine.tokens))
+        while len(self._rate) > 2 and now - self._rate[0][0] > RATE_WINDOW:
+            self._rate.popleft()
+
+    def throughput(self) -> float:
+        """Tokens/s whose gradients reached our weights, over the last RATE_WINDOW."""
+        if len(self._rate) < 2:
+            return 0.0
+        (t0, n0), (t1, n1) = self._rate[0], self._rate[-1]
+        return (n1 - n0) / (t1 - t0) if t1 > t0 else 0.0
+
+    def queue_depth(self) -> int:
+        return len(self.inbound)
+
+    def doc(self) -> dict:
+        now = trio.current_time()
+        engine, ledger = self.engine, self.ledger.stats(now)
+        latest = self.evals.latest()
+        return {
+            "stage": self.stage, "first": self.is_first, "last": self.is_last,
+            "step": engine.step if engine else 0, "tokens": engine.tokens if engine else 0,
+            "micro_batches": engine.micro_batches if engine else 0,
+            "tokens_per_s": round(self.throughput(), 1),
+            "train_loss_bpb": self.train_loss_bpb,
+            "heldout_bpb": latest.bits_per_byte if latest else None,
+            "heldout": [{"round": r.round, "bpb": round(r.bits_per_byte, 4), "at": r.at} for r in self.evals.history],
+            "engine": {"steps": ledger.steps, "local_only": ledger.local_only, "drops": ledger.drops,
+                       "local_only_rate": ledger.local_only_rate, "busy_fraction": round(ledger.busy_fraction, 4),
+                       "kept_graphs": engine.kept if engine else 0},
+            "in_flight": len(self.inflight), "counts": dict(self.counts),
+            "inbound": _fill_doc(self.inbound.stats(now)), "outbound": _fill_doc(self.outbound.stats(now)),
+            "router": self.router.stats(time.time()),
+            "delivery": self.deliverer.stats() if self.deliverer else {},
+        }
+
+    async def doc_json(self, params: dict) -> dict:
+        return self.doc()
+
+    def routes(self) -> dict:
+        return {"/api/swarm": self.doc_json}
+
+
+def _fill_doc(stats) -> dict:
+    return {"items": stats.items, "capacity": stats.capacity_items, "peak": stats.peak_items,
+            "mean_fill": round(stats.mean_fill, 4), "offered": stats.offered, "refused": stats.refused}
+
+
+def check_data(path: str | None) -> None:
+    """ConfigError (one line) unless ``path`` is None or a readable, non-empty text corpus."""
+    if path is not None:
+        corpora.data_corpus(path)
+
