@@ -109,10 +109,13 @@ def build_parser() -> argparse.ArgumentParser:
     ping.add_argument("--bytes", type=int, default=1024 * 1024, help="bytes to push (default 1 MiB; 0: none)")
     ping.add_argument("--json", action="store_true", help="print the raw JSON")
 
-    demo = sub.add_parser("demo", help="run a local swarm: bootstrap plus peers on loopback")
+    demo = sub.add_parser("demo", help="train a model on a local swarm: bootstrap plus peers on loopback",
+                          description="Start a bootstrap node and N peers on this machine, spread over the "
+                                      "stages of tiny-lm, and show the held-out loss falling as they train.")
     demo.add_argument("--peers", type=int, default=4, help="joining peers to start (default 4)")
-    demo.add_argument("--duration", type=float, default=30.0,
-                      help="seconds to keep the swarm up after it formed (default 30; 0 = until Ctrl-C)")
+    demo.add_argument("--stages", type=int, default=2, help="stages to cut tiny-lm into (default 2: 1, 2, 4 or 8)")
+    demo.add_argument("--duration", type=float, default=150.0, help="seconds of training (default 150)")
+    demo.add_argument("--kill-one", action="store_true", help="SIGKILL one replica halfway through")
     demo.add_argument("--dir", type=Path, default=None, help="where peers keep keys and logs (default: a temp dir)")
     return parser
 
@@ -258,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "demo":
             from p2pswarm.demo import run_demo
 
-            return run_demo(args.peers, args.duration, args.dir)
+            return run_demo(args.peers, args.duration, args.dir, stages=args.stages, kill_one=args.kill_one)
         config = config_from_args(args)
         quiet_libp2p(args.log_level)
         trio.run(_run_until_signalled, config)

@@ -1,28 +1,36 @@
-"""``p2pswarm demo``: a whole swarm on this machine, as separate real processes on loopback.
+"""``p2pswarm demo``: a whole swarm training a model on this machine, as real processes on loopback.
 
-Starts one ``p2pswarm bootstrap`` and several ``p2pswarm join`` peers (each serving one stage
-of the default model), waits until every stage is announced, shows the stage map while the
-swarm runs, then stops every process it started. Training joins the demo when the training
-issues land; today it shows discovery working end to end.
+Starts one ``p2pswarm bootstrap`` and N ``p2pswarm join`` peers, spread evenly over the S stages
+of ``tiny-lm/S`` (default 4 peers: 2 stages x 2 replicas), waits until every stage is served,
+then shows training as it happens: the held-out loss in bits per byte (evaluated by the last
+stage on the fixed held-out set), tokens/s, peers per stage, failovers and lost micro-batches.
+``--kill-one`` SIGKILLs one replica halfway through, to show training go on without it. At the
+end it prints a summary and stops every process it started (by pid). Exit code 0 when the
+held-out loss fell and no process crashed (the one it killed aside), 1 otherwise.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from p2pswarm.errors import ConfigError, StartupError
 from p2pswarm.model.catalog import DEFAULT_MODEL, get_model
 
-FORM_TIMEOUT = 60.0  # seconds for the swarm to announce every layer on a loaded 2-core machine
-POLL_PERIOD = 1.0  # seconds between looks at the stage map
+FORM_TIMEOUT = 90.0  # seconds for every stage to be served and found on a loaded 2-core machine
+POLL_PERIOD = 1.0  # seconds between looks while the swarm forms
+SHOW_PERIOD = 5.0  # seconds between progress lines while it trains
 STOP_TIMEOUT = 15.0  # seconds a peer gets to shut down cleanly after SIGTERM
+DEFAULT_DURATION = 150.0  # seconds of training: with forming and stopping, under 3 minutes
+DEFAULT_STAGES = 2
 
 
 def free_port() -> int:
@@ -44,17 +52,17 @@ def read_first_addr(process: subprocess.Popen, what: str) -> str:
     return line
 
 
-def stage_map(api: str) -> dict:
-    """Stage number (text) -> {"start", "end", "peers"}, as a node's /api/stages shows it."""
+def get_json(api: str, path: str) -> dict:
     try:
-        with urllib.request.urlopen(f"http://{api}/api/stages", timeout=2) as response:
-            return json.load(response)["stages"]
-    except (OSError, ValueError, KeyError):
+        with urllib.request.urlopen(f"http://{api}{path}", timeout=3) as response:
+            return json.load(response)
+    except (OSError, ValueError):
         return {}
 
 
-def show_map(stages: dict) -> str:
-    return "  ".join(f"S{stage}:{len(doc['peers'])}" for stage, doc in stages.items())
+def stage_map(api: str) -> dict:
+    """Stage number (text) -> {"start", "end", "peers"}, as a node's /api/stages shows it."""
+    return get_json(api, "/api/stages").get("stages", {})
 
 
 def stop_all(processes: list[subprocess.Popen]) -> None:
@@ -70,33 +78,77 @@ def stop_all(processes: list[subprocess.Popen]) -> None:
             process.wait()
 
 
-def run_demo(peers: int, duration: float, directory: Path | None) -> int:
-    model = get_model(DEFAULT_MODEL)
+@dataclass
+class Peer:
+    index: int
+    stage: int
+    api: str
+    process: subprocess.Popen
+    killed: bool = False
+
+
+@dataclass
+class Progress:
+    """What the demo saw: held-out rounds, tokens, failovers."""
+
+    heldout: list[tuple[float, float]] = field(default_factory=list)  # (seconds into training, bpb)
+    tokens: int = 0
+    tokens_per_s: float = 0.0
+    failovers: int = 0
+    lost: int = 0
+    train_bpb: float | None = None
+
+    def look(self, peers: list[Peer], n_stages: int, since: float) -> dict:
+        docs = {p.index: get_json(p.api, "/api/swarm") for p in peers if not p.killed}
+        docs = {i: d for i, d in docs.items() if d}
+        first = [d for d in docs.values() if d.get("first")]
+        last = [d for d in docs.values() if d.get("last")]
+        self.tokens = max(self.tokens, sum(d.get("tokens", 0) for d in first))
+        self.tokens_per_s = sum(d.get("tokens_per_s", 0.0) for d in first)
+        self.failovers = max(self.failovers, sum(d["delivery"].get("rerouted", 0) for d in docs.values()))
+        self.lost = max(self.lost, sum(d["delivery"].get("lost", 0) for d in docs.values()))
+        losses = [d["train_loss_bpb"] for d in last if d.get("train_loss_bpb") is not None]
+        self.train_bpb = sum(losses) / len(losses) if losses else self.train_bpb
+        rounds = sorted((r["at"], r["bpb"]) for d in last for r in d.get("heldout", []))
+        if rounds and (not self.heldout or rounds[-1][1] != self.heldout[-1][1]):
+            self.heldout.append((rounds[-1][0] - since, rounds[-1][1]))
+        return {s: sum(1 for d in docs.values() if d.get("stage") == s) for s in range(n_stages)}
+
+
+def run_demo(peers: int, duration: float, directory: Path | None, *, stages: int = DEFAULT_STAGES,
+             kill_one: bool = False) -> int:
+    model = get_model(f"{DEFAULT_MODEL}/{stages}")
     if peers < model.n_stages:
         raise ConfigError(f"--peers must be at least {model.n_stages}: {model.name} has {model.n_stages} "
                           f"stages and each peer serves one")
+    if kill_one and peers < 2 * model.n_stages:
+        raise ConfigError(f"--kill-one needs a stage with two replicas: --peers at least {2 * model.n_stages}")
+    if duration <= 0:
+        raise ConfigError(f"--duration must be positive, not {duration:g}")
     workdir = Path(directory or tempfile.mkdtemp(prefix="p2pswarm-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    print(f"demo: {peers} peers serving the {model.n_stages} stages of {model.name} ({model.n_layers} layers); "
-          f"no training yet (it comes with the next issue); keys and logs in {workdir}", flush=True)
+    threads = max(1, (os.cpu_count() or 1) // peers)
+    print(f"demo: {peers} peers train {model.name} ({model.n_layers} blocks in {model.n_stages} stages) on the "
+          f"embedded corpus for {duration:.0f} s; keys and logs in {workdir}", flush=True)
     processes: list[subprocess.Popen] = []
     try:
         boot = spawn(["bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0", "--data-dir", str(workdir / "bootstrap")],
                      workdir / "bootstrap.log")
         processes.append(boot)
         boot_addr = read_first_addr(boot, "the bootstrap node")
-        print(f"demo: bootstrap node at {boot_addr}", flush=True)
-        apis = []
+        members = []
         for i in range(peers):
-            api = f"127.0.0.1:{free_port()}"
-            start, end = model.stage_range(i % model.n_stages)
-            processes.append(spawn(["join", "--bootstrap", boot_addr, "--listen", "/ip4/127.0.0.1/tcp/0",
-                                    "--data-dir", str(workdir / f"peer{i}"), "--api", api,
-                                    "--layers", f"{start}:{end}"], workdir / f"peer{i}.log"))
-            apis.append(api)
-            print(f"demo: peer {i} serves stage {i % model.n_stages} (layers [{start}, {end})), "
-                  f"status API {api}", flush=True)
-        return _watch(processes, apis, model.n_stages, duration)
+            stage, api = i % model.n_stages, f"127.0.0.1:{free_port()}"
+            start, end = model.stage_range(stage)
+            process = spawn(["join", "--bootstrap", boot_addr, "--listen", "/ip4/127.0.0.1/tcp/0",
+                             "--data-dir", str(workdir / f"peer{i}"), "--api", api, "--model", model.name,
+                             "--layers", f"{start}:{end}", "--threads", str(threads)], workdir / f"peer{i}.log")
+            processes.append(process)
+            members.append(Peer(i, stage, api, process))
+            print(f"demo: peer {i} trains stage {stage} (blocks [{start}, {end})), status API {api}", flush=True)
+        if not _wait_formed(members, processes, model.n_stages):
+            return 1
+        return _train(members, processes, model.n_stages, duration, kill_one)
     except KeyboardInterrupt:
         print("\ndemo: interrupted", flush=True)
         return 0
@@ -105,24 +157,60 @@ def run_demo(peers: int, duration: float, directory: Path | None) -> int:
         stop_all(processes)
 
 
-def _watch(processes: list[subprocess.Popen], apis: list[str], n_stages: int, duration: float) -> int:
+def _crashed(processes: list[subprocess.Popen], members: list[Peer]) -> list[subprocess.Popen]:
+    killed = {p.process for p in members if p.killed}
+    return [p for p in processes if p.poll() is not None and p not in killed]
+
+
+def _wait_formed(members: list[Peer], processes: list[subprocess.Popen], n_stages: int) -> bool:
     started = time.monotonic()
-    formed_at = None
-    while True:
-        dead = [p for p in processes if p.poll() is not None]
-        if dead:
-            print(f"demo: a process exited with code {dead[0].returncode}; see the logs", file=sys.stderr)
+    while time.monotonic() - started < FORM_TIMEOUT:
+        if _crashed(processes, members):
+            print("demo: a process exited during start-up; see the logs", file=sys.stderr)
+            return False
+        served = [s for s, doc in stage_map(members[0].api).items() if doc["peers"]]
+        if len(served) == n_stages:
+            print(f"demo: every stage served after {time.monotonic() - started:.1f} s; training "
+                  f"(try: p2pswarm status --api {members[0].api})", flush=True)
+            return True
+        time.sleep(POLL_PERIOD)
+    print(f"demo: the stages were not all served within {FORM_TIMEOUT:.0f} s", file=sys.stderr)
+    return False
+
+
+def _train(members: list[Peer], processes: list[subprocess.Popen], n_stages: int, duration: float,
+           kill_one: bool) -> int:
+    progress, started = Progress(), time.time()
+    victim = next(p for p in reversed(members) if p.stage == n_stages - 1) if kill_one else None
+    while (elapsed := time.time() - started) < duration:
+        time.sleep(SHOW_PERIOD)
+        if victim and not victim.killed and elapsed >= duration / 2:
+            victim.process.kill()
+            victim.killed = True
+            print(f"demo: SIGKILLed peer {victim.index} (stage {victim.stage}); training goes on", flush=True)
+        crashed = _crashed(processes, members)
+        if crashed:
+            print(f"demo: a process exited with code {crashed[0].returncode}; see the logs", file=sys.stderr)
             return 1
-        stages = stage_map(apis[-1])
-        covered = sum(1 for doc in stages.values() if doc["peers"])
-        elapsed = time.monotonic() - started
-        print(f"demo: t={elapsed:5.1f}s  stages served {covered}/{n_stages}  {show_map(stages)}", flush=True)
-        if formed_at is None and covered == n_stages:
-            formed_at = elapsed
-            print(f"demo: swarm formed in {formed_at:.1f} s; try: p2pswarm status --api {apis[0]}", flush=True)
-        if formed_at is None and elapsed > FORM_TIMEOUT:
-            print(f"demo: the swarm did not form within {FORM_TIMEOUT:.0f} s", file=sys.stderr)
-            return 1
-        if formed_at is not None and duration and elapsed - formed_at >= duration:
-            return 0
-        time.sleep(POLL_PERIOD if formed_at is None else 5.0)
+        per_stage = progress.look(members, n_stages, started)
+        held = f"{progress.heldout[-1][1]:.3f}" if progress.heldout else "  -  "
+        train = f"{progress.train_bpb:.3f}" if progress.train_bpb is not None else "  -  "
+        print(f"demo: t={time.time() - started:5.0f}s  held-out {held} bits/byte  train {train}  "
+              f"{progress.tokens_per_s:7.0f} tok/s  stages {' '.join(f'S{s}:{n}' for s, n in per_stage.items())}  "
+              f"failovers {progress.failovers}  lost {progress.lost}", flush=True)
+    return _summary(progress, time.time() - started, bool(victim))
+
+
+def _summary(progress: Progress, seconds: float, killed: bool) -> int:
+    heldout = progress.heldout
+    print(f"demo: summary: {progress.tokens} tokens in {seconds:.0f} s ({progress.tokens / seconds:.0f} tok/s), "
+          f"{progress.failovers} failovers, {progress.lost} micro-batches lost"
+          f"{', one peer SIGKILLed' if killed else ''}, 0 crashed processes", flush=True)
+    if len(heldout) < 2:
+        print("demo: too few held-out evaluations to tell whether the model learned", file=sys.stderr)
+        return 1
+    first, last = heldout[0][1], heldout[-1][1]
+    best = min(b for _, b in heldout)
+    print(f"demo: held-out loss {first:.3f} -> {last:.3f} bits/byte (best {best:.3f}; 8 = knowing nothing)",
+          flush=True)
+    return 0 if last < first else 1

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import trio
 
 from p2pswarm import wire
-from p2pswarm.errors import NoCandidates, ProtocolError
+from p2pswarm.errors import NoCandidates, P2PSwarmError, first_error
 from p2pswarm.swarm.activation import PROTOCOL_ID, Ack, Backward, Busy, Forward
 from p2pswarm.swarm.router import Failure, Router
 
@@ -139,8 +139,12 @@ class Deliverer:
                 async with self._pool.lease(peer, PROTOCOL_ID, timeout=LEASE_TIMEOUT) as lease:
                     await lease.write_frame(send.message, send.payload)
                     message, _ = await lease.read_frame(max_payload=0, timeout=ATTEMPT_READ_TIMEOUT)
-            except (ProtocolError, OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-                log.debug("%s to %s failed: %s", send.message.TYPE, peer, exc)
+            except Exception as exc:  # whatever a peer or its connection does, it is that peer's failure
+                error = first_error(exc)
+                expected = isinstance(error, (P2PSwarmError, OSError, trio.BrokenResourceError,
+                                              trio.ClosedResourceError))
+                log.log(logging.DEBUG if expected else logging.WARNING, "%s to %s failed: %r",
+                        send.message.TYPE, peer, error)
                 box.append(Reply(None, Failure.ERROR, trio.current_time() - started))
             else:
                 ok = isinstance(message, (Ack, Busy)) and message.micro_batch == send.message.micro_batch

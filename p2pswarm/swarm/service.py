@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import trio
 
-from p2pswarm.errors import RemoteProtocolError
+from p2pswarm.errors import ConfigError, RemoteProtocolError
 from p2pswarm.model import corpus as corpora
 from p2pswarm.model.catalog import ModelSpec
 from p2pswarm.swarm import engine as eng
@@ -299,7 +299,11 @@ class SwarmService:
             while self._local_queued + self.inflight.waiting_from(None) >= MAX_IN_FLIGHT:
                 self._progress = trio.Event()
                 await self._progress.wait()
-            batch = await trio.to_thread.run_sync(next, batches)
+            try:
+                batch = await trio.to_thread.run_sync(next, batches)
+            except ConfigError as exc:  # the corpus vanished under us: stop cutting, keep serving
+                log.error("stage 0 stops cutting micro-batches: %s", exc)
+                return
             ids = eng.ids_tensor(batch.rows)
             work = eng.Work("forward", (self.session, micro_batch), ids[:, :-1], ids[:, 1:].contiguous())
             micro_batch += 1
@@ -316,8 +320,9 @@ class SwarmService:
             log.warning("the corpus has no held-out part: no evaluation")
             return
         session, micro_batch, round_ = os.urandom(SESSION_BYTES), 0, 0
+        while not self.is_last and not self.router.choose(self.stage + 1, time.time()):
+            await trio.sleep(UPKEEP_PERIOD)  # round 0 measures the untrained model: wait until it can go through
         while True:
-            await trio.sleep(EVAL_PERIOD if round_ else EVAL_PERIOD / 2)
             for batch in held:
                 ids = eng.ids_tensor(batch.rows)
                 work = eng.Work("eval", (session, micro_batch), ids[:, :-1], ids[:, 1:].contiguous(), round_)
@@ -325,6 +330,7 @@ class SwarmService:
                 if self.inbound.offer(Job(work, None), Priority.INFERENCE, trio.current_time()).accepted:
                     self._work_ready.set()
             round_ += 1
+            await trio.sleep(EVAL_PERIOD)
 
     # --- upkeep and status ------------------------------------------------------------------------
 
