@@ -97,6 +97,7 @@ class Progress:
     failovers: int = 0
     lost: int = 0
     train_bpb: float | None = None
+    busy: dict[int, float] = field(default_factory=dict)  # peer -> compute-busy fraction
 
     def look(self, peers: list[Peer], n_stages: int, since: float) -> dict:
         docs = {p.index: get_json(p.api, "/api/swarm") for p in peers if not p.killed}
@@ -107,6 +108,7 @@ class Progress:
         self.tokens_per_s = sum(d.get("tokens_per_s", 0.0) for d in first)
         self.failovers = max(self.failovers, sum(d["delivery"].get("rerouted", 0) for d in docs.values()))
         self.lost = max(self.lost, sum(d["delivery"].get("lost", 0) for d in docs.values()))
+        self.busy.update({i: d["engine"]["busy_fraction"] for i, d in docs.items()})
         losses = [d["train_loss_bpb"] for d in last if d.get("train_loss_bpb") is not None]
         self.train_bpb = sum(losses) / len(losses) if losses else self.train_bpb
         rounds = sorted((r["at"], r["bpb"]) for d in last for r in d.get("heldout", []))
@@ -206,6 +208,10 @@ def _summary(progress: Progress, seconds: float, killed: bool) -> int:
     print(f"demo: summary: {progress.tokens} tokens in {seconds:.0f} s ({progress.tokens / seconds:.0f} tok/s), "
           f"{progress.failovers} failovers, {progress.lost} micro-batches lost"
           f"{', one peer SIGKILLed' if killed else ''}, 0 crashed processes", flush=True)
+    if progress.busy:
+        busy = sorted(progress.busy.values())
+        print(f"demo: compute-busy fraction per peer {', '.join(f'{b:.3f}' for b in busy)} "
+              f"(mean {sum(busy) / len(busy):.3f})", flush=True)
     if len(heldout) < 2:
         print("demo: too few held-out evaluations to tell whether the model learned", file=sys.stderr)
         return 1

@@ -37,7 +37,8 @@ class Swarm:
     def join(self, boot_addr: str, layers: str, name: str) -> tuple[subprocess.Popen, str]:
         api = f"127.0.0.1:{free_port()}"
         process = self.start("join", "--bootstrap", boot_addr, "--listen", "/ip4/127.0.0.1/tcp/0",
-                             "--layers", layers, "--api", api, "--data-dir", str(self.workdir / name), name=name)
+                             "--layers", layers, "--api", api, "--data-dir", str(self.workdir / name),
+                             "--threads", "1", name=name)  # several training peers share 2 cores
         return process, api
 
     def close(self) -> None:

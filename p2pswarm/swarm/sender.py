@@ -20,6 +20,7 @@ it was writing. Imports neither torch nor the model.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -41,6 +42,7 @@ BACKWARD_ACK_TIMEOUT = 2.0  # a gradient has one possible destination: wait long
 BACKWARD_TRIES = 4  # Busy replies a gradient waits out before it is lost
 BUSY_WAIT_CAP = 1.0  # seconds: the longest a sender sleeps on a Busy's retry-after hint
 IDLE_POLL = 0.05  # seconds between looks for a candidate when there is none
+LINK_DELAY = float(os.environ.get("P2PSWARM_LINK_DELAY_MS", "0")) / 1000  # benchmarks only: latency added per frame
 
 
 Key = tuple[bytes, int]
@@ -98,7 +100,8 @@ class Deliverer:
                 self._router.observe_capacity(peer, reply.message.queue_depth, time.time())
                 self._busy[peer] = reply.message.retry_after_ms / 1000
                 continue
-            failed_at = failed_at if failed_at is not None else trio.current_time()
+            if failed_at is None:  # failover time runs from the start of the first failed attempt
+                failed_at = trio.current_time() - reply.seconds
             self._failed(peer, reply.failure)
         self._lost(send, "no live peer of the next stage took it")
 
@@ -136,6 +139,8 @@ class Deliverer:
 
         async def exchange() -> None:
             try:
+                if LINK_DELAY:  # a benchmark's simulated link latency (bench/swarm_train.py)
+                    await trio.sleep(LINK_DELAY)
                 async with self._pool.lease(peer, PROTOCOL_ID, timeout=LEASE_TIMEOUT) as lease:
                     await lease.write_frame(send.message, send.payload)
                     message, _ = await lease.read_frame(max_payload=0, timeout=ATTEMPT_READ_TIMEOUT)
@@ -193,4 +198,5 @@ class Deliverer:
             return round(latencies[min(len(latencies) - 1, int(q * len(latencies)))], 1) if latencies else None
 
         return {**{k: self.counts[k] for k in ("sent", "acked", "busy", "timeouts", "late_acks", "errors", "rerouted", "lost")},
-                "failover_ms_p50": pct(0.5), "failover_ms_p99": pct(0.99), "failovers_measured": len(latencies)}
+                "failover_ms_p50": pct(0.5), "failover_ms_p99": pct(0.99), "failovers_measured": len(latencies),
+                "failover_ms_recent": [round(x, 1) for x in self.failover_ms[-100:]]}

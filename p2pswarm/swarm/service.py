@@ -296,6 +296,8 @@ class SwarmService:
         batches = corpora.batches(corpus, 0, 1, self.spec.context, BATCH_ROWS, seed=offset, offset=offset)
         micro_batch = 0
         while True:
+            while not self.is_last and not self.router.choose(self.stage + 1, time.time()):
+                await trio.sleep(UPKEEP_PERIOD)  # no live peer serves the next stage: nothing to compute for
             while self._local_queued + self.inflight.waiting_from(None) >= MAX_IN_FLIGHT:
                 self._progress = trio.Event()
                 await self._progress.wait()
