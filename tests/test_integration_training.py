@@ -19,6 +19,7 @@ pytest.importorskip("torch")
 pytestmark = pytest.mark.timeout(300)
 
 DURATION = 60  # seconds of training: the kill comes at 30 s
+LEARNED = 5.5  # bits/byte: well below the untrained ~8 and the byte unigram entropy (~4.6 here); 60 s reach ~4.5
 
 
 def test_two_by_two_swarm_learns_and_survives_a_sigkill(tmp_path):
@@ -38,7 +39,7 @@ def test_two_by_two_swarm_learns_and_survives_a_sigkill(tmp_path):
     assert rates[-1] > 0, out  # micro-batches still complete without the killed replica
 
     first, last = map(float, re.search(r"held-out loss ([\d.]+) -> ([\d.]+)", out).groups())
-    assert first > 7.0 and last < first - 1.5, out  # ~8 bits/byte untrained; it learned
+    assert last < min(first, LEARNED), out  # ~8 bits/byte untrained; the first round may come after some steps
     assert "0 crashed processes" in out
     for name, text in logs.items():
         assert "Traceback" not in text, (name, text[-3000:])
