@@ -198,7 +198,26 @@ def _stun(stats: dict) -> str:
     return f"{stun['nat_type']}, {public}"
 
 
-def format_status(stats: dict, stages: dict) -> str:
+def _fmt(value: float | None, spec: str = ".3f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def format_swarm(swarm: dict) -> list[str]:
+    """The training lines of ``status``, from ``/api/swarm``."""
+    engine, delivery, counts = swarm["engine"], swarm["delivery"], swarm["counts"]
+    return [
+        f"training      step {swarm['step']}  {swarm['tokens']} tokens  {swarm['tokens_per_s']:.0f} tok/s  "
+        f"held-out {_fmt(swarm['heldout_bpb'])} bits/byte  train {_fmt(swarm['train_loss_bpb'])}",
+        f"engine        busy {engine['busy_fraction']:.1%}  local-only {engine['local_only']}  drops "
+        f"{engine['drops']}  in flight {swarm['in_flight']}  inbound {swarm['inbound']['items']}/"
+        f"{swarm['inbound']['capacity']} (mean fill {swarm['inbound']['mean_fill']:.1%})",
+        f"delivery      sent {delivery.get('sent', 0)}  acked {delivery.get('acked', 0)}  busy {delivery.get('busy', 0)}"
+        f"  failovers {delivery.get('rerouted', 0)} (p50 {_fmt(delivery.get('failover_ms_p50'), '.0f')} ms)  lost "
+        f"{delivery.get('lost', 0)}  garbage frames {counts.get('garbage_frames', 0)}",
+    ]
+
+
+def format_status(stats: dict, stages: dict, swarm: dict | None = None) -> str:
     lines = [
         f"peer          {stats['peer_id']}  ({stats['role']}, p2pswarm {stats['version']})",
         f"addresses     {', '.join(stats['addrs']) or '-'}",
@@ -220,15 +239,18 @@ def format_status(stats: dict, stages: dict) -> str:
                           for r in doc["peers"]) or "(nobody)"
         lines.append(f"  stage {int(stage):>3}  layers [{doc['start']}, {doc['end']})  "
                      f"{len(doc['peers'])} peer(s)  {peers}")
+    if swarm:
+        lines[5:5] = format_swarm(swarm)
     return "\n".join(lines)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
     stats, stages = _get_json(args.api, "/api/stats"), _get_json(args.api, "/api/stages")
+    swarm = _get_json(args.api, "/api/swarm") if stats.get("role") == "join" else None
     if args.json:
-        print(json.dumps({"stats": stats, "stages": stages}, indent=1, sort_keys=True))
+        print(json.dumps({"stats": stats, "stages": stages, "swarm": swarm}, indent=1, sort_keys=True))
     else:
-        print(format_status(stats, stages))
+        print(format_status(stats, stages, swarm))
     return 0
 
 

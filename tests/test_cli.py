@@ -202,3 +202,24 @@ def test_an_api_port_in_use_fails_before_the_node_listens():
         result = run("bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0", "--api", f"127.0.0.1:{port}")
     assert_only_one_stderr_line(result, "cannot serve the API")
     assert result.stdout == "", "the node listened and printed its addresses first"
+
+
+def test_status_shows_training_from_a_real_swarm_doc():
+    import json
+
+    import trio
+
+    from p2pswarm.cli import format_status
+    from p2pswarm.model.catalog import get_model
+    from p2pswarm.swarm.service import SwarmService
+
+    async def doc() -> dict:
+        service = SwarmService(spec=get_model("tiny-lm/2"), stage=1, me="me", pool=None, stage_map=None, host=None)
+        return json.loads(json.dumps(service.doc()))  # as it crosses the API
+
+    stats = {"peer_id": "12D3KooWme", "role": "join", "version": "x", "addrs": [], "reachability": "public",
+             "dht_mode": "server", "connected_peers": [], "routing_table_size": 0, "model": "tiny-lm/2",
+             "stage": 1, "layers": [4, 8], "uptime_s": 3}
+    stages = {"model": "tiny-lm/2", "n_layers": 8, "n_stages": 2, "stages": {}}
+    text = format_status(stats, stages, trio.run(doc))
+    assert "training      step 0" in text and "held-out - bits/byte" in text and "failovers 0" in text
