@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import statistics
 import sys
@@ -54,6 +53,24 @@ def wait_until(predicate, timeout: float) -> bool:
     return False
 
 
+def record_ages(api: str, samples: int = 20) -> None:
+    """How old the stage-1 records the driver's stage map holds are: the capacity it routes on."""
+    from p2pswarm.dht.discovery import RECORD_TTL
+
+    ages = []
+    for _ in range(samples):
+        try:
+            with urllib.request.urlopen(f"http://{api}/api/stages", timeout=3) as response:
+                doc = json.load(response)
+        except (OSError, ValueError):
+            continue
+        ages += [RECORD_TTL - r["expires_in_s"] for r in doc["stages"].get("1", {}).get("peers", [])]
+        time.sleep(0.5)
+    if ages:
+        print(f"capacity in stage-1 records as the driver sees them: {len(ages)} readings, age mean "
+              f"{statistics.mean(ages):.1f} s, max {max(ages):.1f} s (stale after 15 s)", flush=True)
+
+
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -87,6 +104,7 @@ def main() -> int:
         if not wait_until(lambda: len(live_stage1(driver_api)) == 3, 90):
             print("the swarm did not form", file=sys.stderr)
             return 1
+        record_ages(driver_api)
         for name, entry in peers.items():
             entry[2] = json.load(urllib.request.urlopen(f"http://{entry[1]}/api/stats", timeout=3))["peer_id"]
         results = {}
