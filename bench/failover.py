@@ -14,29 +14,23 @@ in force, as the baseline the hung case is bound by.
 from __future__ import annotations
 
 import argparse
-import json
 import signal
 import statistics
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from p2pswarm.demo import free_port, read_first_addr, spawn, stop_all  # noqa: E402
+from p2pswarm.demo import free_port, get_json, read_first_addr, spawn, stop_all  # noqa: E402
 
 MODEL = "tiny-lm/2"
 WAIT = 20.0  # seconds for a peer to become (again) a live candidate
 
 
 def swarm_doc(api: str) -> dict:
-    try:
-        with urllib.request.urlopen(f"http://{api}/api/swarm", timeout=3) as response:
-            return json.load(response)
-    except (OSError, ValueError):
-        return {}
+    return get_json(api, "/api/swarm")
 
 
 def live_stage1(api: str) -> set[str]:
@@ -59,12 +53,8 @@ def record_ages(api: str, samples: int = 20) -> None:
 
     ages = []
     for _ in range(samples):
-        try:
-            with urllib.request.urlopen(f"http://{api}/api/stages", timeout=3) as response:
-                doc = json.load(response)
-        except (OSError, ValueError):
-            continue
-        ages += [RECORD_TTL - r["expires_in_s"] for r in doc["stages"].get("1", {}).get("peers", [])]
+        doc = get_json(api, "/api/stages")
+        ages += [RECORD_TTL - r["expires_in_s"] for r in doc.get("stages", {}).get("1", {}).get("peers", [])]
         time.sleep(0.5)
     if ages:
         print(f"capacity in stage-1 records as the driver sees them: {len(ages)} readings, age mean "
@@ -81,7 +71,7 @@ def main() -> int:
     parser.add_argument("--events", type=int, default=15, help="kills (and stops) of a stage-1 peer each")
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="p2pswarm-failover-"))
-    processes = []
+    processes, peers = [], {}
     try:
         boot = spawn(["bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0", "--data-dir", str(workdir / "boot")],
                      workdir / "boot.log")
@@ -97,7 +87,6 @@ def main() -> int:
 
         driver_api = f"127.0.0.1:{free_port()}"
         join("s0", "0:4", driver_api)
-        peers = {}
         for i in range(3):
             api = f"127.0.0.1:{free_port()}"
             peers[f"s1-{i}"] = [join(f"s1-{i}", "4:8", api), api, None]
@@ -106,7 +95,7 @@ def main() -> int:
             return 1
         record_ages(driver_api)
         for name, entry in peers.items():
-            entry[2] = json.load(urllib.request.urlopen(f"http://{entry[1]}/api/stats", timeout=3))["peer_id"]
+            entry[2] = get_json(entry[1], "/api/stats")["peer_id"]
         results = {}
         for kind in ("SIGKILL", "SIGSTOP"):
             samples: list[float] = []
@@ -142,7 +131,7 @@ def main() -> int:
                 print(f"{kind}: no failover measured")
         return 0
     finally:
-        for entry in peers.values() if "peers" in dir() else []:
+        for entry in peers.values():
             if entry[0].poll() is None:
                 entry[0].send_signal(signal.SIGCONT)
         stop_all(processes)

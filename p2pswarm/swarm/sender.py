@@ -92,6 +92,7 @@ class Deliverer:
             reply = await self._attempt(peer, send, self._router.ack_timeout(peer))
             if isinstance(reply.message, Ack):
                 self._router.observe_ack(peer, reply.seconds, time.time(), reply.message.queue_depth)
+                self._busy.pop(peer, None)
                 self._acked(send, peer, failed_at)
                 return
             tried.add(peer)

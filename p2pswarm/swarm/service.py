@@ -41,7 +41,7 @@ from p2pswarm.errors import ConfigError, RemoteProtocolError
 from p2pswarm.model import corpus as corpora
 from p2pswarm.model.catalog import ModelSpec
 from p2pswarm.swarm import engine as eng
-from p2pswarm.swarm.activation import PROTOCOL_ID, SESSION_BYTES, Ack, Backward, Busy, Forward
+from p2pswarm.swarm.activation import MAX_RETRY_AFTER_MS, PROTOCOL_ID, SESSION_BYTES, Ack, Backward, Busy, Forward
 from p2pswarm.swarm.buffers import EngineLedger, Outcome, Priority, hand_on, inbound_buffer, outbound_queue
 from p2pswarm.swarm.evaluation import EVAL_BATCHES, EVAL_ROWS, EvalBook
 from p2pswarm.swarm.inflight import InFlight
@@ -142,7 +142,7 @@ class SwarmService:
             return Ack(message.micro_batch, len(self.inbound))
         if not self.inbound.offer(job, priority, trio.current_time()).accepted:
             self.counts["busy_replies"] += 1
-            retry_ms = min(10_000, int(1000 * self._compute_s * max(1, len(self.inbound))))
+            retry_ms = min(MAX_RETRY_AFTER_MS, int(1000 * self._compute_s * max(1, len(self.inbound))))
             return Busy(message.micro_batch, len(self.inbound), retry_ms)
         self._work_ready.set()
         return Ack(message.micro_batch, len(self.inbound))
@@ -233,6 +233,9 @@ class SwarmService:
                          done.tokens)
             return
         bpb = out.loss_nats / out.tokens / math.log(2)
+        if not math.isfinite(bpb):  # NaN or inf activations from a peer: the step is skipped, the average kept
+            self.counts["non_finite_losses"] += 1
+            return
         self.train_loss_bpb = bpb if self.train_loss_bpb is None else \
             self.train_loss_bpb + LOSS_EMA * (bpb - self.train_loss_bpb)
 
@@ -356,6 +359,7 @@ class SwarmService:
                     self.counts["given_up"] += 1
                     self._progress.set()
                 self._sample_rate()
+                self._banned = {p: t for p, t in self._banned.items() if t > trio.current_time()}
                 await trio.sleep(UPKEEP_PERIOD)
 
     async def _warm(self, peer: str, warming: set[str]) -> None:
@@ -414,10 +418,4 @@ class SwarmService:
 def _fill_doc(stats) -> dict:
     return {"items": stats.items, "capacity": stats.capacity_items, "peak": stats.peak_items,
             "mean_fill": round(stats.mean_fill, 4), "offered": stats.offered, "refused": stats.refused}
-
-
-def check_data(path: str | None) -> None:
-    """ConfigError (one line) unless ``path`` is None or a readable, non-empty text corpus."""
-    if path is not None:
-        corpora.data_corpus(path)
 
