@@ -3,7 +3,8 @@
 Starts one ``p2pswarm bootstrap`` and N ``p2pswarm join`` peers, spread evenly over the S stages
 of ``tiny-lm/S`` (default 4 peers: 2 stages x 2 replicas), waits until every stage is served,
 then shows training as it happens: the held-out loss in bits per byte (evaluated by the last
-stage on the fixed held-out set), tokens/s, peers per stage, failovers and lost micro-batches.
+stage on the fixed held-out set; the mean over stage-0 replicas of each one's latest round, whose
+weights differ until DiLoCo averages them), tokens/s, peers per stage, failovers and lost micro-batches.
 ``--kill-one`` SIGKILLs one replica halfway through, to show training go on without it. At the
 end it prints a summary and stops every process it started (by pid). Exit code 0 when the
 held-out loss fell and no process crashed (the one it killed aside), 1 otherwise.
@@ -88,17 +89,40 @@ class Peer:
     killed: bool = False
 
 
+def latest_rounds(rounds: list[dict]) -> dict[str, tuple[float, float]]:
+    """Per stage-0 replica (``source``), its highest evaluation round: (when, bits per byte).
+
+    A round's micro-batches may be split between last-stage replicas, each reporting its part:
+    the parts are combined, weighted by their bytes."""
+    parts: dict[tuple[str, int], list[dict]] = {}
+    for r in rounds:
+        parts.setdefault((r["source"], r["round"]), []).append(r)
+    latest: dict[str, tuple[float, float]] = {}
+    for (source, _), group in sorted(parts.items()):
+        tokens = sum(r["tokens"] for r in group)
+        latest[source] = (max(r["at"] for r in group), sum(r["bpb"] * r["tokens"] for r in group) / tokens)
+    return latest
+
+
 @dataclass
 class Progress:
     """What the demo saw: held-out rounds, tokens, failovers."""
 
-    heldout: list[tuple[float, float]] = field(default_factory=list)  # (seconds into training, bpb)
+    heldout: list[tuple[float, float]] = field(default_factory=list)  # (seconds into training, mean bpb)
     tokens: int = 0
     tokens_per_s: float = 0.0
     failovers: int = 0
     lost: int = 0
     train_bpb: float | None = None
     busy: dict[int, float] = field(default_factory=dict)  # peer -> compute-busy fraction
+    latest: dict[str, tuple[float, float]] = field(default_factory=dict)  # stage-0 replica -> (at, bpb)
+
+    def heldout_text(self) -> str:
+        """The mean over stage-0 replicas of their latest held-out round, and each one's."""
+        if not self.heldout:
+            return "  -  "
+        each = ", ".join(f"{b:.2f}" for _, b in sorted(self.latest.values()))
+        return f"{self.heldout[-1][1]:.3f} ({each})" if len(self.latest) > 1 else f"{self.heldout[-1][1]:.3f}"
 
     def look(self, peers: list[Peer], n_stages: int, since: float) -> dict:
         docs = {p.index: get_json(p.api, "/api/swarm") for p in peers if not p.killed}
@@ -112,9 +136,11 @@ class Progress:
         self.busy.update({i: d["engine"]["busy_fraction"] for i, d in docs.items()})
         losses = [d["train_loss_bpb"] for d in last if d.get("train_loss_bpb") is not None]
         self.train_bpb = sum(losses) / len(losses) if losses else self.train_bpb
-        rounds = sorted((r["at"], r["bpb"]) for d in last for r in d.get("heldout", []))
-        if rounds and (not self.heldout or rounds[-1][1] != self.heldout[-1][1]):
-            self.heldout.append((rounds[-1][0] - since, rounds[-1][1]))
+        self.latest.update(latest_rounds([r for d in last for r in d.get("heldout", [])]))
+        if self.latest:
+            mean = sum(b for _, b in self.latest.values()) / len(self.latest)
+            if not self.heldout or mean != self.heldout[-1][1]:
+                self.heldout.append((max(a for a, _ in self.latest.values()) - since, mean))
         return {s: sum(1 for d in docs.values() if d.get("stage") == s) for s in range(n_stages)}
 
 
@@ -196,9 +222,8 @@ def _train(members: list[Peer], processes: list[subprocess.Popen], n_stages: int
             print(f"demo: a process exited with code {crashed[0].returncode}; see the logs", file=sys.stderr)
             return 1
         per_stage = progress.look(members, n_stages, started)
-        held = f"{progress.heldout[-1][1]:.3f}" if progress.heldout else "  -  "
         train = f"{progress.train_bpb:.3f}" if progress.train_bpb is not None else "  -  "
-        print(f"demo: t={time.time() - started:5.0f}s  held-out {held} bits/byte  train {train}  "
+        print(f"demo: t={time.time() - started:5.0f}s  held-out {progress.heldout_text()} bits/byte  train {train}  "
               f"{progress.tokens_per_s:7.0f} tok/s  stages {' '.join(f'S{s}:{n}' for s, n in per_stage.items())}  "
               f"failovers {progress.failovers}  lost {progress.lost}", flush=True)
     return _summary(progress, time.time() - started, bool(victim))

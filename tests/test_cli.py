@@ -223,3 +223,15 @@ def test_status_shows_training_from_a_real_swarm_doc():
     stages = {"model": "tiny-lm/2", "n_layers": 8, "n_stages": 2, "stages": {}}
     text = format_status(stats, stages, trio.run(doc))
     assert "training      step 0" in text and "held-out - bits/byte" in text and "failovers 0" in text
+
+
+def test_the_demo_combines_a_rounds_parts_and_takes_each_replicas_highest_round():
+    from p2pswarm.demo import latest_rounds
+
+    rounds = [  # replica a's round 1 was split between two last-stage peers; a late part of its round 0 came last
+        {"source": "a", "round": 1, "bpb": 4.0, "tokens": 300, "at": 10.0},
+        {"source": "a", "round": 1, "bpb": 5.0, "tokens": 100, "at": 11.0},
+        {"source": "a", "round": 0, "bpb": 8.0, "tokens": 100, "at": 12.0},
+        {"source": "b", "round": 0, "bpb": 6.0, "tokens": 400, "at": 9.0},
+    ]
+    assert latest_rounds(rounds) == {"a": (11.0, 4.25), "b": (9.0, 6.0)}

@@ -398,7 +398,9 @@ class SwarmService:
             "tokens_per_s": round(self.throughput(), 1),
             "train_loss_bpb": self.train_loss_bpb,
             "heldout_bpb": latest.bits_per_byte if latest else None,
-            "heldout": [{"round": r.round, "bpb": round(r.bits_per_byte, 4), "at": r.at} for r in self.evals.history],
+            "heldout": [{"source": r.session.hex()[:8], "round": r.round, "bpb": round(r.bits_per_byte, 4),
+                         "tokens": r.tokens, "at": r.at}
+                        for r in self.evals.history],  # source: the stage-0 peer's evaluation session
             "engine": {"steps": ledger.steps, "local_only": ledger.local_only, "drops": ledger.drops,
                        "local_only_rate": ledger.local_only_rate, "busy_fraction": round(ledger.busy_fraction, 4),
                        "kept_graphs": engine.kept if engine else 0},
