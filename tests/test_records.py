@@ -66,6 +66,7 @@ capacity_st = st.builds(
     st.integers(0, MAX_QUEUE_DEPTH),
     st.integers(0, FLAGS_LIMIT - 1),
     st.floats(0, MAX_THROUGHPUT),
+    st.integers(0, 2**63 - 1),
 )
 timestamps_st = st.one_of(st.floats(0, MAX_TIMESTAMP), st.integers(0, int(MAX_TIMESTAMP)))
 ttls_st = st.one_of(st.floats(MIN_TTL, MAX_TTL), st.integers(int(MIN_TTL), int(MAX_TTL)))
@@ -187,6 +188,8 @@ BAD_FIELDS = [
     ("cap", {"mem": 0, "queue": 0, "flags": FLAGS_LIMIT}), ("cap", {"mem": 0, "queue": 0, "flags": -1}),
     ("cap", {"mem": 0, "queue": 0}), ("cap", {"mem": 0, "queue": 0, "flags": 0, "tput": -1.0}),
     ("cap", {"mem": 0, "queue": 0, "flags": 0, "tput": math.inf}), ("cap", {"mem": 0, "queue": 0, "flags": 0, "tput": "1"}),
+    ("cap", {"mem": 0, "queue": 0, "flags": 0, "round": -1}), ("cap", {"mem": 0, "queue": 0, "flags": 0, "round": 2**63}),
+    ("cap", {"mem": 0, "queue": 0, "flags": 0, "round": 1.0}), ("cap", {"mem": 0, "queue": 0, "flags": 0, "round": True}),
     ("cap", {"mem": 0, "queue": 0, "flags": 0, 7: 1}), ("cap", {"mem": 0, "queue": 0, "flags": 0, "x" * 33: 1}),
     ("cap", {"mem": 0, "queue": 0, "flags": 0, **{f"k{i}": i for i in range(MAX_CAPACITY_KEYS)}}),
     ("stage", -1), ("stage", MAX_STAGES), ("stage", True), ("stage", "1"), ("stage", None),
@@ -221,6 +224,15 @@ def test_a_record_without_the_optional_throughput_verifies_with_zero():
     body = base_body()
     del body["cap"]["tput"]
     assert verify_record(resign(body)).capacity.throughput == 0.0
+
+
+def test_the_outer_round_travels_and_is_left_out_when_zero():
+    from dataclasses import replace
+
+    assert "round" not in base_body()["cap"]  # older readers see the record they always saw
+    later = replace(BASE, capacity=replace(BASE.capacity, outer_round=17))
+    assert cbor2.loads(sign_record(later, ALICE))["r"]["cap"]["round"] == 17
+    assert verify_record(sign_record(later, ALICE)) == later
 
 
 @pytest.mark.parametrize("extra", [{"x" * 33: 1}, {5: 1}, {f"k{i}": i for i in range(MAX_BODY_KEYS)}])

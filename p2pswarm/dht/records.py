@@ -12,7 +12,8 @@ keys it coincides with the core deterministic order of 4.2.1)::
 
     {"v": 2, "r": body, "s": signature}
     body = {"peer": str, "addrs": [str, ...], "model": str, "stage": int, "start": int, "end": int,
-            "cap": {"mem": int, "queue": int, "flags": int, ?"tput": float}, "ts": float, "ttl": float}
+            "cap": {"mem": int, "queue": int, "flags": int, ?"tput": float, ?"round": int},
+            "ts": float, "ttl": float}
     signature = Ed25519(SIGNATURE_DOMAIN + canonical CBOR of body), by the key in body["peer"]
 
 The format can gain fields without breaking older peers: a reader ignores body and capacity
@@ -56,8 +57,9 @@ MAX_PEER_ID_CHARS = 64  # an Ed25519 peer id is 52 base58 chars; cap before the 
 MAX_LAYERS = 4096  # layer indices are below this; no trained model is that deep
 MAX_STAGES = MAX_LAYERS  # a stage holds at least one layer
 MAX_BODY_KEYS = 24  # the 9 known body keys plus room for fields added later; bounds the work
-MAX_CAPACITY_KEYS = 12  # the 4 known capacity keys plus room for fields added later
+MAX_CAPACITY_KEYS = 12  # the 5 known capacity keys plus room for fields added later
 MAX_EXTRA_KEY_CHARS = 32  # names of fields this version does not know
+MAX_OUTER_ROUND = 2**63 - 1  # outer rounds count up for a whole run: any u63 is fine
 MAX_THROUGHPUT = 1e12  # tokens/s; far beyond any peer, keeps the value a sane finite float
 MAX_FREE_MEMORY_MB = 2**32 - 1  # fits a uint32 in any implementation; 4 PB is beyond any peer
 MAX_QUEUE_DEPTH = 2**32 - 1  # fits a uint32 in any implementation
@@ -73,10 +75,11 @@ FLAG_RELAYED = 1  # reachable only through a circuit relay: slower, prefer other
 FLAG_TRAINING = 2  # accepts backward passes, not only forward (inference) requests
 FLAG_DRAINING = 4  # shutting down: finish current work, send no new work
 FLAG_GPU = 8  # serves its layers from an accelerator rather than the CPU
+FLAG_SNAPSHOT = 16  # serves hot snapshots of its stage (/p2pswarm/snapshot/1.0.0): a joiner loads from it
 
 _MESSAGE_KEYS = frozenset({"v", "r", "s"})
 _BODY_KEYS = frozenset({"peer", "addrs", "model", "stage", "start", "end", "cap", "ts", "ttl"})
-_CAPACITY_KEYS = frozenset({"mem", "queue", "flags"})  # required; "tput" is optional (added in v2)
+_CAPACITY_KEYS = frozenset({"mem", "queue", "flags"})  # required; "tput" and "round" are optional
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,7 @@ class Capacity:
     queue_depth: int  # >= 0, requests waiting
     flags: int = 0  # FLAG_* bitfield, 0 <= flags < FLAGS_LIMIT
     throughput: float = 0.0  # tokens/s recently processed, 0 when unknown (optional on the wire)
+    outer_round: int = 0  # DiLoCo outer rounds completed by this replica (optional on the wire, "round")
 
 
 @dataclass(frozen=True)
@@ -127,7 +131,7 @@ def routing_rank(record: StageRecord) -> tuple:
     cap = record.capacity
     relayed = bool(cap.flags & FLAG_RELAYED)  # reachable only through a relay: last (docs/nat.md)
     return (relayed, cap.queue_depth, -cap.free_memory_mb, -record.timestamp, record.peer_id, record.model,
-            record.stage, record.start, record.end, record.addrs, record.ttl, cap.flags, cap.throughput)
+            record.stage, record.start, record.end, record.addrs, record.ttl, cap.flags, cap.throughput, cap.outer_round)
 
 
 def best_first(records: Iterable[StageRecord]) -> list[StageRecord]:
@@ -234,7 +238,7 @@ def _record_from_body(body: object) -> StageRecord:
     if type(addrs) is not list:
         raise RemoteProtocolError("stage record addrs must be an array")
     throughput = cap.get("tput", 0.0)
-    capacity = Capacity(cap["mem"], cap["queue"], cap["flags"], throughput)
+    capacity = Capacity(cap["mem"], cap["queue"], cap["flags"], throughput, cap.get("round", 0))
     record = StageRecord(body["peer"], tuple(addrs), body["model"], body["stage"], body["start"], body["end"],
                          capacity, body["ts"], body["ttl"])
     problem = _record_problem(record)
@@ -279,6 +283,7 @@ def _record_problem(record: StageRecord) -> str | None:
         and _is_int(capacity.queue_depth, 0, MAX_QUEUE_DEPTH)
         and _is_int(capacity.flags, 0, FLAGS_LIMIT - 1)
         and _is_number(capacity.throughput, 0, MAX_THROUGHPUT)
+        and _is_int(capacity.outer_round, 0, MAX_OUTER_ROUND)
     ):
         return f"capacity {_show(capacity)} is out of bounds"
     if not _is_number(record.timestamp, 0, MAX_TIMESTAMP):
@@ -317,7 +322,7 @@ def _body(record: StageRecord) -> dict:
     return {"peer": record.peer_id, "addrs": list(record.addrs), "model": record.model,
             "stage": record.stage, "start": record.start, "end": record.end,
             "cap": {"mem": cap.free_memory_mb, "queue": cap.queue_depth, "flags": cap.flags,
-                    "tput": float(cap.throughput)},
+                    "tput": float(cap.throughput), **({"round": cap.outer_round} if cap.outer_round else {})},
             "ts": float(record.timestamp), "ttl": float(record.ttl)}
 
 

@@ -123,6 +123,7 @@ def _record_doc(record: StageRecord, now: float) -> dict:
     cap = record.capacity
     return {"peer_id": record.peer_id, "addrs": list(record.addrs), "queue_depth": cap.queue_depth,
             "free_memory_mb": cap.free_memory_mb, "flags": cap.flags, "throughput": cap.throughput,
+            "outer_round": cap.outer_round,
             "expires_in_s": round(record.expires_at - now, 1)}
 
 
