@@ -1,0 +1,203 @@
+"""The DiLoCo outer optimizer: the weights a round started from, the outer momentum, the outer step.
+
+DiLoCo trains each replica of a stage alone for ``inner_steps`` AdamW steps (the inner phase),
+then the replicas combine what they learned: each one's *pseudo-gradient* is the weights at the
+start of the phase minus its weights now, the group averages (or robustly combines) them, and
+every replica applies the same outer step to the same start weights, so that all of them leave
+the round with the same new start. The outer step is SGD with Nesterov momentum on the
+pseudo-gradient (the DiLoCo paper: lr 0.7, momentum 0.9, H = 500 inner steps).
+
+**Overlap.** A replica keeps training while its round is being agreed and reduced: the pseudo-
+gradient is taken at flat weights ``at``, and by the time the aggregate arrives the live weights
+have moved on by ``live - at``. ``outer_step`` keeps that progress: the live weights become
+``new_start + (live - at)``, and the local steps taken since ``at`` are counted in the next
+round's pseudo-gradient (they are part of ``new start - live`` then).
+
+**No ``skip_round``.** A round in which we were alone is DiLoCo with one worker: the caller
+passes its own pseudo-gradient as the aggregate to ``outer_step``. A round that failed (the
+group fell apart mid-reduce) needs nothing either: the caller does not call ``outer_step``, the
+start weights stay, ``due`` stays true, and the next attempt's pseudo-gradient simply covers more
+inner steps. Both are sound; neither needs a third operation.
+
+Pure torch, no I/O. Everything is float32 on the CPU, in the order of the parameter dict (the
+engine's ``dict(module.named_parameters())``, the same order on every replica).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+
+from p2pswarm.errors import ConfigError
+
+INNER_STEPS = 500  # H, the DiLoCo paper's default: rare rounds, little communication
+OUTER_LR = 0.7  # the paper's outer learning rate for Nesterov
+OUTER_MOMENTUM = 0.9  # the paper's outer momentum (Nesterov)
+NESTEROV = True  # the paper's outer optimizer; False gives heavy-ball momentum
+
+_CONFIG_FIELDS = ("inner_steps", "lr", "momentum", "nesterov")
+_STATE_KEYS = frozenset({"start", "momentum", "rounds", "round_started_step", "config"})
+
+
+@dataclass(frozen=True)
+class OuterConfig:
+    """The outer optimizer's settings; ConfigError on values that cannot train."""
+
+    inner_steps: int = INNER_STEPS
+    lr: float = OUTER_LR
+    momentum: float = OUTER_MOMENTUM
+    nesterov: bool = NESTEROV
+
+    def __post_init__(self) -> None:
+        if type(self.inner_steps) is not int or self.inner_steps < 1:
+            raise ConfigError(f"inner_steps must be a positive int, not {self.inner_steps!r}")
+        if not _is_real(self.lr) or not 0 < self.lr < math.inf:
+            raise ConfigError(f"outer lr must be a positive finite number, not {self.lr!r}")
+        if not _is_real(self.momentum) or not 0 <= self.momentum < 1:
+            raise ConfigError(f"outer momentum must be in [0, 1), not {self.momentum!r}")
+        if type(self.nesterov) is not bool:
+            raise ConfigError(f"nesterov must be a bool, not {self.nesterov!r}")
+
+
+def _is_real(value: object) -> bool:
+    return type(value) in (int, float)
+
+
+# --- flat views of a parameter dict ---------------------------------------------------------
+
+
+def flatten(params: dict[str, torch.Tensor]) -> torch.Tensor:
+    """One new 1-D float32 tensor holding every parameter, in the dict's order."""
+    parts = [p.detach().reshape(-1).to(torch.float32) for p in params.values()]
+    if not parts:
+        return torch.zeros(0, dtype=torch.float32)
+    return torch.cat(parts)
+
+
+def _numel(params: dict[str, torch.Tensor]) -> int:
+    return sum(p.numel() for p in params.values())
+
+
+def _check_flat(params: dict[str, torch.Tensor], flat: torch.Tensor) -> None:
+    if not isinstance(flat, torch.Tensor) or flat.dim() != 1:
+        raise ValueError("expected a 1-D tensor")
+    if flat.numel() != _numel(params):
+        raise ValueError(f"flat tensor of {flat.numel()} elements for {_numel(params)} parameters")
+
+
+def assign_flat(params: dict[str, torch.Tensor], flat: torch.Tensor) -> None:
+    """Copy ``flat`` into the parameters, in place; ValueError if the sizes differ."""
+    _check_flat(params, flat)
+    offset = 0
+    with torch.no_grad():
+        for p in params.values():
+            n = p.numel()
+            p.copy_(flat[offset:offset + n].reshape(p.shape))
+            offset += n
+
+
+def add_flat(params: dict[str, torch.Tensor], flat: torch.Tensor) -> None:
+    """``params += flat``, in place; ValueError if the sizes differ."""
+    _check_flat(params, flat)
+    offset = 0
+    with torch.no_grad():
+        for p in params.values():
+            n = p.numel()
+            p.add_(flat[offset:offset + n].reshape(p.shape).to(p.dtype))
+            offset += n
+
+
+# --- the outer optimizer -------------------------------------------------------------------
+
+
+class OuterOptimizer:
+    """Holds the weights at the start of the inner phase, the outer momentum and the counters."""
+
+    def __init__(self, params: dict[str, torch.Tensor], config: OuterConfig = OuterConfig(),
+                 step: int = 0) -> None:
+        if type(step) is not int or step < 0:
+            raise ValueError(f"step must be a non-negative int, not {step!r}")
+        self.config = config
+        self.start = flatten(params)
+        self.numel = self.start.numel()
+        self.momentum = torch.zeros_like(self.start)
+        self.rounds = 0  # outer steps taken
+        self.round_started_step = step  # the engine's inner step when the current phase began
+
+    def inner_steps_done(self, step: int) -> int:
+        """Inner steps taken since the current inner phase began."""
+        return step - self.round_started_step
+
+    def due(self, step: int) -> bool:
+        """Whether the inner phase is long enough for an outer round."""
+        return self.inner_steps_done(step) >= self.config.inner_steps
+
+    def pseudo_gradient(self, current: torch.Tensor) -> torch.Tensor:
+        """``start - current``: what the inner phase moved, as a gradient (a new tensor)."""
+        self._check_vector(current, "current")
+        return self.start - current.to(torch.float32)
+
+    def outer_step(self, aggregated: torch.Tensor, at: torch.Tensor, params: dict[str, torch.Tensor],
+                   step: int) -> torch.Tensor:
+        """Apply the group's pseudo-gradient; move the live params along; return the new start.
+
+        Nesterov as ``torch.optim.SGD(nesterov=True)``: ``m = mu*m + g``, the update is
+        ``g + mu*m`` (heavy ball: ``m``), ``new_start = start - lr*update``. The live parameters
+        become ``new_start + (live - at)`` (module docstring). ValueError, with nothing changed, on
+        wrong sizes, a non-finite aggregate or a ``step`` before the round began.
+        """
+        self._check_vector(aggregated, "aggregated")
+        self._check_vector(at, "at")
+        _check_flat(params, at)
+        if type(step) is not int or step < self.round_started_step:
+            raise ValueError(f"step {step!r} is before the round began at {self.round_started_step}")
+        g = aggregated.to(torch.float32)
+        if not bool(torch.isfinite(g).all()):
+            raise ValueError("the aggregated pseudo-gradient is not finite")
+        mu = self.config.momentum
+        self.momentum.mul_(mu).add_(g)
+        update = g.add(self.momentum, alpha=mu) if self.config.nesterov else self.momentum
+        new_start = self.start.add(update, alpha=-self.config.lr)
+        add_flat(params, new_start - at.to(torch.float32))
+        self.start = new_start
+        self.rounds += 1
+        self.round_started_step = step
+        return new_start.clone()
+
+    def _check_vector(self, vector: torch.Tensor, name: str) -> None:
+        if not isinstance(vector, torch.Tensor) or vector.dim() != 1 or vector.numel() != self.numel:
+            raise ValueError(f"{name} must be a 1-D tensor of {self.numel} elements")
+
+    # --- state ------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """Start weights, momentum, counters and config: copies, safe to snapshot."""
+        return {"start": self.start.clone(), "momentum": self.momentum.clone(), "rounds": self.rounds,
+                "round_started_step": self.round_started_step, "config": asdict(self.config)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore a ``state_dict`` (config included); ValueError, with nothing changed, if it does not fit."""
+        if not isinstance(state, dict) or state.keys() != _STATE_KEYS:
+            raise ValueError(f"outer state must be a dict with the keys {sorted(_STATE_KEYS)}")
+        start = self._loaded_vector(state["start"], "start")
+        momentum = self._loaded_vector(state["momentum"], "momentum")
+        for key in ("rounds", "round_started_step"):
+            if type(state[key]) is not int or state[key] < 0:
+                raise ValueError(f"outer state {key} must be a non-negative int, not {state[key]!r}")
+        config = state["config"]
+        if not isinstance(config, dict) or set(config) != set(_CONFIG_FIELDS):
+            raise ValueError(f"outer state config must be a dict with the keys {list(_CONFIG_FIELDS)}")
+        try:
+            config = OuterConfig(**config)
+        except ConfigError as e:
+            raise ValueError(f"outer state config: {e}") from e
+        self.config, self.start, self.momentum = config, start, momentum
+        self.rounds, self.round_started_step = state["rounds"], state["round_started_step"]
+
+    def _loaded_vector(self, vector: object, name: str) -> torch.Tensor:
+        if not isinstance(vector, torch.Tensor) or vector.dtype != torch.float32:
+            raise ValueError(f"outer state {name} must be a float32 tensor")
+        self._check_vector(vector, f"outer state {name}")
+        return vector.detach().to("cpu").clone()
