@@ -1,0 +1,201 @@
+"""The messages of the DiLoCo protocol, ``/p2pswarm/diloco/1.0.0``: how replicas meet for an outer round.
+
+The replicas of a stage train alone for H inner steps, then meet for an outer round with no
+coordinator (``round.py`` is the state machine). Every frame is a request that gets exactly
+one reply frame on the same pooled stream:
+
+- ``Hello`` (no payload) is a replica's status for an outer round: ready to meet, closed
+  (stopped gathering: ``members`` is then its proposal of the group), or neither (still
+  training). It is answered with the receiver's own ``Hello``, which the asker processes like
+  a request; so every exchange tells both sides where the other is.
+- ``Part`` (payload: one encoded shard of a pseudo-gradient) is a member's contribution to the
+  shard that the receiver owns; ``Result`` (payload: the aggregated shard) is the owner's
+  aggregate, for every member. Both name the group by its digest (``group_digest``), so data
+  computed for one group can never be mixed into another. Each is answered with a ``Reply``.
+
+Shards are contiguous slices of the flat pseudo-gradient (``shard_bounds``); member i of the
+sorted group owns shard i. A shard travels encoded by a codec (``CODECS``); ``expected_bytes``
+is the encoded size, the same formula as ``p2pswarm.diloco.compression``, so that a header
+whose payload does not match is refused before any decoding.
+
+This module only defines and validates the messages: it imports neither trio nor torch. Every
+field is bounded, and any invalid header is a ``RemoteProtocolError``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Iterable
+
+from p2pswarm import wire
+from p2pswarm.dht.records import MAX_PEER_ID_CHARS, MAX_STAGES
+from p2pswarm.errors import RemoteProtocolError
+
+PROTOCOL_ID = "/p2pswarm/diloco/1.0.0"  # the libp2p protocol these frames travel on
+MAX_ROUND = wire.INT_MAX  # outer rounds count up for a whole run: any u63 is fine
+MAX_MEMBERS = 64  # members of one group: the butterfly sends each member |G|-1 parts and results
+MAX_NUMEL = 2**26  # elements of one stage's flat pseudo-gradient (64M): the largest stage we split
+CODECS = ("float32", "float16", "bfloat16", "int8")  # must equal p2pswarm.diloco.compression.CODECS
+INT8_CHUNK = 1024  # int8 elements per float32 scale; must equal p2pswarm.diloco.compression.INT8_CHUNK
+DIGEST_BYTES = 32  # a group digest is a SHA-256
+MAX_REASON_CHARS = 200  # a Reply's reason is a short phrase for logs, not a document
+GROUP_DOMAIN = b"p2pswarm/diloco-group/v1\n"  # a group digest can't pass for any other hash
+
+_ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}  # bytes per element of the plain codecs
+_INT8_SCALE_BYTES = 4  # one float32 scale per INT8_CHUNK elements
+
+
+def expected_bytes(codec: str, numel: int) -> int:
+    """The encoded size of ``numel`` elements under ``codec``; ValueError for an unknown codec."""
+    if type(numel) is not int or numel < 0:
+        raise ValueError(f"numel must be a non-negative int, not {numel!r}")
+    if codec == "int8":
+        return _INT8_SCALE_BYTES * -(-numel // INT8_CHUNK) + numel
+    if codec not in _ELEMENT_BYTES:
+        raise ValueError(f"unknown codec {codec!r}; expected one of {CODECS}")
+    return _ELEMENT_BYTES[codec] * numel
+
+
+def is_peer_id(value: object) -> bool:
+    """A peer id on this protocol: 1 to MAX_PEER_ID_CHARS printable ASCII chars (base58 text)."""
+    return (type(value) is str and 0 < len(value) <= MAX_PEER_ID_CHARS
+            and value.isascii() and value.isprintable())
+
+
+def shard_bounds(numel: int, n: int) -> list[tuple[int, int]]:
+    """``n`` contiguous ``(start, stop)`` slices covering [0, numel); sizes differ by at most 1, first larger."""
+    if type(numel) is not int or type(n) is not int or numel < 0 or n < 1:
+        raise ValueError(f"cannot split {numel!r} elements into {n!r} shards")
+    base, extra = divmod(numel, n)
+    bounds, start = [], 0
+    for i in range(n):
+        stop = start + base + (i < extra)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+def group_digest(stage: int, round: int, members: Iterable[str]) -> bytes:
+    """SHA-256 naming a group: stage, round and the sorted member ids, length-prefixed, big-endian."""
+    ids = sorted(members)
+    if len(set(ids)) != len(ids) or not all(is_peer_id(m) for m in ids) or not 0 < len(ids) <= MAX_MEMBERS:
+        raise ValueError(f"a group is 1 to {MAX_MEMBERS} distinct peer ids, not {ids!r:.200}")
+    if not (0 <= stage < MAX_STAGES and 0 <= round <= MAX_ROUND):
+        raise ValueError(f"stage {stage} or round {round} out of range")
+    h = hashlib.sha256(GROUP_DOMAIN)
+    h.update(stage.to_bytes(8, "big") + round.to_bytes(8, "big") + len(ids).to_bytes(2, "big"))
+    for member in ids:
+        raw = member.encode("ascii")
+        h.update(len(raw).to_bytes(2, "big") + raw)
+    return h.digest()
+
+
+def _check_int(kind: str, name: str, value: int, low: int, high: int) -> None:
+    if not low <= value <= high:
+        raise RemoteProtocolError(f"{kind}: {name} {value} is not within [{low}, {high}]")
+
+
+def _check_no_payload(kind: str, payload_len: int) -> None:
+    if payload_len:
+        raise RemoteProtocolError(f"{kind} carries no payload, got {payload_len} bytes")
+
+
+def _check_codec(kind: str, codec: str) -> None:
+    if codec not in CODECS:
+        raise RemoteProtocolError(f"{kind}: codec {codec!r:.40} is not one of {CODECS}")
+
+
+@wire.message("diloco.hello")
+class Hello(wire.Message):
+    """A replica's status for ``round`` (see the module docstring and ``round.py``).
+
+    ``ready`` and not ``closed``: gathering, ``members`` = the ready peers it knows (itself
+    included). ``ready`` and ``closed``: its proposal of the group (sorted, itself included).
+    Neither: still training, ``members`` = the ready peers it knows. ``closed`` and not
+    ``ready``: it withdrew from this round (left out, or behind); ``members`` is informative only.
+    """
+
+    stage: int  # 0 <= stage < MAX_STAGES
+    round: int  # outer rounds the sender has completed, 0 <= round <= MAX_ROUND
+    numel: int  # elements of the stage's flat pseudo-gradient, 1 <= numel <= MAX_NUMEL
+    codec: str  # one of CODECS: the encoding of every Part and Result of the round
+    ready: bool
+    closed: bool
+    members: tuple[str, ...]  # strictly increasing peer ids, at most MAX_MEMBERS
+
+    def check(self, payload_len: int) -> None:
+        kind = self.TYPE
+        _check_no_payload(kind, payload_len)
+        _check_int(kind, "stage", self.stage, 0, MAX_STAGES - 1)
+        _check_int(kind, "round", self.round, 0, MAX_ROUND)
+        _check_int(kind, "numel", self.numel, 1, MAX_NUMEL)
+        _check_codec(kind, self.codec)
+        if len(self.members) > MAX_MEMBERS:
+            raise RemoteProtocolError(f"{kind}: {len(self.members)} members exceeds {MAX_MEMBERS}")
+        if not all(is_peer_id(m) for m in self.members):
+            raise RemoteProtocolError(f"{kind}: a member is not a peer id of 1 to {MAX_PEER_ID_CHARS} ASCII chars")
+        if any(a >= b for a, b in zip(self.members, self.members[1:])):
+            raise RemoteProtocolError(f"{kind}: members are not sorted and distinct")
+
+
+@dataclasses.dataclass(frozen=True)
+class _ShardMessage(wire.Message):
+    """Fields and checks shared by Part and Result; the payload is one shard, encoded by ``codec``."""
+
+    stage: int  # 0 <= stage < MAX_STAGES
+    round: int  # 0 <= round <= MAX_ROUND
+    group: bytes  # group_digest of the group this shard belongs to, DIGEST_BYTES long
+    shard: int  # 0 <= shard < shards: the index of the owner in the sorted group
+    shards: int  # 2 <= shards <= MAX_MEMBERS: the group's size (a group of one exchanges nothing)
+    codec: str  # one of CODECS
+    numel: int  # elements in this shard, 0 <= numel <= MAX_NUMEL; the payload is their encoding
+
+    def check(self, payload_len: int) -> None:
+        kind = self.TYPE
+        _check_int(kind, "stage", self.stage, 0, MAX_STAGES - 1)
+        _check_int(kind, "round", self.round, 0, MAX_ROUND)
+        if len(self.group) != DIGEST_BYTES:
+            raise RemoteProtocolError(f"{kind}: group digest of {len(self.group)} bytes, not {DIGEST_BYTES}")
+        _check_int(kind, "shards", self.shards, 2, MAX_MEMBERS)
+        _check_int(kind, "shard", self.shard, 0, self.shards - 1)
+        _check_codec(kind, self.codec)
+        _check_int(kind, "numel", self.numel, 0, MAX_NUMEL)
+        size = expected_bytes(self.codec, self.numel)
+        if payload_len != size:
+            raise RemoteProtocolError(
+                f"{kind}: {self.numel} {self.codec} elements are {size} bytes, the payload is {payload_len}")
+
+
+@wire.message("diloco.part")
+class Part(_ShardMessage):
+    """A member's contribution to shard ``shard``, sent to that shard's owner."""
+
+
+@wire.message("diloco.result")
+class Result(_ShardMessage):
+    """The owner's aggregate of its shard, sent to every member; ``contributors`` parts were combined."""
+
+    contributors: int  # 1 <= contributors <= shards
+
+    def check(self, payload_len: int) -> None:
+        super().check(payload_len)
+        _check_int(self.TYPE, "contributors", self.contributors, 1, self.shards)
+
+
+@wire.message("diloco.reply")
+class Reply(wire.Message):
+    """The answer to a Part or Result: whether the receiver will use it, and if not why."""
+
+    round: int  # the round of the Part or Result answered
+    shard: int  # its shard index, 0 <= shard < MAX_MEMBERS
+    accepted: bool
+    reason: str  # empty, or a short phrase of at most MAX_REASON_CHARS
+
+    def check(self, payload_len: int) -> None:
+        kind = self.TYPE
+        _check_no_payload(kind, payload_len)
+        _check_int(kind, "round", self.round, 0, MAX_ROUND)
+        _check_int(kind, "shard", self.shard, 0, MAX_MEMBERS - 1)
+        if len(self.reason) > MAX_REASON_CHARS:
+            raise RemoteProtocolError(f"{kind}: reason of {len(self.reason)} chars exceeds {MAX_REASON_CHARS}")
