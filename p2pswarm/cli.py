@@ -22,6 +22,8 @@ from p2pswarm import __version__
 from p2pswarm.api import parse_host_port
 from p2pswarm.config import DEFAULT_BOOTSTRAP_LISTEN, DEFAULT_LISTEN, DEFAULT_RELAY_LISTEN, DhtMode, NodeConfig, Role
 from p2pswarm.errors import ConfigError, P2PSwarmError, first_error
+from p2pswarm.demo import DEMO_INNER_STEPS
+from p2pswarm.diloco import settings as dls
 from p2pswarm.logs import LOG_FORMATS, quiet_libp2p, setup_logging
 from p2pswarm.model.catalog import DEFAULT_MODEL, MODELS, get_model, parse_layers
 from p2pswarm.model.corpus import data_corpus
@@ -90,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "the Python standard library's sources, embedded, no download)")
     join.add_argument("--threads", type=int, metavar="N",
                       help="torch compute threads (default: all cores; use 1 when several peers share a machine)")
+    _diloco_options(join)
     join.add_argument("--dht-mode", default="auto", choices=[m.value for m in DhtMode],
                       help="Kademlia server or client mode (auto: client until found publicly reachable)")
     join.add_argument("--relay", action="append", default=[], metavar="MULTIADDR",
@@ -115,9 +118,43 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--peers", type=int, default=4, help="joining peers to start (default 4)")
     demo.add_argument("--stages", type=int, default=2, help="stages to cut tiny-lm into (default 2: 1, 2, 4 or 8)")
     demo.add_argument("--duration", type=float, default=150.0, help="seconds of training (default 150)")
-    demo.add_argument("--kill-one", action="store_true", help="SIGKILL one replica halfway through")
+    demo.add_argument("--kill-one", action="store_true",
+                      help="SIGKILL one replica halfway through and restart it 10 s later (it reloads its stage "
+                           "from the other replica)")
+    demo.add_argument("--inner-steps", type=int, default=DEMO_INNER_STEPS, metavar="H",
+                      help="local steps between DiLoCo outer rounds (default 40: a round every ~10-15 s)")
     demo.add_argument("--dir", type=Path, default=None, help="where peers keep keys and logs (default: a temp dir)")
     return parser
+
+
+def _diloco_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("DiLoCo between the replicas of a stage")
+    group.add_argument("--inner-steps", type=int, default=dls.INNER_STEPS, metavar="H",
+                       help=f"local optimizer steps between outer rounds (default {dls.INNER_STEPS})")
+    group.add_argument("--outer-lr", type=float, default=dls.OUTER_LR, help=f"outer learning rate (default {dls.OUTER_LR})")
+    group.add_argument("--outer-momentum", type=float, default=dls.OUTER_MOMENTUM,
+                       help=f"outer Nesterov momentum (default {dls.OUTER_MOMENTUM})")
+    group.add_argument("--codec", default=dls.CODEC, choices=dls.CODECS,
+                       help=f"pseudo-gradients on the wire (default {dls.CODEC}: per-chunk scales)")
+    group.add_argument("--aggregator", default=dls.AGGREGATOR, choices=dls.AGGREGATORS,
+                       help=f"how the replicas' pseudo-gradients are combined (default {dls.AGGREGATOR})")
+    group.add_argument("--no-verify", dest="verify", action="store_false",
+                       help="do not check each contribution against the others before combining")
+    group.add_argument("--gather", type=float, default=dls.GATHER_S, metavar="SEC",
+                       help=f"how long a ready replica waits for the others (default {dls.GATHER_S:.0f} s)")
+    group.add_argument("--snapshot-period", type=float, default=dls.SNAPSHOT_PERIOD, metavar="SEC",
+                       help=f"seconds between snapshots in --data-dir (default {dls.SNAPSHOT_PERIOD:.0f}; "
+                            "the last 5 are kept)")
+
+
+def _diloco_settings(args: argparse.Namespace) -> dls.DilocoSettings:
+    settings = dls.DilocoSettings(inner_steps=args.inner_steps, outer_lr=args.outer_lr, momentum=args.outer_momentum,
+                                  codec=args.codec, aggregator=args.aggregator, verify=args.verify,
+                                  gather_s=args.gather, snapshot_period=args.snapshot_period)
+    problem = settings.problem()
+    if problem:
+        raise ConfigError(problem)
+    return settings
 
 
 def config_from_args(args: argparse.Namespace) -> NodeConfig:
@@ -139,7 +176,8 @@ def config_from_args(args: argparse.Namespace) -> NodeConfig:
         if args.data is not None:
             data_corpus(args.data)  # ConfigError (one line) for a missing, empty or binary-only path
         kwargs.update(model=model.name, layers=parse_layers(args.layers, model), dht_mode=DhtMode(args.dht_mode),
-                      relays=tuple(args.relay), data=args.data, threads=args.threads)
+                      relays=tuple(args.relay), data=args.data, threads=args.threads,
+                      diloco=_diloco_settings(args))
     return NodeConfig(**kwargs)
 
 
@@ -283,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "demo":
             from p2pswarm.demo import run_demo
 
-            return run_demo(args.peers, args.duration, args.dir, stages=args.stages, kill_one=args.kill_one)
+            return run_demo(args.peers, args.duration, args.dir, stages=args.stages, kill_one=args.kill_one,
+                            inner_steps=args.inner_steps)
         config = config_from_args(args)
         quiet_libp2p(args.log_level)
         trio.run(_run_until_signalled, config)

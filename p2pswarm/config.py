@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass
 from pathlib import Path
 
+from p2pswarm.diloco.settings import DilocoSettings
 from p2pswarm.model.catalog import DEFAULT_MODEL
 from p2pswarm.nat.relay_service import RelayConfig
 
@@ -43,6 +44,7 @@ class NodeConfig:
     relays: tuple[str, ...] = ()  # relays (multiaddrs ending in /p2p/<id>) to reserve on while PRIVATE
     data: str | None = None  # training text (a file or a folder) for stage 0; None: the embedded stdlib corpus
     threads: int | None = None  # torch compute threads; None: torch's default (all cores)
+    diloco: DilocoSettings = DilocoSettings()  # outer rounds between the replicas of our stage
 
     @property
     def serves_layers(self) -> bool:

@@ -5,8 +5,12 @@ of ``tiny-lm/S`` (default 4 peers: 2 stages x 2 replicas), waits until every sta
 then shows training as it happens: the held-out loss in bits per byte (evaluated by the last
 stage on the fixed held-out set; the mean over stage-0 replicas of each one's latest round, whose
 weights differ until DiLoCo averages them), tokens/s, peers per stage, failovers and lost micro-batches.
-``--kill-one`` SIGKILLs one replica halfway through, to show training go on without it. At the
-end it prints a summary and stops every process it started (by pid). Exit code 0 when the
+Replicas of a stage meet every ``--inner-steps`` local steps for a DiLoCo outer round; the demo
+prints each round as it completes (members, seconds, bytes, rejected contributions).
+``--kill-one`` SIGKILLs one replica halfway through, to show training go on without it, and
+restarts it ``RESTART_AFTER`` seconds later: it loads its stage's current state from the other
+replica (a hot snapshot) and rejoins the rounds. At the end it prints a summary and stops every
+process it started (by pid). Exit code 0 when the
 held-out loss fell and no process crashed (the one it killed aside), 1 otherwise.
 """
 
@@ -33,6 +37,10 @@ STOP_TIMEOUT = 15.0  # seconds a peer gets to shut down cleanly after SIGTERM
 DEFAULT_DURATION = 150.0  # seconds of training: with forming and stopping, under 3 minutes
 DEFAULT_STAGES = 2
 RECENT_ROUNDS = 3  # held-out rounds averaged for the verdict "it learned"
+DEMO_INNER_STEPS = 40  # H in the demo: a stage replica takes ~4 steps/s here, so a round every ~10-15 s
+DEMO_GATHER_S = 10.0  # a ready replica waits this long for the other; it keeps training meanwhile
+DEMO_SNAPSHOT_PERIOD = 30.0  # snapshots on disk every 30 s: several within one demo
+RESTART_AFTER = 10.0  # seconds between --kill-one's SIGKILL and the restart of the same peer
 
 
 def free_port() -> int:
@@ -86,7 +94,11 @@ class Peer:
     stage: int
     api: str
     process: subprocess.Popen
+    args: list[str] = field(default_factory=list)
+    log_path: Path | None = None
     killed: bool = False
+    killed_at: float = 0.0
+    restarted: bool = False
 
 
 def latest_rounds(rounds: list[dict]) -> dict[str, tuple[float, float]]:
@@ -116,6 +128,8 @@ class Progress:
     train_bpb: float | None = None
     busy: dict[int, float] = field(default_factory=dict)  # peer -> compute-busy fraction
     latest: dict[str, tuple[float, float]] = field(default_factory=dict)  # stage-0 replica -> (at, bpb)
+    outer: dict[tuple[int, int], dict] = field(default_factory=dict)  # (stage, round) -> a member's account
+    loads: dict[int, dict] = field(default_factory=dict)  # peer -> where it loaded its stage from
 
     def heldout_text(self) -> str:
         """The mean over stage-0 replicas of their latest held-out round, and each one's."""
@@ -143,9 +157,33 @@ class Progress:
                 self.heldout.append((max(a for a, _ in self.latest.values()) - since, mean))
         return {s: sum(1 for d in docs.values() if d.get("stage") == s) for s in range(n_stages)}
 
+    def outer_rounds(self, peers: list[Peer]) -> list[str]:
+        """Lines for the outer rounds completed since the last look, one per stage and round."""
+        lines = []
+        for peer in peers:
+            doc = {} if peer.killed else get_json(peer.api, "/api/diloco")
+            if doc.get("loaded_from") and peer.index not in self.loads and doc["loaded_from"].get("peer"):
+                self.loads[peer.index] = doc["loaded_from"]
+                lines.append(_loaded_text(peer, doc["loaded_from"]))
+            for r in doc.get("rounds", []):
+                key = (doc["stage"], r["round"])
+                if key not in self.outer:
+                    self.outer[key] = r
+                    lines.append(f"demo: outer round {r['round']} of stage {doc['stage']} done: "
+                                 f"{len(r['members'])} replica(s), {r['seconds']:.1f} s, "
+                                 f"{r['bytes_sent'] / 1e6:.2f} MB sent by one, |pseudo-gradient| "
+                                 f"{r['pseudo_gradient_norm']:.3f}, rejected "
+                                 f"{sum(doc.get('rejected_contributions', {}).values())}")
+        return lines
+
+
+def _loaded_text(peer: Peer, loaded: dict) -> str:
+    return (f"demo: peer {peer.index} loaded stage {peer.stage} from {loaded['peer'][-8:]}: outer round "
+            f"{loaded['round']}, inner step {loaded['step']}, {loaded['bytes'] / 1e6:.1f} MB in {loaded['seconds']:.1f} s")
+
 
 def run_demo(peers: int, duration: float, directory: Path | None, *, stages: int = DEFAULT_STAGES,
-             kill_one: bool = False) -> int:
+             kill_one: bool = False, inner_steps: int = DEMO_INNER_STEPS) -> int:
     model = get_model(f"{DEFAULT_MODEL}/{stages}")
     if peers < model.n_stages:
         raise ConfigError(f"--peers must be at least {model.n_stages}: {model.name} has {model.n_stages} "
@@ -154,6 +192,8 @@ def run_demo(peers: int, duration: float, directory: Path | None, *, stages: int
         raise ConfigError(f"--kill-one needs a stage with two replicas: --peers at least {2 * model.n_stages}")
     if duration <= 0:
         raise ConfigError(f"--duration must be positive, not {duration:g}")
+    if inner_steps < 1:
+        raise ConfigError(f"--inner-steps must be at least 1, not {inner_steps}")
     workdir = Path(directory or tempfile.mkdtemp(prefix="p2pswarm-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
     threads = max(1, (os.cpu_count() or 1) // peers)
@@ -169,11 +209,13 @@ def run_demo(peers: int, duration: float, directory: Path | None, *, stages: int
         for i in range(peers):
             stage, api = i % model.n_stages, f"127.0.0.1:{free_port()}"
             start, end = model.stage_range(stage)
-            process = spawn(["join", "--bootstrap", boot_addr, "--listen", "/ip4/127.0.0.1/tcp/0",
-                             "--data-dir", str(workdir / f"peer{i}"), "--api", api, "--model", model.name,
-                             "--layers", f"{start}:{end}", "--threads", str(threads)], workdir / f"peer{i}.log")
+            args = ["join", "--bootstrap", boot_addr, "--listen", "/ip4/127.0.0.1/tcp/0",
+                    "--data-dir", str(workdir / f"peer{i}"), "--api", api, "--model", model.name,
+                    "--layers", f"{start}:{end}", "--threads", str(threads), "--inner-steps", str(inner_steps),
+                    "--gather", str(DEMO_GATHER_S), "--snapshot-period", str(DEMO_SNAPSHOT_PERIOD)]
+            process = spawn(args, workdir / f"peer{i}.log")
             processes.append(process)
-            members.append(Peer(i, stage, api, process))
+            members.append(Peer(i, stage, api, process, args, workdir / f"peer{i}.log"))
             print(f"demo: peer {i} trains stage {stage} (blocks [{start}, {end})), status API {api}", flush=True)
         if not _wait_formed(members, processes, model.n_stages):
             return 1
@@ -187,8 +229,27 @@ def run_demo(peers: int, duration: float, directory: Path | None, *, stages: int
 
 
 def _crashed(processes: list[subprocess.Popen], members: list[Peer]) -> list[subprocess.Popen]:
-    killed = {p.process for p in members if p.killed}
+    killed = {p.process for p in members if p.killed} | set(_KILLED)
     return [p for p in processes if p.poll() is not None and p not in killed]
+
+
+_KILLED: list[subprocess.Popen] = []  # processes the demo SIGKILLed on purpose (--kill-one)
+
+
+def _kill_and_restart(victim: Peer, processes: list[subprocess.Popen], elapsed: float, duration: float) -> None:
+    """--kill-one: SIGKILL the victim halfway through, start it again RESTART_AFTER seconds later."""
+    if not victim.killed and not victim.restarted and elapsed >= duration / 2:
+        victim.process.kill()
+        _KILLED.append(victim.process)
+        victim.killed, victim.killed_at = True, elapsed
+        print(f"demo: SIGKILLed peer {victim.index} (stage {victim.stage}); training goes on, restart in "
+              f"{RESTART_AFTER:.0f} s", flush=True)
+    elif victim.killed and elapsed >= victim.killed_at + RESTART_AFTER:
+        victim.process.wait()
+        victim.process = spawn(victim.args, victim.log_path.with_suffix(".restart.log"))
+        processes.append(victim.process)
+        victim.killed, victim.restarted = False, True
+        print(f"demo: restarted peer {victim.index}: it loads stage {victim.stage} from a replica", flush=True)
 
 
 def _wait_formed(members: list[Peer], processes: list[subprocess.Popen], n_stages: int) -> bool:
@@ -213,10 +274,8 @@ def _train(members: list[Peer], processes: list[subprocess.Popen], n_stages: int
     victim = next(p for p in reversed(members) if p.stage == n_stages - 1) if kill_one else None
     while (elapsed := time.time() - started) < duration:
         time.sleep(SHOW_PERIOD)
-        if victim and not victim.killed and elapsed >= duration / 2:
-            victim.process.kill()
-            victim.killed = True
-            print(f"demo: SIGKILLed peer {victim.index} (stage {victim.stage}); training goes on", flush=True)
+        if victim:
+            _kill_and_restart(victim, processes, time.time() - started, duration)
         crashed = _crashed(processes, members)
         if crashed:
             print(f"demo: a process exited with code {crashed[0].returncode}; see the logs", file=sys.stderr)
@@ -226,6 +285,8 @@ def _train(members: list[Peer], processes: list[subprocess.Popen], n_stages: int
         print(f"demo: t={time.time() - started:5.0f}s  held-out {progress.heldout_text()} bits/byte  train {train}  "
               f"{progress.tokens_per_s:7.0f} tok/s  stages {' '.join(f'S{s}:{n}' for s, n in per_stage.items())}  "
               f"failovers {progress.failovers}  lost {progress.lost}", flush=True)
+        for line in progress.outer_rounds(members):
+            print(line, flush=True)
     return _summary(progress, time.time() - started, bool(victim))
 
 
@@ -233,7 +294,12 @@ def _summary(progress: Progress, seconds: float, killed: bool) -> int:
     heldout = progress.heldout
     print(f"demo: summary: {progress.tokens} tokens in {seconds:.0f} s ({progress.tokens / seconds:.0f} tok/s), "
           f"{progress.failovers} failovers, {progress.lost} micro-batches lost"
-          f"{', one peer SIGKILLed' if killed else ''}, 0 crashed processes", flush=True)
+          f"{', one peer SIGKILLed and restarted' if killed else ''}, 0 crashed processes", flush=True)
+    per_stage: dict[int, int] = {}
+    for stage, _ in progress.outer:
+        per_stage[stage] = per_stage.get(stage, 0) + 1
+    print(f"demo: outer rounds completed: {', '.join(f'stage {s}: {n}' for s, n in sorted(per_stage.items())) or 'none'}",
+          flush=True)
     if progress.busy:
         busy = sorted(progress.busy.values())
         print(f"demo: compute-busy fraction per peer {', '.join(f'{b:.3f}' for b in busy)} "

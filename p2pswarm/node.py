@@ -33,7 +33,7 @@ from p2pswarm.dht.discovery import (
     push_identify,
     serve_routing_upkeep,
 )
-from p2pswarm.dht.records import Capacity, StageRecord, sign_record
+from p2pswarm.dht.records import FLAG_SNAPSHOT, Capacity, StageRecord, sign_record
 from p2pswarm.dht.stagemap import (
     StageMap,
     control_round_trip,
@@ -76,6 +76,7 @@ class NodeState:
     api_address: str | None = None
     load_sources: list[Callable[[], int]] = field(default_factory=list)  # queued work, summed in records
     swarm: object = None  # the SwarmService training our stage (p2pswarm.swarm.service), join only
+    diloco: object = None  # its outer rounds and snapshots (p2pswarm.diloco.service), join only
     started_at: float = field(default_factory=time.time)
 
     def addrs(self) -> list[str]:
@@ -115,9 +116,11 @@ class NodeState:
     def capacity(self) -> Capacity:
         """Our live capacity: free memory, queued work, and flags from role and reachability."""
         private = self.nat is not None and self.nat.private
+        flags = capacity_flags(training=self.config.role is Role.JOIN, private=private)
         return Capacity(free_memory_mb=free_memory_mb(), queue_depth=sum(load() for load in self.load_sources),
-                        flags=capacity_flags(training=self.config.role is Role.JOIN, private=private),
-                        throughput=round(self.swarm.throughput(), 1) if self.swarm else 0.0)
+                        flags=flags | (FLAG_SNAPSHOT if self.diloco else 0),
+                        throughput=round(self.swarm.throughput(), 1) if self.swarm else 0.0,
+                        outer_round=self.diloco.outer_round() if self.diloco else 0)
 
     def signed_record(self, now: float) -> tuple[StageRecord, bytes]:
         record = stage_record(self.identity.peer_id_text, self.addrs(), tuple(self.nat.public_addrs), self.model,
@@ -162,6 +165,7 @@ async def _join_dht(state: NodeState, nursery: trio.Nursery, rng: random.Random,
         state.swarm = await nursery.start(_train, state, rng)
         state.load_sources.append(state.swarm.queue_depth)
         routes.update(state.swarm.routes())
+        routes.update(state.diloco.routes())
     if api_listeners:
         ping = PingRoute(host, state.connector, state.control, state.stage_map.addrs_of)
         routes.update({"/api/stats": state.stats_json, **state.stage_map.routes(), **ping.routes()})
@@ -169,12 +173,18 @@ async def _join_dht(state: NodeState, nursery: trio.Nursery, rng: random.Random,
 
 
 async def _train(state: NodeState, rng: random.Random, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Train our stage (imports torch: only a training peer does)."""
+    """Train our stage, with DiLoCo between its replicas (imports torch: only a training peer does)."""
+    from p2pswarm.diloco.service import DilocoService
     from p2pswarm.swarm.service import SwarmService
 
-    service = SwarmService(spec=state.model, stage=state.stage, me=state.identity.peer_id_text, pool=state.pool,
-                           stage_map=state.stage_map, host=state.host, data=state.config.data,
-                           threads=state.config.threads, rng=rng)
+    config, me = state.config, state.identity.peer_id_text
+    snapshot_dir = config.data_dir / "snapshots" / f"{state.model.name.replace('/', '-')}-stage{state.stage}" \
+        if config.data_dir else None
+    state.diloco = DilocoService(settings=config.diloco, spec=state.model, stage=state.stage, me=me, pool=state.pool,
+                                 stage_map=state.stage_map, snapshot_dir=snapshot_dir)
+    service = SwarmService(spec=state.model, stage=state.stage, me=me, pool=state.pool,
+                           stage_map=state.stage_map, host=state.host, data=config.data,
+                           threads=config.threads, rng=rng, extensions=[state.diloco])
     await service.run(task_status=task_status)
 
 

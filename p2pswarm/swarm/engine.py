@@ -184,6 +184,11 @@ class StageEngine:
         self._version = None
         self.step += 1
 
+    def weights_changed(self) -> None:
+        """The live weights were changed from outside (an outer step, a loaded snapshot): the next
+        forward takes a fresh copy of them."""
+        self._version = None
+
     def state_dict(self) -> dict:
         """Weights, optimizer state and counters: what a snapshot or an outer step needs."""
         return {"module": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),

@@ -75,7 +75,7 @@ class SwarmService:
 
     def __init__(self, *, spec: ModelSpec, stage: int, me: str, pool, stage_map, host,
                  config: eng.TrainConfig = eng.TrainConfig(), data: str | None = None,
-                 threads: int | None = None, rng: random.Random | None = None) -> None:
+                 threads: int | None = None, rng: random.Random | None = None, extensions=()) -> None:
         self.spec, self.stage, self.me = spec, stage, me
         self._pool, self._stage_map, self._host = pool, stage_map, host
         self.config, self._data, self._threads = config, data, threads
@@ -88,6 +88,8 @@ class SwarmService:
         self.router = Router(self.rng)
         self.evals = EvalBook()
         self.engine: eng.StageEngine | None = None
+        self.engine_lock = trio.Lock()  # one user of the engine's tensors at a time: the worker, or DiLoCo
+        self.extensions = list(extensions)  # e.g. DiLoCo: prepare(service) before training, run(service) beside it
         self.deliverer: Deliverer | None = None
         self.counts: Counter = Counter()
         self.train_loss_bpb: float | None = None
@@ -105,9 +107,13 @@ class SwarmService:
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         eng.set_threads(self._threads)
         self.engine = await trio.to_thread.run_sync(eng.StageEngine, self.spec, self.stage, self.config)
+        for extension in self.extensions:
+            await extension.prepare(self)  # e.g. load our stage's current weights from a neighbour
         log.info("training stage %d of %s: %d parameters, lr %g", self.stage, self.spec.name,
                  self.engine.module.param_count(), self.config.lr)
         async with trio.open_nursery() as nursery:
+            for extension in self.extensions:
+                nursery.start_soon(extension.run, self)
             self.deliverer = Deliverer(self._pool, self.router, nursery, on_acked=self.inflight.sent_to,
                                        on_lost=self._send_lost, on_peer_error=self._downstream_failed)
             self._pool.serve(PROTOCOL_ID, self._on_frame, max_payload=self._max_payload())
@@ -192,7 +198,8 @@ class SwarmService:
             self.ledger.begin(trio.current_time())
             started = trio.current_time()
             try:
-                sends, out = await trio.to_thread.run_sync(self._compute, job)
+                async with self.engine_lock:
+                    sends, out = await trio.to_thread.run_sync(self._compute, job)
             except Exception as exc:  # a bad tensor from a peer, or a bug: one micro-batch lost, never the node
                 log.warning("micro-batch %d of %s failed on stage %d: %r", job.work.key[1],
                             job.upstream or "us", self.stage, exc)
@@ -204,6 +211,11 @@ class SwarmService:
                 self._record_loss(job.work, out)
             self.ledger.finish(trio.current_time(), self._hand_on(job, sends))
             self._progress.set()
+
+    async def with_engine(self, fn):
+        """``fn(engine)`` in a worker thread, between two jobs of the compute worker."""
+        async with self.engine_lock:
+            return await trio.to_thread.run_sync(fn, self.engine)
 
     def _compute(self, job: Job) -> tuple[list[Send], eng.Output]:
         """Worker thread: run the job, turn its output into frames (tensor bytes made off the loop).

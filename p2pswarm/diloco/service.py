@@ -1,0 +1,448 @@
+"""DiLoCo for a training peer: outer rounds with the other replicas of its stage, and hot snapshots.
+
+``DilocoService`` is an extension of ``swarm.service.SwarmService`` (``prepare`` before training,
+``run`` beside it). It is the thin trio driver of the pure pieces:
+
+- **before training** it loads the current state of its stage from a neighbour replica over
+  ``/p2pswarm/snapshot/1.0.0`` (``snapshots.py``), else its own newest snapshot on disk, else it
+  keeps the initial weights (the first replica of a stage);
+- **every H inner steps** it runs one outer round (``round.OuterRound``: gather, agree on the
+  group, butterfly reduce) over ``/p2pswarm/diloco/1.0.0``; the pseudo-gradient is taken when the
+  group is agreed, compressed with error feedback (``compression``), each shard combined robustly
+  by its owner (``aggregation``), and the outer Nesterov step applied (``outer``). Training never
+  pauses for a round: the engine keeps stepping and the local progress made meanwhile is kept;
+- **a peer that fell behind** (left out of a round, or meeting a replica at a later round) loads
+  that replica's snapshot;
+- **every** ``snapshot_period`` it writes its state atomically to ``--data-dir`` (last 5 kept).
+
+Only this module, ``compression``, ``aggregation`` and ``outer`` touch torch; the engine's tensors
+are touched only through ``SwarmService.with_engine`` (between two compute jobs, in the worker
+thread). ``doc()`` is ``GET /api/diloco``.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import os
+from collections import Counter
+from pathlib import Path
+
+import torch
+import trio
+
+from p2pswarm import checkpoint, wire
+from p2pswarm.diloco import aggregation, compression, messages as msgs, snapshots
+from p2pswarm.diloco.outer import OuterConfig, OuterOptimizer, flatten
+from p2pswarm.diloco.round import OuterRound, Phase, RoundTiming
+from p2pswarm.diloco import round as rnd
+from p2pswarm.diloco.settings import DilocoSettings
+from p2pswarm.errors import DialError, ProtocolError, RemoteProtocolError
+
+log = logging.getLogger(__name__)
+
+TICK = 0.25  # seconds between checks for a due round and the round's deadlines
+HELLO_TIMEOUT = 5.0  # a replica answers a Hello at once: longer means gone
+REDUCE_S = 30.0  # the owner's wait for parts; 64 MB over a 3 MiB/s relay takes ~20 s
+AGREE_S = 5.0  # the wait for the others' proposals once we closed
+CATCH_UP_WAIT = 30.0  # how long a peer that fell behind looks for a replica to load from
+HISTORY = 20  # outer rounds kept for /api/diloco
+STRIKES = 3  # a peer whose contributions we refused in this many of the last STRIKE_ROUNDS rounds...
+STRIKE_ROUNDS = 10  # ...is left out of our groups (its Hellos get our status, nothing more)
+STATE_FORMAT = 1  # the layout of a snapshot's state tree
+ATTACK_VARIABLE = "P2PSWARM_DILOCO_ATTACK"  # tests and benches only: "negate10" or "noise" poisons what we send
+
+
+class DilocoService:
+    """Outer rounds and snapshots of one training peer (module docstring)."""
+
+    def __init__(self, *, settings: DilocoSettings, spec, stage: int, me: str, pool, stage_map,
+                 snapshot_dir: Path | None = None) -> None:
+        self.settings, self.spec, self.stage, self.me = settings, spec, stage, me
+        self._pool, self._stage_map = pool, stage_map
+        self.store = checkpoint.SnapshotStore(snapshot_dir) if snapshot_dir else None
+        self.swarm = None
+        self.outer: OuterOptimizer | None = None
+        self.residual: torch.Tensor | None = None  # error feedback: what compression left out, carried on
+        self.round: OuterRound | None = None
+        self.server = snapshots.SnapshotServer(spec.name, stage, self._make_snapshot)
+        self.history: collections.deque = collections.deque(maxlen=HISTORY)
+        self.counts: Counter = Counter()
+        self.penalties: Counter = Counter()  # rejected contributions per peer, ever
+        self._strikes: dict[str, list[int]] = {}  # peer -> the rounds in which we refused it
+        self.bytes_sent = self.bytes_received = 0
+        self.comm_s = 0.0  # seconds spent in outer rounds, from readiness to the outer step
+        self.loaded_from: dict | None = None
+        self.last_snapshot: dict | None = None
+        self._nursery: trio.Nursery | None = None
+        self._wake = trio.Event()
+        self._behind: str | None = None  # a replica at a later round than ours: load its state
+        self._pending: dict | None = None  # the open round's own data: weights at the close, pseudo-gradient
+
+    # --- life cycle ------------------------------------------------------------------------------
+
+    async def prepare(self, swarm) -> None:
+        """Before training: the outer optimizer, the protocols, and our stage's current state."""
+        self.swarm = swarm
+        self.outer = await swarm.with_engine(
+            lambda engine: OuterOptimizer(engine.params, self._outer_config(), step=engine.step))
+        self._pool.serve(snapshots.PROTOCOL_ID, self.server.on_frame)
+        self._pool.serve(msgs.PROTOCOL_ID, self._on_frame, max_payload=self._max_payload())
+        if not await self._load_from_neighbour() and not await self._load_from_disk():
+            log.info("stage %d starts from its initial weights (no replica or snapshot to load)", self.stage)
+
+    def _outer_config(self) -> OuterConfig:
+        s = self.settings
+        return OuterConfig(inner_steps=s.inner_steps, lr=s.outer_lr, momentum=s.momentum, nesterov=s.momentum > 0)
+
+    def _max_payload(self) -> int:
+        return min(wire.MAX_PAYLOAD_BYTES, compression.encoded_size("float32", self.outer.numel))
+
+    async def run(self, swarm) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            nursery.start_soon(self._snapshot_loop)
+            while True:
+                await self._step_rounds()
+                with trio.move_on_after(TICK):
+                    await self._wake.wait()
+                self._wake = trio.Event()
+
+    async def _step_rounds(self) -> None:
+        now = trio.current_time()
+        if self._behind is not None and (self.round is None or self.round.phase in (Phase.DONE, Phase.LEFT_OUT)):
+            peer, self._behind = self._behind, None
+            await self._catch_up([peer])
+            return
+        if self.round is None and self.outer.due(self.swarm.engine.step):
+            if not self._replicas():  # none known yet (a swarm starting up): look again before going alone
+                with trio.move_on_after(HELLO_TIMEOUT):
+                    await self._stage_map.refresh_stages([self.stage])
+            self._start_round(trio.current_time())
+        elif self.round is not None:
+            self._do(self.round, self.round.tick(now))
+
+    # --- rounds --------------------------------------------------------------------------------------
+
+    def _start_round(self, now: float) -> None:
+        expected = self._replicas()
+        timing = RoundTiming(gather_s=self.settings.gather_s, agree_s=AGREE_S, reduce_s=REDUCE_S)
+        self.round = OuterRound(me=self.me, stage=self.stage, round=self.outer.rounds, numel=self.outer.numel,
+                                codec=self.settings.codec, expected=expected, now=now, timing=timing,
+                                expected_bytes=msgs.expected_bytes, combine=self._combine)
+        self._started_at = now
+        self._sent_before, self._received_before = self.bytes_sent, self.bytes_received
+        log.info("outer round %d: ready after %d inner steps, gathering with %d known replica(s)",
+                 self.outer.rounds, self.outer.inner_steps_done(self.swarm.engine.step), len(expected))
+        self._do(self.round, self.round.start(now))
+
+    def _replicas(self) -> frozenset[str]:
+        """The other replicas of our stage in the stage map, but those we refuse to meet."""
+        return frozenset(r.peer_id for r in self._stage_map.stages.get(self.stage, [])
+                         if r.peer_id != self.me and not self._barred(r.peer_id))
+
+    def _do(self, round_: OuterRound, actions) -> None:
+        for action in actions:
+            if isinstance(action, rnd.SendHello):
+                self._nursery.start_soon(self._send_hello, round_, action.peer, action.hello)
+            elif isinstance(action, rnd.SendPart):
+                self._nursery.start_soon(self._send_bulk, round_, action.peer, action.part, action.data)
+            elif isinstance(action, rnd.SendResult):
+                self._nursery.start_soon(self._send_bulk, round_, action.peer, action.result, action.data)
+            elif isinstance(action, rnd.NeedShards):
+                self._nursery.start_soon(self._provide_shards, round_, action.bounds)
+            elif isinstance(action, rnd.Rejected):
+                self._rejected(action.peer, action.reason)
+            elif isinstance(action, rnd.CatchUp):
+                self._behind = action.peer
+                self._wake.set()
+            elif isinstance(action, rnd.Finished):
+                self._nursery.start_soon(self._finish, round_, action.outcome)
+
+    def _rejected(self, peer: str, reason: str) -> None:
+        self.counts["rejected_contributions"] += 1
+        self.penalties[peer] += 1
+        rounds = self._strikes.setdefault(peer, [])
+        if self.outer.rounds not in rounds:
+            rounds.append(self.outer.rounds)
+        log.warning("outer round %d: refused %s: %s", self.outer.rounds, peer, reason)
+
+    def _barred(self, peer: str) -> bool:
+        """Refused in STRIKES of the last STRIKE_ROUNDS rounds: left out of our groups."""
+        recent = [r for r in self._strikes.get(peer, ()) if r > self.outer.rounds - STRIKE_ROUNDS]
+        self._strikes[peer] = recent
+        return len(recent) >= STRIKES
+
+    async def _send_hello(self, round_: OuterRound, peer: str, hello) -> None:
+        try:
+            with trio.fail_after(HELLO_TIMEOUT):
+                async with self._pool.lease(peer, msgs.PROTOCOL_ID, timeout=HELLO_TIMEOUT) as stream:
+                    await stream.write_frame(hello)
+                    reply, _ = await stream.read_frame(max_payload=0, timeout=HELLO_TIMEOUT)
+        except (DialError, ProtocolError, trio.TooSlowError) as exc:
+            log.debug("hello to %s failed: %r", peer, exc)
+            self._do(round_, round_.on_send_failed(peer, trio.current_time()))
+            return
+        if isinstance(reply, msgs.Hello):
+            self._do(round_, round_.on_hello(peer, reply, trio.current_time())[1])
+
+    async def _send_bulk(self, round_: OuterRound, peer: str, message, data: bytes) -> None:
+        try:
+            async with self._pool.lease(peer, msgs.PROTOCOL_ID) as stream:
+                await stream.write_frame(message, data)
+                self.bytes_sent += len(data)
+                reply, _ = await stream.read_frame(max_payload=0, timeout=REDUCE_S)
+        except (DialError, ProtocolError) as exc:
+            log.info("outer round %d: %s to %s failed: %r", message.round, message.TYPE, peer, exc)
+            self._do(round_, round_.on_send_failed(peer, trio.current_time()))
+            return
+        if isinstance(reply, msgs.Reply) and not reply.accepted:
+            self.counts["refused_by_peer"] += 1
+            log.info("outer round %d: %s refused our %s: %s", message.round, peer, message.TYPE, reply.reason)
+
+    async def _provide_shards(self, round_: OuterRound, bounds) -> None:
+        codec = self.settings.codec
+
+        attack = os.environ.get(ATTACK_VARIABLE)
+
+        def take(engine):
+            at = flatten(engine.params)
+            pseudo = self.outer.pseudo_gradient(at)
+            if self.residual is not None:
+                pseudo = pseudo + self.residual
+            if attack:
+                return at, pseudo, [compression.encode(_poisoned(pseudo[a:b], attack), codec) for a, b in bounds]
+            shards = [compression.encode(pseudo[a:b], codec) for a, b in bounds]
+            if codec != "float32":
+                sent = torch.cat([compression.decode(s, codec, b - a) for s, (a, b) in zip(shards, bounds)])
+                self.residual = pseudo - sent
+            return at, pseudo, shards
+
+        if attack:
+            log.warning("%s=%s: this peer sends poisoned pseudo-gradients (a test of the others' defences)",
+                        ATTACK_VARIABLE, attack)
+        at, pseudo, shards = await self.swarm.with_engine(take)
+        self._pending = {"at": at, "pseudo": pseudo, "bounds": bounds}
+        self._do(round_, round_.provide_shards(shards, trio.current_time()))
+
+    def _combine(self, contributions: dict[str, bytes], me: str) -> tuple[bytes, dict[str, str]]:
+        """An owner's aggregate of its shard (called by the round, on the trio thread)."""
+        codec, bounds = self.settings.codec, self._pending["bounds"]
+        a, b = bounds[sorted(self.round.group).index(me)]
+        numel = b - a
+        tensors = {peer: compression.decode(data, codec, numel) for peer, data in contributions.items()}
+        verify = aggregation.VerifyConfig() if self.settings.verify else None
+        combined = aggregation.combine(tensors, me, self.settings.aggregator, verify)
+        return compression.encode(combined.result, codec), dict(combined.rejected)
+
+    async def _finish(self, round_: OuterRound, outcome) -> None:
+        if outcome.left_out:
+            self.counts["left_out"] += 1
+            log.info("outer round %d: left out of the group; loading a replica's state", round_.round)
+            self.round, self._pending = None, None
+            await self._catch_up(sorted(set(outcome.group) - {self.me}))
+            return
+        pending = self._pending or await self._alone()
+        aggregated, missing, refused = self._assemble(outcome, pending)
+
+        def apply(engine):
+            self.outer.outer_step(aggregated, pending["at"], engine.params, engine.step)
+            engine.weights_changed()
+
+        await self.swarm.with_engine(apply)
+        now = trio.current_time()
+        self.comm_s += now - self._started_at
+        self.history.append({
+            "round": round_.round, "members": list(outcome.group), "seconds": round(now - self._started_at, 2),
+            "bytes_sent": self.bytes_sent - self._sent_before,
+            "bytes_received": self.bytes_received - self._received_before,
+            "missing_shards": missing, "refused_results": refused,
+            "pseudo_gradient_norm": round(float(pending["pseudo"].norm()), 4),
+            "update_norm": round(float(aggregated.norm()), 4), "at_step": self.swarm.engine.step})
+        self.counts["rounds"] += 1
+        log.info("outer round %d done: %d member(s), %.1f s, %.2f MB sent, %d shard(s) missing",
+                 round_.round, len(outcome.group), now - self._started_at,
+                 (self.bytes_sent - self._sent_before) / 1e6, len(missing))
+        self.round, self._pending = None, None
+
+    async def _alone(self) -> dict:
+        """A group of one: our own pseudo-gradient is the aggregate (DiLoCo with one worker)."""
+        def take(engine):
+            at = flatten(engine.params)
+            return {"at": at, "pseudo": self.outer.pseudo_gradient(at), "bounds": ((0, self.outer.numel),)}
+
+        return await self.swarm.with_engine(take)
+
+    def _assemble(self, outcome, pending) -> tuple[torch.Tensor, list[int], list[int]]:
+        """The group's pseudo-gradient: each shard's result, or our own where it is missing or refused."""
+        pseudo, parts, missing, refused = pending["pseudo"], [], list(outcome.missing), []
+        verify = aggregation.VerifyConfig() if self.settings.verify else None
+        for index, (a, b) in enumerate(pending["bounds"]):
+            own = pseudo[a:b]
+            data = outcome.results.get(index)
+            if data is None:
+                parts.append(own)
+                continue
+            result = compression.decode(data, self.settings.codec, b - a)
+            if verify is not None and len(outcome.group) > 1 and not aggregation.verify(result, own, verify).accepted:
+                refused.append(index)  # an owner's aggregate far from our own: a bad owner; keep ours
+                parts.append(own)
+                continue
+            parts.append(result)
+        return torch.cat(parts) if parts else pseudo, missing, refused
+
+    # --- inbound -----------------------------------------------------------------------------------
+
+    async def _on_frame(self, peer: str, message, payload: bytes):
+        round_ = self.round
+        now = trio.current_time()
+        if isinstance(message, msgs.Hello):
+            if self._barred(peer):
+                return self._status()  # it sent us poison too often: we do not meet it
+            if round_ is not None and message.round == round_.round and message.stage == self.stage:
+                reply, actions = round_.on_hello(peer, message, now)
+                self._do(round_, actions)
+                return reply
+            if message.stage == self.stage and message.round > self.outer.rounds and message.ready:
+                self._behind = peer  # a replica further on: load its state when our round is over
+                self._wake.set()
+            return self._status()
+        self.bytes_received += len(payload)
+        if not isinstance(message, (msgs.Part, msgs.Result)):
+            raise RemoteProtocolError(f"{message.TYPE} is not a DiLoCo request")
+        if round_ is None or message.round != round_.round:
+            self.counts["late_messages"] += 1
+            return msgs.Reply(message.round, message.shard, False, "not in that round")
+        handle = round_.on_part if isinstance(message, msgs.Part) else round_.on_result
+        reply, actions = handle(peer, message, payload, now)
+        self._do(round_, actions)
+        return reply
+
+    def _status(self) -> msgs.Hello:
+        return msgs.Hello(self.stage, self.outer.rounds, self.outer.numel, self.settings.codec, False, False, ())
+
+    # --- catching up and snapshots -------------------------------------------------------------------
+
+    async def _load_from_neighbour(self) -> bool:
+        with trio.move_on_after(CATCH_UP_WAIT):
+            await self._stage_map.refresh_stages([self.stage])
+        records = sorted((r for r in self._stage_map.stages.get(self.stage, []) if r.peer_id != self.me),
+                         key=lambda r: -r.capacity.outer_round)
+        return await self._catch_up([r.peer_id for r in records]) if records else False
+
+    async def _catch_up(self, peers: list[str]) -> bool:
+        for peer in peers:
+            try:
+                fetched = await snapshots.fetch_snapshot(self._pool, peer, self.spec.name, self.stage)
+                state = await trio.to_thread.run_sync(checkpoint.decode_state, fetched.data)
+                await self._load_state(state)
+            except (DialError, ProtocolError) as exc:
+                log.warning("could not load stage %d from %s: %s", self.stage, peer, exc)
+                continue
+            self.counts["catch_ups"] += 1
+            self.loaded_from = {"peer": peer, "round": fetched.round, "step": fetched.step,
+                                "bytes": len(fetched.data), "seconds": round(fetched.seconds, 2)}
+            log.info("loaded stage %d from %s: outer round %d, inner step %d, %.1f MB in %.1f s", self.stage, peer,
+                     fetched.round, fetched.step, len(fetched.data) / 1e6, fetched.seconds)
+            return True
+        return False
+
+    async def _load_from_disk(self) -> bool:
+        if self.store is None:
+            return False
+        found = await trio.to_thread.run_sync(self.store.latest)
+        if found is None:
+            return False
+        path, state = found
+        try:
+            await self._load_state(state)
+        except ProtocolError as exc:
+            log.warning("snapshot %s does not fit stage %d: %s", path, self.stage, exc)
+            return False
+        self.loaded_from = {"file": str(path), "round": self.outer.rounds}
+        log.info("loaded stage %d from %s (outer round %d)", self.stage, path, self.outer.rounds)
+        return True
+
+    async def _load_state(self, state: dict) -> None:
+        """Take a snapshot's state as ours (RemoteProtocolError if it is not a state of our stage)."""
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT or \
+                state.get("model") != self.spec.name or state.get("stage") != self.stage:
+            raise RemoteProtocolError("the snapshot is not of our model and stage")
+
+        def load(engine):
+            mine = (engine.micro_batches, engine.tokens)
+            try:
+                engine.load_state_dict(state["engine"])
+                self.outer.load_state_dict(state["diloco"])
+                residual = state.get("feedback", {}).get("residual")
+                self.residual = residual if isinstance(residual, torch.Tensor) and \
+                    residual.shape == (self.outer.numel,) else None
+            except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as exc:
+                raise RemoteProtocolError(f"the snapshot's state does not fit: {exc!r:.200}") from None
+            engine.micro_batches, engine.tokens = mine  # our own work counters stay ours
+            engine.weights_changed()
+
+        await self.swarm.with_engine(load)
+
+    async def _make_snapshot(self) -> snapshots.Snapshot:
+        def make(engine):
+            state = {"format": STATE_FORMAT, "model": self.spec.name, "stage": self.stage,
+                     "engine": engine.state_dict(), "diloco": self.outer.state_dict(),
+                     "feedback": {"residual": self.residual} if self.residual is not None else {}}
+            return checkpoint.encode_state(state), engine.step
+
+        data, step = await self.swarm.with_engine(make)
+        return snapshots.Snapshot(data, self.outer.rounds, step, trio.current_time())
+
+    async def _snapshot_loop(self) -> None:
+        if self.store is None:
+            log.info("no --data-dir: stage %d keeps no snapshots on disk (neighbours still serve it)", self.stage)
+            return
+        while True:
+            await trio.sleep(self.settings.snapshot_period)
+            snapshot = await self.server.newest()
+            path = await trio.to_thread.run_sync(
+                lambda: self.store.save(snapshot.data, round=snapshot.round, step=snapshot.step))
+            self.last_snapshot = {"path": str(path), "round": snapshot.round, "step": snapshot.step,
+                                  "bytes": len(snapshot.data)}
+            self.counts["snapshots"] += 1
+            log.info("snapshot of stage %d written: %s (%.1f MB)", self.stage, path, len(snapshot.data) / 1e6)
+
+    # --- status --------------------------------------------------------------------------------------
+
+    def outer_round(self) -> int:
+        return self.outer.rounds if self.outer else 0
+
+    def doc(self) -> dict:
+        engine, outer, round_ = self.swarm.engine if self.swarm else None, self.outer, self.round
+        step = engine.step if engine else 0
+        ledger = self.swarm.ledger.stats(trio.current_time()) if self.swarm else None
+        compute_s = ledger.busy_fraction * ledger.elapsed if ledger else 0.0
+        return {
+            "stage": self.stage, "inner_step": step, "outer_round": outer.rounds if outer else 0,
+            "inner_steps_this_round": outer.inner_steps_done(step) if outer else 0,
+            "inner_steps_per_round": self.settings.inner_steps,
+            "settings": dataclasses.asdict(self.settings),
+            "phase": round_.phase.name.lower() if round_ else "training",
+            "last_round": self.history[-1] if self.history else None, "rounds": list(self.history),
+            "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
+            "rejected_contributions": dict(self.penalties), "counts": dict(self.counts),
+            "communicating_s": round(self.comm_s, 2), "computing_s": round(compute_s, 2),
+            "loaded_from": self.loaded_from, "last_snapshot": self.last_snapshot,
+            "snapshots_served": {"requests": self.server.requests, "bytes": self.server.served},
+        }
+
+    async def doc_json(self, params: dict) -> dict:
+        return self.doc()
+
+    def routes(self) -> dict:
+        return {"/api/diloco": self.doc_json}
+
+
+def _poisoned(shard: torch.Tensor, attack: str) -> torch.Tensor:
+    """What a Byzantine replica sends instead of its shard: -10 times it, or noise of its norm."""
+    if attack == "noise":
+        noise = torch.randn_like(shard)
+        return noise * (shard.norm() / noise.norm().clamp_min(1e-12))
+    return -10.0 * shard

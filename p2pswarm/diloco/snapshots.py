@@ -1,0 +1,193 @@
+"""Hot snapshots between replicas, ``/p2pswarm/snapshot/1.0.0``: a joiner loads its stage from a neighbour.
+
+A peer that joins a running swarm, restarts, or was left out of an outer round must not start
+from the initial weights: it asks a replica of its stage for that replica's current state (the
+engine's weights and optimizer, the DiLoCo start weights, momentum and round; ``checkpoint.py``
+encodes it, no pickle) and loads it. The serving side makes a fresh snapshot on demand, at most
+once per ``FRESH_S``, and keeps the last ``KEEP_VERSIONS`` so a transfer in progress survives a
+newer one.
+
+Exchange (request and reply frames on a pooled stream):
+
+- ``snapshot.get`` (no payload): ``model``, ``stage``, ``digest`` (empty: the newest; else the
+  sha256 of the version being fetched), ``offset``;
+- reply ``snapshot.part`` (payload: bytes ``[offset, offset + len)`` of the snapshot): ``round``,
+  ``step``, ``digest``, ``total``, ``offset``; or ``wire.ErrorReply`` (no snapshot of that
+  stage, or that version is gone).
+
+The client checks every reply against the first (same digest, contiguous offsets, ``total``
+within ``MAX_SNAPSHOT_BYTES``), then the whole snapshot's sha256 against its digest, then decodes
+it with ``checkpoint.decode_state`` (total: a bad snapshot is a ``RemoteProtocolError``).
+``docs/protocols.md`` ("Snapshots") is the normative description.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import trio
+
+from p2pswarm import wire
+from p2pswarm.dht.records import MAX_MODEL_CHARS, MAX_STAGES
+from p2pswarm.errors import DialError, RemoteProtocolError
+
+log = logging.getLogger(__name__)
+
+PROTOCOL_ID = "/p2pswarm/snapshot/1.0.0"
+DIGEST_BYTES = 32  # sha256
+CHUNK_BYTES = 4 * 1024 * 1024  # bytes per reply: a few frames per stage, well under the 64 MiB frame limit
+MAX_SNAPSHOT_BYTES = 2 * 1024**3  # the largest snapshot a client accepts (checkpoint.MAX_SNAPSHOT_BYTES)
+FRESH_S = 5.0  # a snapshot made this recently is served as is: many joiners cost one serialisation
+KEEP_VERSIONS = 2  # versions kept for transfers in progress while a newer one is made
+FETCH_TIMEOUT = 60.0  # a whole fetch: a 100 MB snapshot at a relay's 3 MiB/s fits well within it
+CHUNK_TIMEOUT = 20.0  # one reply
+
+
+@wire.message("snapshot.get")
+class Get(wire.Message):
+    """Ask for bytes of a snapshot of ``stage`` of ``model`` from ``offset``."""
+
+    model: str
+    stage: int
+    digest: bytes  # b"": the newest version; else the version being fetched
+    offset: int
+
+    def check(self, payload_len: int) -> None:
+        if payload_len:
+            raise RemoteProtocolError(f"{self.TYPE} carries no payload, got {payload_len} bytes")
+        _check_common(self.TYPE, self.model, self.stage)
+        if len(self.digest) not in (0, DIGEST_BYTES):
+            raise RemoteProtocolError(f"{self.TYPE}: a digest of {len(self.digest)} bytes")
+        if not 0 <= self.offset < MAX_SNAPSHOT_BYTES:
+            raise RemoteProtocolError(f"{self.TYPE}: offset {self.offset} out of range")
+
+
+@wire.message("snapshot.part")
+class Part(wire.Message):
+    """Bytes ``[offset, offset + payload)`` of the snapshot ``digest`` (``total`` bytes in all)."""
+
+    model: str
+    stage: int
+    round: int  # the outer rounds the snapshot's replica had completed
+    step: int  # its inner steps
+    digest: bytes
+    total: int
+    offset: int
+
+    def check(self, payload_len: int) -> None:
+        _check_common(self.TYPE, self.model, self.stage)
+        if len(self.digest) != DIGEST_BYTES:
+            raise RemoteProtocolError(f"{self.TYPE}: a digest of {len(self.digest)} bytes")
+        if not 0 <= self.round <= wire.INT_MAX or not 0 <= self.step <= wire.INT_MAX:
+            raise RemoteProtocolError(f"{self.TYPE}: round {self.round} or step {self.step} out of range")
+        if not 0 < self.total <= MAX_SNAPSHOT_BYTES or not 0 <= self.offset < self.total:
+            raise RemoteProtocolError(f"{self.TYPE}: offset {self.offset} of {self.total} bytes")
+        if payload_len > min(CHUNK_BYTES, self.total - self.offset) or payload_len == 0:
+            raise RemoteProtocolError(f"{self.TYPE}: {payload_len} bytes at {self.offset} of {self.total}")
+
+
+def _check_common(kind: str, model: str, stage: int) -> None:
+    if not 0 < len(model) <= MAX_MODEL_CHARS:
+        raise RemoteProtocolError(f"{kind}: model name of {len(model)} chars")
+    if not 0 <= stage < MAX_STAGES:
+        raise RemoteProtocolError(f"{kind}: stage {stage} out of range")
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One encoded version of a replica's state."""
+
+    data: bytes
+    round: int
+    step: int
+    made_at: float
+
+    @property
+    def digest(self) -> bytes:
+        return hashlib.sha256(self.data).digest()
+
+
+class SnapshotServer:
+    """Serves our stage's state; ``make`` encodes a fresh snapshot (it runs the engine's thread)."""
+
+    def __init__(self, model: str, stage: int, make: Callable[[], Awaitable[Snapshot]]) -> None:
+        self.model, self.stage, self._make = model, stage, make
+        self._versions: list[Snapshot] = []
+        self._lock = trio.Lock()
+        self.served = 0  # bytes sent
+        self.requests = 0
+
+    async def newest(self) -> Snapshot:
+        async with self._lock:  # one serialisation at a time; the others get its result
+            now = trio.current_time()
+            if not self._versions or now - self._versions[-1].made_at > FRESH_S:
+                self._versions = (self._versions + [await self._make()])[-KEEP_VERSIONS:]
+            return self._versions[-1]
+
+    async def on_frame(self, peer: str, message, payload: bytes):
+        if not isinstance(message, Get):
+            raise RemoteProtocolError(f"{message.TYPE} is not a snapshot request")
+        if (message.model, message.stage) != (self.model, self.stage):
+            return wire.ErrorReply("wrong-stage", f"this peer serves stage {self.stage} of {self.model}")
+        if message.digest:
+            snapshot = next((v for v in self._versions if v.digest == message.digest), None)
+            if snapshot is None:
+                return wire.ErrorReply("gone", "that snapshot version is no longer kept; ask for the newest")
+        else:
+            snapshot = await self.newest()
+        if message.offset >= len(snapshot.data):
+            return wire.ErrorReply("bad-offset", f"offset {message.offset} beyond {len(snapshot.data)} bytes")
+        chunk = snapshot.data[message.offset:message.offset + CHUNK_BYTES]
+        self.requests += 1
+        self.served += len(chunk)
+        reply = Part(self.model, self.stage, snapshot.round, snapshot.step, snapshot.digest, len(snapshot.data),
+                     message.offset)
+        return reply, chunk
+
+
+@dataclass(frozen=True)
+class Fetched:
+    data: bytes
+    round: int
+    step: int
+    peer: str
+    seconds: float
+
+
+async def fetch_snapshot(pool, peer: str, model: str, stage: int, *, timeout: float = FETCH_TIMEOUT) -> Fetched:
+    """The newest snapshot of ``stage`` from ``peer``, checked whole; DialError or RemoteProtocolError."""
+    started = trio.current_time()
+    chunks: list[bytes] = []
+    first: Part | None = None
+    with trio.move_on_after(timeout) as scope:
+        async with pool.lease(peer, PROTOCOL_ID) as stream:
+            offset = 0
+            while first is None or offset < first.total:
+                await stream.write_frame(Get(model, stage, first.digest if first else b"", offset))
+                reply, payload = await stream.read_frame(max_payload=CHUNK_BYTES, timeout=CHUNK_TIMEOUT)
+                first = _check_part(reply, first, offset, model, stage)
+                chunks.append(payload)
+                offset += len(payload)
+    if scope.cancelled_caught:
+        raise DialError(f"snapshot of stage {stage} from {peer}: not complete within {timeout:.0f} s")
+    data = b"".join(chunks)
+    if hashlib.sha256(data).digest() != first.digest:
+        raise RemoteProtocolError(f"snapshot from {peer} does not match its digest")
+    return Fetched(data, first.round, first.step, peer, trio.current_time() - started)
+
+
+def _check_part(reply, first: Part | None, offset: int, model: str, stage: int) -> Part:
+    if isinstance(reply, wire.ErrorReply):
+        raise DialError(f"no snapshot: {reply.code}: {reply.detail}")
+    if not isinstance(reply, Part):
+        raise RemoteProtocolError(f"a {reply.TYPE} in answer to snapshot.get")
+    if (reply.model, reply.stage, reply.offset) != (model, stage, offset):
+        raise RemoteProtocolError(f"snapshot part for {reply.model}/{reply.stage} at {reply.offset}, asked "
+                                  f"{model}/{stage} at {offset}")
+    if first is not None and (reply.digest, reply.total, reply.round, reply.step) != \
+            (first.digest, first.total, first.round, first.step):
+        raise RemoteProtocolError("snapshot changed during the transfer")
+    return first or reply

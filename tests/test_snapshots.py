@@ -1,0 +1,141 @@
+"""The snapshot protocol: its messages are total and bounded, and a fetch over real hosts is whole and checked."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from contextlib import AsyncExitStack
+
+import pytest
+import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from p2pswarm import wire
+from p2pswarm.diloco import snapshots
+from p2pswarm.diloco.snapshots import CHUNK_BYTES, DIGEST_BYTES, Get, Part, Snapshot, SnapshotServer, fetch_snapshot
+from p2pswarm.errors import DialError, RemoteProtocolError
+from p2pswarm.identity import generate_identity
+from p2pswarm.net.connect import Connector
+from p2pswarm.net.host import connect, open_host, peer_info_from_multiaddr
+from p2pswarm.net.pool import StreamPool
+
+pytestmark = pytest.mark.timeout(120)
+
+LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+DIGEST = b"\x01" * DIGEST_BYTES
+
+
+@given(model=st.text(min_size=1, max_size=64), stage=st.integers(0, 4095),
+       digest=st.sampled_from([b"", DIGEST]), offset=st.integers(0, 2**31 - 1))
+def test_a_get_round_trips(model, stage, digest, offset):
+    message = Get(model, stage, digest, offset)
+    assert wire.decode_frame(wire.encode_frame(message)) == (message, b"")
+
+
+@given(total=st.integers(1, 3 * CHUNK_BYTES), data=st.data())
+@settings(max_examples=50)
+def test_a_part_round_trips_and_its_payload_must_fit(total, data):
+    offset = data.draw(st.integers(0, total - 1))
+    size = min(CHUNK_BYTES, total - offset)
+    message = Part("tiny-lm/2", 1, 3, 40, DIGEST, total, offset)
+    payload = b"x" * size
+    assert wire.decode_frame(wire.encode_frame(message, payload)) == (message, payload)
+    with pytest.raises(RemoteProtocolError):
+        message.check(size + 1)
+    with pytest.raises(RemoteProtocolError):
+        message.check(0)
+
+
+@pytest.mark.parametrize("message", [
+    Get("", 0, b"", 0), Get("m", -1, b"", 0), Get("m", 4096, b"", 0), Get("m", 0, b"\x00" * 5, 0),
+    Get("m", 0, b"", -1), Get("m", 0, b"", snapshots.MAX_SNAPSHOT_BYTES),
+    Part("m", 0, 0, 0, b"", 10, 0), Part("m", 0, -1, 0, DIGEST, 10, 0), Part("m", 0, 0, 0, DIGEST, 0, 0),
+    Part("m", 0, 0, 0, DIGEST, 10, 10), Part("m", 0, 0, 0, DIGEST, snapshots.MAX_SNAPSHOT_BYTES + 1, 0),
+])
+def test_out_of_bounds_fields_are_refused(message):
+    with pytest.raises(RemoteProtocolError):
+        message.check(1)
+
+
+@given(st.binary(max_size=200))
+def test_arbitrary_bytes_decode_or_raise_remote_protocol_error(data):
+    try:
+        wire.decode_frame(data)
+    except RemoteProtocolError:
+        pass
+
+
+def with_server(test, make):
+    """Run ``test(pool, server_id)`` with a real host serving ``SnapshotServer(make)`` for stage 1 of m."""
+
+    async def main():
+        async with AsyncExitStack() as stack:
+            server, client = [await stack.enter_async_context(open_host(generate_identity(), LOOPBACK))
+                              for _ in range(2)]
+            async with trio.open_nursery() as nursery:
+                StreamPool(server, nursery).serve(snapshots.PROTOCOL_ID, SnapshotServer("m", 1, make).on_frame)
+                await connect(client, peer_info_from_multiaddr(str(server.get_addrs()[0])))
+                pool = StreamPool(client, nursery, Connector(client, nursery))
+                with trio.fail_after(60):
+                    await test(pool, str(server.get_id()))
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_a_snapshot_of_several_chunks_arrives_whole():
+    data = os.urandom(2 * CHUNK_BYTES + 12345)
+    made = []
+
+    async def make():
+        made.append(1)
+        return Snapshot(data, 7, 900, trio.current_time())
+
+    async def test(pool, server):
+        fetched = await fetch_snapshot(pool, server, "m", 1)
+        assert (fetched.data, fetched.round, fetched.step, fetched.peer) == (data, 7, 900, server)
+        await fetch_snapshot(pool, server, "m", 1)
+        assert len(made) == 1  # a second fetch within FRESH_S gets the same serialisation
+
+    with_server(test, make)
+
+
+def test_a_snapshot_that_does_not_match_its_digest_is_refused():
+    class Tampered(SnapshotServer):
+        async def on_frame(self, peer, message, payload):
+            reply = await super().on_frame(peer, message, payload)
+            part, chunk = reply
+            return part, bytes([chunk[0] ^ 1]) + chunk[1:]
+
+    async def make():
+        return Snapshot(os.urandom(1000), 0, 0, trio.current_time())
+
+    async def main():
+        async with AsyncExitStack() as stack:
+            server, client = [await stack.enter_async_context(open_host(generate_identity(), LOOPBACK))
+                              for _ in range(2)]
+            async with trio.open_nursery() as nursery:
+                StreamPool(server, nursery).serve(snapshots.PROTOCOL_ID, Tampered("m", 1, make).on_frame)
+                await connect(client, peer_info_from_multiaddr(str(server.get_addrs()[0])))
+                pool = StreamPool(client, nursery, Connector(client, nursery))
+                with pytest.raises(RemoteProtocolError, match="digest"):
+                    await fetch_snapshot(pool, str(server.get_id()), "m", 1)
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_a_peer_of_another_stage_says_so():
+    async def make():
+        return Snapshot(b"x", 0, 0, trio.current_time())
+
+    async def test(pool, server):
+        with pytest.raises(DialError, match="wrong-stage"):
+            await fetch_snapshot(pool, server, "m", 2)
+
+    with_server(test, make)
+
+
+def test_the_digest_is_the_sha256_of_the_bytes():
+    assert Snapshot(b"abc", 0, 0, 0.0).digest == hashlib.sha256(b"abc").digest()
