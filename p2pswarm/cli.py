@@ -255,7 +255,25 @@ def format_swarm(swarm: dict) -> list[str]:
     ]
 
 
-def format_status(stats: dict, stages: dict, swarm: dict | None = None) -> str:
+def format_diloco(doc: dict) -> list[str]:
+    """The DiLoCo lines of ``status``, from ``/api/diloco``."""
+    last = doc.get("last_round")
+    rejected = sum(doc.get("rejected_contributions", {}).values())
+    lines = [f"diloco        outer round {doc['outer_round']} ({doc['phase']})  inner step "
+             f"{doc['inner_steps_this_round']}/{doc['inner_steps_per_round']} of this round  sent "
+             f"{doc['bytes_sent'] / 1e6:.1f} MB  received {doc['bytes_received'] / 1e6:.1f} MB  rejected {rejected}  "
+             f"communicating {doc['communicating_s']:.0f} s / computing {doc['computing_s']:.0f} s"]
+    if last:
+        lines.append(f"last round    {last['round']}: {len(last['members'])} replica(s) "
+                     f"({', '.join(m[-8:] for m in last['members'])}), {last['seconds']:.1f} s, "
+                     f"{len(last['missing_shards'])} shard(s) missing")
+    if doc.get("loaded_from"):
+        source = doc["loaded_from"].get("peer") or doc["loaded_from"].get("file")
+        lines.append(f"loaded from   {source[-40:]} (outer round {doc['loaded_from']['round']})")
+    return lines
+
+
+def format_status(stats: dict, stages: dict, swarm: dict | None = None, diloco: dict | None = None) -> str:
     lines = [
         f"peer          {stats['peer_id']}  ({stats['role']}, p2pswarm {stats['version']})",
         f"addresses     {', '.join(stats['addrs']) or '-'}",
@@ -278,17 +296,20 @@ def format_status(stats: dict, stages: dict, swarm: dict | None = None) -> str:
         lines.append(f"  stage {int(stage):>3}  layers [{doc['start']}, {doc['end']})  "
                      f"{len(doc['peers'])} peer(s)  {peers}")
     if swarm:
-        lines[5:5] = format_swarm(swarm)
+        lines[5:5] = format_swarm(swarm) + (format_diloco(diloco) if diloco else [])
     return "\n".join(lines)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
     stats, stages = _get_json(args.api, "/api/stats"), _get_json(args.api, "/api/stages")
-    swarm = _get_json(args.api, "/api/swarm") if stats.get("role") == "join" else None
+    joined = stats.get("role") == "join"
+    swarm = _get_json(args.api, "/api/swarm") if joined else None
+    diloco = _get_json(args.api, "/api/diloco") if joined else None
     if args.json:
-        print(json.dumps({"stats": stats, "stages": stages, "swarm": swarm}, indent=1, sort_keys=True))
+        print(json.dumps({"stats": stats, "stages": stages, "swarm": swarm, "diloco": diloco}, indent=1,
+                         sort_keys=True))
     else:
-        print(format_status(stats, stages, swarm))
+        print(format_status(stats, stages, swarm, diloco))
     return 0
 
 

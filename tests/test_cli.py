@@ -225,6 +225,30 @@ def test_status_shows_training_from_a_real_swarm_doc():
     assert "training      step 0" in text and "held-out - bits/byte" in text and "failovers 0" in text
 
 
+def test_status_shows_diloco_from_a_real_diloco_doc():
+    import json
+
+    import trio
+
+    from p2pswarm.cli import format_diloco
+    from p2pswarm.diloco.service import DilocoService
+    from p2pswarm.diloco.settings import DilocoSettings
+    from p2pswarm.model.catalog import get_model
+
+    async def doc() -> dict:
+        service = DilocoService(settings=DilocoSettings(inner_steps=40), spec=get_model("tiny-lm/2"), stage=1,
+                                me="me", pool=None, stage_map=None)
+        service.history.append({"round": 3, "members": ["12D3KooWaaaaaaaa", "12D3KooWbbbbbbbb"], "seconds": 1.5,
+                                "missing_shards": [], "bytes_sent": 10, "bytes_received": 10})
+        service.loaded_from = {"peer": "12D3KooWcccccccc", "round": 2, "step": 80, "bytes": 1, "seconds": 0.5}
+        return json.loads(json.dumps(service.doc()))  # as it crosses the API
+
+    lines = format_diloco(trio.run(doc))
+    assert lines[0].startswith("diloco        outer round 0 (training)  inner step 0/40")
+    assert "3: 2 replica(s) (aaaaaaaa, bbbbbbbb), 1.5 s, 0 shard(s) missing" in lines[1]
+    assert "loaded from   12D3KooWcccccccc (outer round 2)" in lines[2]
+
+
 def test_the_demo_combines_a_rounds_parts_and_takes_each_replicas_highest_round():
     from p2pswarm.demo import latest_rounds
 
