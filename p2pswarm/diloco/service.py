@@ -46,6 +46,7 @@ TICK = 0.25  # seconds between checks for a due round and the round's deadlines
 HELLO_TIMEOUT = 5.0  # a replica answers a Hello at once: longer means gone
 REDUCE_S = 30.0  # the owner's wait for parts; 64 MB over a 3 MiB/s relay takes ~20 s
 AGREE_S = 5.0  # the wait for the others' proposals once we closed
+LEFT_OUT_BACKOFF = 5.0  # after a round that went on without us, and no replica to load from: wait, then retry
 CATCH_UP_WAIT = 30.0  # how long a peer that fell behind looks for a replica to load from
 HISTORY = 20  # outer rounds kept for /api/diloco
 STRIKES = 3  # a peer whose contributions we refused in this many of the last STRIKE_ROUNDS rounds...
@@ -77,7 +78,8 @@ class DilocoService:
         self.last_snapshot: dict | None = None
         self._nursery: trio.Nursery | None = None
         self._wake = trio.Event()
-        self._behind: str | None = None  # a replica at a later round than ours: load its state
+        self._behind: tuple[str, int] | None = None  # (a replica, its later round): load its state
+        self._retry_at = 0.0  # no new round before this (after being left out)
         self._pending: dict | None = None  # the open round's own data: weights at the close, pseudo-gradient
 
     # --- life cycle ------------------------------------------------------------------------------
@@ -112,10 +114,11 @@ class DilocoService:
     async def _step_rounds(self) -> None:
         now = trio.current_time()
         if self._behind is not None and (self.round is None or self.round.phase in (Phase.DONE, Phase.LEFT_OUT)):
-            peer, self._behind = self._behind, None
-            await self._catch_up([peer])
+            (peer, their_round), self._behind = self._behind, None
+            if their_round > self.outer.rounds:  # not caught up meanwhile by our own round
+                await self._catch_up([peer])
             return
-        if self.round is None and self.outer.due(self.swarm.engine.step):
+        if self.round is None and self.outer.due(self.swarm.engine.step) and now >= self._retry_at:
             if not self._replicas():  # none known yet (a swarm starting up): look again before going alone
                 with trio.move_on_after(HELLO_TIMEOUT):
                     await self._stage_map.refresh_stages([self.stage])
@@ -155,7 +158,7 @@ class DilocoService:
             elif isinstance(action, rnd.Rejected):
                 self._rejected(action.peer, action.reason)
             elif isinstance(action, rnd.CatchUp):
-                self._behind = action.peer
+                self._behind = (action.peer, action.round)
                 self._wake.set()
             elif isinstance(action, rnd.Finished):
                 self._nursery.start_soon(self._finish, round_, action.outcome)
@@ -239,9 +242,10 @@ class DilocoService:
     async def _finish(self, round_: OuterRound, outcome) -> None:
         if outcome.left_out:
             self.counts["left_out"] += 1
-            log.info("outer round %d: left out of the group; loading a replica's state", round_.round)
-            self.round, self._pending = None, None
-            await self._catch_up(sorted(set(outcome.group) - {self.me}))
+            log.info("outer round %d went on without us; we load a replica's state once it is done",
+                     round_.round)
+            self.round, self._pending = None, None  # its group is mid-round: a Hello of the next round
+            self._retry_at = trio.current_time() + LEFT_OUT_BACKOFF  # will tell us whom to load from
             return
         pending = self._pending or await self._alone()
         aggregated, missing, refused = self._assemble(outcome, pending)
@@ -305,7 +309,7 @@ class DilocoService:
                 self._do(round_, actions)
                 return reply
             if message.stage == self.stage and message.round > self.outer.rounds and message.ready:
-                self._behind = peer  # a replica further on: load its state when our round is over
+                self._behind = (peer, message.round)  # a replica further on: load its state after our round
                 self._wake.set()
             return self._status()
         self.bytes_received += len(payload)
