@@ -36,6 +36,7 @@ DEFAULT_AGGREGATOR = "trimmed_mean"  # robust to a quarter of outliers per coord
 TRIM_FRACTION = 0.25  # per side: n=4 drops 1+1, n=8 drops 2+2; below 4 nothing is dropped
 CLIP_TAU = 1.0  # clip radius in units of the median distance to the center (see _centered_clip)
 CLIP_ITERATIONS = 3  # the paper needs 1 from a good start; 3 from the median, at 3 passes a step
+MIN_VERIFIED = 3  # contributions needed before any is judged: with two, neither can be called the liar
 BLOCK_ELEMENTS = 1 << 18  # coordinates sorted at once: temporaries ~16 B * n * 256K (64 MiB at n=16)
 MIN_COSINE = 0.2  # honest replicas descend the same loss from the same start; noise has cosine ~0
 MAX_NORM_RATIO = 3.0  # same steps and lr give norms within tens of %; 3x leaves room for data skew
@@ -137,9 +138,13 @@ def combine(contributions: dict[str, torch.Tensor], own: str, method: str = DEFA
     """Verify every peer's contribution, then aggregate the accepted ones with ``method``.
 
     ``own`` names the local replica's contribution: it is never verified, always used, and must
-    be finite. The reference is the coordinate-wise median of all contributions when there are
-    at least 3 (a majority of honest ones pins it), else the own one. ``verify_config=None``
-    aggregates everything unchecked. ValueError on local misuse (missing or non-finite own,
+    be finite. Verification needs a majority to judge by, so it runs only with at least
+    ``MIN_VERIFIED`` contributions: the reference direction is their coordinate-wise median, and
+    its length the median of their norms (an honest replica's pseudo-gradient is about as long as
+    the others', while the median vector itself is shorter than any of them). With fewer, nothing
+    can tell an honest replica from a liar, and a replica's own pseudo-gradient is no reference:
+    honest replicas' pseudo-gradients after a few dozen Adam steps are nearly orthogonal (cosine
+    ~0 measured in the demo). ``verify_config=None`` aggregates everything unchecked. ValueError on local misuse (missing or non-finite own,
     unknown method, tensors that do not match).
     """
     if own not in contributions:
@@ -153,8 +158,8 @@ def combine(contributions: dict[str, torch.Tensor], own: str, method: str = DEFA
         raise ValueError("own contribution holds non-finite values")
     rejected: dict[str, str] = {}
     if verify_config is not None:
-        reference = _median(tensors) if len(tensors) >= 3 else contributions[own]
-        for name, tensor in zip(names, tensors):
+        reference = _reference(tensors) if len(tensors) >= MIN_VERIFIED else None
+        for name, tensor in zip(names, tensors if reference is not None else []):
             if name != own:
                 verdict = verify(tensor, reference, verify_config)
                 if not verdict.accepted:
@@ -165,6 +170,16 @@ def combine(contributions: dict[str, torch.Tensor], own: str, method: str = DEFA
 
 
 # --- helpers ----------------------------------------------------------------------------
+
+
+def _reference(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The coordinate-wise median, scaled to the median of the contributions' norms."""
+    median = _median(tensors)
+    norms = sorted(float(t.double().norm()) for t in tensors)
+    middle = len(norms) // 2
+    length = norms[middle] if len(norms) % 2 else (norms[middle - 1] + norms[middle]) / 2
+    current = float(median.double().norm())
+    return median * (length / current) if current > 0 and math.isfinite(length) else median
 
 
 def _check_contributions(tensors: list[torch.Tensor]) -> None:

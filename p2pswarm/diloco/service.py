@@ -281,7 +281,7 @@ class DilocoService:
     def _assemble(self, outcome, pending) -> tuple[torch.Tensor, list[int], list[int]]:
         """The group's pseudo-gradient: each shard's result, or our own where it is missing or refused."""
         pseudo, parts, missing, refused = pending["pseudo"], [], list(outcome.missing), []
-        verify = aggregation.VerifyConfig() if self.settings.verify else None
+        verify = _result_check(len(outcome.group)) if self.settings.verify else None
         for index, (a, b) in enumerate(pending["bounds"]):
             own = pseudo[a:b]
             data = outcome.results.get(index)
@@ -289,7 +289,8 @@ class DilocoService:
                 parts.append(own)
                 continue
             result = compression.decode(data, self.settings.codec, b - a)
-            if verify is not None and len(outcome.group) > 1 and not aggregation.verify(result, own, verify).accepted:
+            if verify is not None and outcome.group[index] != self.me and \
+                    not aggregation.verify(result, own, verify).accepted:
                 refused.append(index)  # an owner's aggregate far from our own: a bad owner; keep ours
                 parts.append(own)
                 continue
@@ -450,3 +451,12 @@ def _poisoned(shard: torch.Tensor, attack: str) -> torch.Tensor:
         noise = torch.randn_like(shard)
         return noise * (shard.norm() / noise.norm().clamp_min(1e-12))
     return -10.0 * shard
+
+
+def _result_check(members: int) -> aggregation.VerifyConfig:
+    """How far an owner's aggregate may be from our own shard before we call it a lie: only its
+    length is judged. The mean of n nearly orthogonal honest pseudo-gradients is about
+    1/sqrt(n) as long as each and points anywhere within 60 degrees, so direction says little;
+    a -10x or blown-up aggregate is far too long."""
+    ratio = max(aggregation.MAX_NORM_RATIO, float(members))
+    return aggregation.VerifyConfig(min_cosine=-1.0, max_norm_ratio=ratio, max_var_ratio=ratio * ratio)
