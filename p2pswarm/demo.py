@@ -162,7 +162,7 @@ class Progress:
         lines = []
         for peer in peers:
             doc = {} if peer.killed else get_json(peer.api, "/api/diloco")
-            if doc.get("loaded_from", {}).get("peer") and doc["loaded_from"] != self.loads.get(peer.index):
+            if (doc.get("loaded_from") or {}).get("peer") and doc["loaded_from"] != self.loads.get(peer.index):
                 self.loads[peer.index] = doc["loaded_from"]
                 lines.append(_loaded_text(peer, doc["loaded_from"]))
             for r in doc.get("rounds", []):
