@@ -1,0 +1,344 @@
+"""The simulation behind ``bench/diloco_convergence.py``: workers, sync data parallel, DiLoCo rounds.
+
+Everything runs in one process, one worker after the other, with deterministic seeds. The model
+is a small byte-level transformer cut as ONE stage (embedding, blocks and head on one module), so
+a "worker" is a model, its inner AdamW (the engine's settings) and its own shard of the corpus.
+
+The DiLoCo outer round is simulated faithfully to the protocol (``p2pswarm/diloco/service.py``
+and ``round_reduce.py``), only without the network: each replica's pseudo-gradient plus its
+error-feedback residual is cut into ``shard_bounds`` shards and encoded with the codec; the owner
+of shard i decodes the 4 parts of its shard, ``aggregation.combine``s them (verifying them when
+asked) and encodes the result; every replica decodes every result (its own shard's too), checks
+it against its own shard when verification is on (refused: it keeps its own), and applies
+``OuterOptimizer.outer_step``. Bytes are the lengths of the encoded parts and results a replica
+sends and receives. Replica ``BYZANTINE`` can lie in its parts and in the result it owns.
+Not part of p2pswarm: imported by the bench (``python bench/NAME.py`` puts bench/ on sys.path).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from p2pswarm.diloco import aggregation, compression
+from p2pswarm.diloco.messages import shard_bounds
+from p2pswarm.diloco.outer import OuterConfig, OuterOptimizer, flatten
+from p2pswarm.model.catalog import ModelSpec
+from p2pswarm.model.corpus import Corpus, batches, heldout_batches
+from p2pswarm.model.transformer import build_stage
+from p2pswarm.swarm.engine import BETAS, GRAD_CLIP, LEARNING_RATE, WEIGHT_DECAY, ids_tensor
+
+SPEC = ModelSpec("bench-lm", n_layers=2, stage_size=2, width=64, heads=2, ffn=256,
+                 context=64)  # 137k parameters: ~8 ms a step on one core
+N_WORKERS = 4  # replicas of the stage, the brief's group size
+BATCH = 8  # rows of SPEC.context bytes per worker micro-batch: 512 tokens a step
+MODEL_SEED = 0  # initial weights
+WARM_SEED = 7  # the warm start's data order (one stream over the whole corpus)
+WARM_FROM = 0.5  # the warm start reads from the middle of the corpus: disjoint from the arms' first MBs
+DATA_SEED = 1  # the arms' data order: worker w reads shard w of N_WORKERS
+HELDOUT_ROWS = 1024  # held-out windows evaluated: 66 KB of text, the same every time
+EVAL_ROWS = 128  # rows per evaluation forward: bounds memory, not the result
+ATTACK_SEED = 1234  # the noise attack's generator
+BYZANTINE = 3  # the index of the lying replica in the Byzantine arms
+NAMES = tuple(f"r{i}" for i in range(N_WORKERS))  # replica ids; sorted order = shard ownership
+DIVERGED_MARGIN = 1.0  # bits/byte above the warm start's (train or held-out) at which we stop an arm
+PROGRESS_PARTS = 4  # progress lines per arm
+
+
+def log(message: str) -> None:
+    """A progress line on stderr (stdout carries the tables)."""
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+# --- model, data, evaluation ----------------------------------------------------------------
+
+
+def new_model() -> torch.nn.Module:
+    model = build_stage(SPEC, 0, MODEL_SEED)
+    if not (model.is_first and model.is_last):
+        raise RuntimeError("the bench model must be one stage holding embedding, blocks and head")
+    return model
+
+
+def new_optimizer(model: torch.nn.Module, lr: float = LEARNING_RATE) -> torch.optim.AdamW:
+    """The engine's inner AdamW (lr, betas, weight decay)."""
+    return torch.optim.AdamW(model.parameters(), lr=lr, betas=BETAS, weight_decay=WEIGHT_DECAY)
+
+
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor) -> float:
+    """One AdamW step on one micro-batch, clipped as the engine clips; the loss in nats/byte."""
+    loss = model.loss(model(ids[:, :-1]), ids[:, 1:])
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
+    opt.step()
+    return loss.item()
+
+
+def evaluate(model: torch.nn.Module, heldout: list[torch.Tensor]) -> float:
+    """Held-out bits per byte: summed cross-entropy over every target byte, / ln 2."""
+    nats, count = 0.0, 0
+    with torch.no_grad():
+        for ids in heldout:
+            logits = model(ids[:, :-1])
+            nats += float(torch.nn.functional.cross_entropy(
+                logits.reshape(-1, SPEC.vocab), ids[:, 1:].reshape(-1), reduction="sum"))
+            count += ids[:, 1:].numel()
+    return nats / count / math.log(2)
+
+
+def load_heldout(corpus: Corpus) -> list[torch.Tensor]:
+    return [ids_tensor(b.rows) for b in heldout_batches(corpus, SPEC.context, EVAL_ROWS, HELDOUT_ROWS)]
+
+
+def load_streams(corpus: Corpus, steps: int) -> list[list[torch.Tensor]]:
+    """``steps`` micro-batches per worker from its own shard: the same bytes for every arm."""
+    streams = []
+    for w in range(N_WORKERS):
+        it = batches(corpus, w, N_WORKERS, SPEC.context, BATCH, seed=DATA_SEED)
+        streams.append([ids_tensor(next(it).rows) for _ in range(steps)])
+    return streams
+
+
+@dataclass
+class Warm:
+    """The shared checkpoint both arms start from: weights, AdamW state, held-out bpb."""
+
+    model_state: dict
+    opt_state: dict
+    bpb: float
+    train_bits: float  # mean training loss of the last 50 warm steps, bits/byte
+
+
+def warm_start(corpus: Corpus, steps: int, heldout: list[torch.Tensor]) -> Warm:
+    model = new_model()
+    opt = new_optimizer(model)
+    offset = int(len(corpus.train) * WARM_FROM)
+    it = batches(corpus, 0, 1, SPEC.context, BATCH, seed=WARM_SEED, offset=offset)
+    losses = [train_step(model, opt, ids_tensor(next(it).rows)) for _ in range(steps)]
+    tail = losses[-50:] or [math.nan]
+    return Warm(copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()),
+                evaluate(model, heldout), sum(tail) / len(tail) / math.log(2))
+
+
+def from_warm(warm: Warm, lr: float = LEARNING_RATE) -> tuple[torch.nn.Module, torch.optim.AdamW]:
+    """A model and an AdamW holding the warm weights and the warm optimizer state (copies)."""
+    model = new_model()
+    model.load_state_dict(warm.model_state)
+    opt = new_optimizer(model, lr)
+    opt.load_state_dict(copy.deepcopy(warm.opt_state))
+    for group in opt.param_groups:
+        group["lr"] = lr  # load_state_dict restores the warm lr; the arm's lr wins
+    return model, opt
+
+
+# --- synchronous data parallel -------------------------------------------------------------
+
+
+def run_sync(warm: Warm, streams: list[list[torch.Tensor]], heldout: list[torch.Tensor],
+             lr: float) -> dict:
+    """Every step: each worker's gradient on its own micro-batch, averaged, one clipped AdamW step."""
+    model, opt = from_warm(warm, lr)
+    steps = len(streams[0])
+    started, losses = time.monotonic(), []
+    for step in range(steps):
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for stream in streams:
+            ids = stream[step]
+            loss = model.loss(model(ids[:, :-1]), ids[:, 1:]) / N_WORKERS  # sum of the 4 = their mean
+            loss.backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
+        opt.step()
+        losses.append(total)
+        if (step + 1) % max(1, steps // PROGRESS_PARTS) == 0:
+            log(f"  sync lr {lr:g}: step {step + 1}/{steps}, train {_bits(losses[-50:]):.3f} bits/byte")
+    numel = sum(p.numel() for p in model.parameters())
+    per_step = 2 * (N_WORKERS - 1) / N_WORKERS * numel * 4  # ring all-reduce of the fp32 gradient
+    return {"steps": steps, "bpb": evaluate(model, heldout), "bytes_per_worker": per_step * steps,
+            "seconds": time.monotonic() - started, "diverged": False}
+
+
+def _bits(nats: list[float]) -> float:
+    return sum(nats) / max(1, len(nats)) / math.log(2)
+
+
+# --- DiLoCo ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One DiLoCo run: inner steps, codec, outer optimizer, aggregation, and an optional attack."""
+
+    inner_steps: int
+    codec: str
+    outer_lr: float
+    momentum: float
+    method: str = "mean"
+    verify: bool = False  # combine verifies parts, members verify results
+    attack: str | None = None  # None, "negate" (-10x its honest shards) or "noise" (Gaussian, same norm)
+    owner_attack: bool = True  # the attacker also lies in the result of the shard it owns
+
+
+@dataclass
+class Replica:
+    model: torch.nn.Module
+    opt: torch.optim.AdamW
+    params: dict
+    outer: OuterOptimizer
+    residual: torch.Tensor | None = None  # error feedback of a lossy codec
+
+
+@dataclass
+class Stats:
+    bytes_sent: list = field(default_factory=lambda: [0] * N_WORKERS)  # parts out
+    bytes_received: list = field(default_factory=lambda: [0] * N_WORKERS)  # results in
+    rejected_byzantine: int = 0  # the attacker's parts an honest owner refused
+    rejected_honest: int = 0  # an honest replica's parts refused (false positives)
+    refused_results: int = 0  # results an honest member refused (kept its own shard)
+    rounds: int = 0
+
+
+def make_replicas(warm: Warm, arm: Arm) -> list[Replica]:
+    config = OuterConfig(inner_steps=arm.inner_steps, lr=arm.outer_lr, momentum=arm.momentum, nesterov=True)
+    replicas = []
+    for _ in range(N_WORKERS):
+        model, opt = from_warm(warm)
+        params = dict(model.named_parameters())
+        replicas.append(Replica(model, opt, params, OuterOptimizer(params, config, step=0)))
+    return replicas
+
+
+NEGATE_FACTOR = 10.0  # attack A: the attacker sends -10x its honest pseudo-gradient
+
+
+def attacked(honest: torch.Tensor, kind: str, gen: torch.Generator) -> torch.Tensor:
+    """What the attacker sends instead of ``honest`` (one shard)."""
+    if kind == "negate":
+        return honest * -NEGATE_FACTOR
+    noise = torch.randn(honest.numel(), generator=gen)
+    norm = float(torch.linalg.vector_norm(noise))
+    return noise * (float(torch.linalg.vector_norm(honest)) / norm) if norm > 0 else noise
+
+
+def encode_parts(replica: Replica, bounds: list, codec: str) -> tuple[torch.Tensor, torch.Tensor, list[bytes]]:
+    """As ``service._provide_shards``: the flat weights, pseudo-gradient + residual, its encoded shards."""
+    at = flatten(replica.params)
+    pseudo = replica.outer.pseudo_gradient(at)
+    if replica.residual is not None:
+        pseudo = pseudo + replica.residual
+    shards = [compression.encode(pseudo[a:b], codec) for a, b in bounds]
+    if codec != "float32":
+        sent = torch.cat([compression.decode(s, codec, b - a) for s, (a, b) in zip(shards, bounds)])
+        replica.residual = pseudo - sent
+    return at, pseudo, shards
+
+
+def combine_shard(index: int, parts: list[list[bytes]], bounds: list, arm: Arm, stats: Stats) -> bytes:
+    """Owner ``index``: decode the parts of its shard, combine (verifying if asked), encode the result."""
+    a, b = bounds[index]
+    contributions = {NAMES[r]: compression.decode(parts[r][index], arm.codec, b - a) for r in range(N_WORKERS)}
+    check = aggregation.VerifyConfig() if arm.verify else None
+    combined = aggregation.combine(contributions, NAMES[index], arm.method, check)
+    for name in combined.rejected:
+        if arm.attack is not None and name == NAMES[BYZANTINE]:
+            stats.rejected_byzantine += 1
+        else:
+            stats.rejected_honest += 1
+    return compression.encode(combined.result, arm.codec)
+
+
+def assemble(pseudo: torch.Tensor, results: list[bytes], bounds: list, arm: Arm) -> tuple[torch.Tensor, int]:
+    """As ``service._assemble``: every result decoded; a verifying member keeps its own shard where it refuses one."""
+    shards, refused = [], 0
+    for data, (a, b) in zip(results, bounds):
+        result = compression.decode(data, arm.codec, b - a)
+        if arm.verify and not aggregation.verify(result, pseudo[a:b], aggregation.VerifyConfig()).accepted:
+            refused += 1
+            shards.append(pseudo[a:b])
+            continue
+        shards.append(result)
+    return torch.cat(shards), refused
+
+
+def outer_round(replicas: list[Replica], arm: Arm, bounds: list, stats: Stats, gen: torch.Generator,
+                step: int) -> None:
+    """One butterfly round of every replica (module docstring); ValueError if something is not finite."""
+    prepared = [encode_parts(replica, bounds, arm.codec) for replica in replicas]
+    parts = [shards for _, _, shards in prepared]
+    liar = arm.attack is not None
+    if liar:
+        pseudo = prepared[BYZANTINE][1]
+        parts[BYZANTINE] = [compression.encode(attacked(pseudo[a:b], arm.attack, gen), arm.codec) for a, b in bounds]
+    results = [combine_shard(i, parts, bounds, arm, stats) for i in range(N_WORKERS)]
+    sent_results = list(results)
+    if liar and arm.owner_attack:
+        a, b = bounds[BYZANTINE]
+        honest = compression.decode(results[BYZANTINE], arm.codec, b - a)
+        sent_results[BYZANTINE] = compression.encode(attacked(honest, arm.attack, gen), arm.codec)
+    for r, (replica, (at, pseudo, _)) in enumerate(zip(replicas, prepared)):
+        mine = results if r == BYZANTINE else sent_results  # the attacker applies the honest aggregate
+        aggregated, refused = assemble(pseudo, mine, bounds, arm)
+        if not (liar and r == BYZANTINE):
+            stats.refused_results += refused
+        replica.outer.outer_step(aggregated, at, replica.params, step)
+        stats.bytes_sent[r] += sum(len(p) for i, p in enumerate(parts[r]) if i != r)
+        stats.bytes_sent[r] += (N_WORKERS - 1) * len(sent_results[r])
+    stats.rounds += 1
+
+
+def inner_phase(replicas: list[Replica], streams: list[list[torch.Tensor]], start: int, steps: int) -> list[float]:
+    """``steps`` AdamW steps of every replica on its own shard; each replica's mean loss in bits/byte."""
+    means = []
+    for replica, stream in zip(replicas, streams):
+        losses = [train_step(replica.model, replica.opt, stream[t]) for t in range(start, start + steps)]
+        means.append(_bits(losses))
+    return means
+
+
+def run_diloco(warm: Warm, streams: list[list[torch.Tensor]], heldout: list[torch.Tensor], arm: Arm,
+               label: str) -> dict:
+    """T inner steps per replica in rounds of H, then held-out of honest replica 0 (module docstring)."""
+    replicas = make_replicas(warm, arm)
+    numel = replicas[0].outer.numel
+    bounds, stats = shard_bounds(numel, N_WORKERS), Stats()
+    gen = torch.Generator().manual_seed(ATTACK_SEED)
+    steps, h = len(streams[0]), arm.inner_steps
+    started, stopped, train = time.monotonic(), None, math.nan
+    limit = max(warm.train_bits, warm.bpb) + DIVERGED_MARGIN  # far beyond the data's own variation
+    for k in range(steps // h):
+        train = inner_phase(replicas, streams, k * h, h)[0]
+        if not train <= limit:  # also true for NaN
+            stopped = f"training loss {train:.2f} bits/byte after round {k}"
+            break
+        try:
+            outer_round(replicas, arm, bounds, stats, gen, (k + 1) * h)
+        except ValueError as exc:
+            stopped = f"round {k + 1}: {exc}"
+            break
+        if (k + 1) % max(1, steps // h // PROGRESS_PARTS) == 0:
+            log(f"  {label}: outer step {k + 1}/{steps // h}, replica 0 train {train:.3f} bits/byte")
+    if stopped:
+        log(f"  {label}: stopped, {stopped}")
+    return _diloco_result(replicas, heldout, warm, stats, arm, stopped, time.monotonic() - started)
+
+
+def _diloco_result(replicas: list[Replica], heldout: list[torch.Tensor], warm: Warm, stats: Stats, arm: Arm,
+                   stopped: str | None, seconds: float) -> dict:
+    honest = [r for i, r in enumerate(replicas) if arm.attack is None or i != BYZANTINE]
+    first = flatten(honest[0].params)
+    diff = max((float((flatten(r.params) - first).abs().max()) for r in honest[1:]), default=0.0)
+    start_diff = max((float((r.outer.start - honest[0].outer.start).abs().max()) for r in honest[1:]), default=0.0)
+    bpb = evaluate(honest[0].model, heldout)
+    numel = honest[0].outer.numel
+    return {"outer_steps": stats.rounds, "bpb": bpb, "bytes_per_worker": sum(stats.bytes_sent) / N_WORKERS,
+            "formula_bytes_per_round": 2 * (N_WORKERS - 1) / N_WORKERS * compression.encoded_size(arm.codec, numel),
+            "rejected_byzantine": stats.rejected_byzantine, "rejected_honest": stats.rejected_honest,
+            "refused_results": stats.refused_results, "max_param_diff": diff, "max_start_diff": start_diff,
+            "diverged": bool(stopped) or not bpb <= warm.bpb, "stopped": stopped, "seconds": seconds}
