@@ -289,9 +289,10 @@ class DilocoService:
                 parts.append(own)
                 continue
             result = compression.decode(data, self.settings.codec, b - a)
-            if verify is not None and outcome.group[index] != self.me and \
-                    not aggregation.verify(result, own, verify).accepted:
-                refused.append(index)  # an owner's aggregate far from our own: a bad owner; keep ours
+            verdict = aggregation.verify(result, own, verify) if verify and outcome.group[index] != self.me else None
+            if verdict is not None and not verdict.accepted:
+                refused.append(index)  # an owner's aggregate far from our own: a lying owner; keep ours,
+                self._rejected(outcome.group[index], f"aggregate of shard {index}: {verdict.reason}")  # strike it
                 parts.append(own)
                 continue
             parts.append(result)
