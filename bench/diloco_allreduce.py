@@ -114,7 +114,7 @@ async def _rounds(service, engine, numel: int, index: int) -> None:
         last = service.history[-1] if service.history else {}
         print(json.dumps({"round": round_, "seconds": seconds, "members": len(last.get("members", [])),
                           "sent": service.bytes_sent - sent, "received": service.bytes_received - received,
-                          "missing": len(last.get("missing_shards", []))}), flush=True)
+                          "missing": len(last.get("missing_shards", [])), "phases": last.get("phases_s")}), flush=True)
 
 
 # --- coordinator -----------------------------------------------------------------------------
@@ -141,7 +141,8 @@ def run_arm(mib: int, arm: str) -> list[float]:
                               "warmup": r < WARMUP, "seconds": round(seconds, 4),
                               "members": [rep["members"] for rep in reports],
                               "sent_mb": [round(rep["sent"] / 1e6, 2) for rep in reports],
-                              "missing": sum(rep["missing"] for rep in reports)}), flush=True)
+                              "missing": sum(rep["missing"] for rep in reports),
+                              "phases": [rep["phases"] for rep in reports]}), flush=True)
             if r >= WARMUP:
                 times.append(seconds)
         return times

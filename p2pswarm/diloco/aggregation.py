@@ -37,6 +37,7 @@ TRIM_FRACTION = 0.25  # per side: n=4 drops 1+1, n=8 drops 2+2; below 4 nothing 
 CLIP_TAU = 1.0  # clip radius in units of the median distance to the center (see _centered_clip)
 CLIP_ITERATIONS = 3  # the paper needs 1 from a good start; 3 from the median, at 3 passes a step
 MIN_VERIFIED = 3  # contributions needed before any is judged: with two, neither can be called the liar
+NETWORK_MAX = 8  # contributions sorted by a min/max network (28 comparators at 8) rather than torch.sort
 BLOCK_ELEMENTS = 1 << 18  # coordinates sorted at once: temporaries ~16 B * n * 256K (64 MiB at n=16)
 MIN_COSINE = 0.2  # honest replicas descend the same loss from the same start; noise has cosine ~0
 MAX_NORM_RATIO = 3.0  # same steps and lr give norms within tens of %; 3x leaves room for data skew
@@ -227,9 +228,19 @@ def _blockwise(contributions: list[torch.Tensor],
     return result
 
 
-def _sorted(block: list[torch.Tensor]) -> torch.Tensor:
-    """The slices stacked and sorted across contributions: row i holds each coordinate's i-th value."""
-    return torch.sort(torch.stack(block), dim=0).values
+def _sorted(block: list[torch.Tensor]) -> torch.Tensor | list[torch.Tensor]:
+    """The slices sorted across contributions: row i holds each coordinate's i-th value.
+
+    For up to NETWORK_MAX contributions an odd-even transposition network of elementwise
+    min/max does it: the same values as ``torch.sort`` (for finite inputs), but ~10x faster,
+    because torch sorts along a short strided dimension slowly (165 ms for 4 x 4M here)."""
+    if len(block) > NETWORK_MAX:
+        return torch.sort(torch.stack(block), dim=0).values
+    rows = list(block)
+    for phase in range(len(rows)):
+        for i in range(phase % 2, len(rows) - 1, 2):
+            rows[i], rows[i + 1] = torch.minimum(rows[i], rows[i + 1]), torch.maximum(rows[i], rows[i + 1])
+    return rows
 
 
 def _mean_of_rows(rows: list[torch.Tensor] | torch.Tensor, count: int) -> torch.Tensor:
@@ -245,16 +256,16 @@ def _mean_of_rows(rows: list[torch.Tensor] | torch.Tensor, count: int) -> torch.
     return total.div_(count).to(torch.float32)
 
 
-def _trimmed_mean_of_sorted(ordered: torch.Tensor) -> torch.Tensor:
+def _trimmed_mean_of_sorted(ordered) -> torch.Tensor:
     """The mean of the middle rows of ``ordered``, ``floor(n * TRIM_FRACTION)`` dropped per side."""
-    n = ordered.shape[0]
+    n = len(ordered)
     trim = math.floor(n * TRIM_FRACTION)
     return _mean_of_rows(ordered[trim:], n - 2 * trim)
 
 
-def _median_of_sorted(ordered: torch.Tensor) -> torch.Tensor:
+def _median_of_sorted(ordered) -> torch.Tensor:
     """The middle row of ``ordered``, or the mean of the two middle rows for an even count."""
-    n = ordered.shape[0]
+    n = len(ordered)
     return ordered[n // 2] if n % 2 else _mean_of_rows(ordered[n // 2 - 1:], 2)
 
 

@@ -154,17 +154,17 @@ class OuterOptimizer:
         if type(step) is not int or step < self.round_started_step:
             raise ValueError(f"step {step!r} is before the round began at {self.round_started_step}")
         g = aggregated.to(torch.float32)
-        if not bool(torch.isfinite(g).all()):
-            raise ValueError("the aggregated pseudo-gradient is not finite")
+        if not math.isfinite(float(g.sum(dtype=torch.float64))) and not bool(torch.isfinite(g).all()):
+            raise ValueError("the aggregated pseudo-gradient is not finite")  # (a finite sum: all finite)
         mu = self.config.momentum
         self.momentum.mul_(mu).add_(g)
         update = g.add(self.momentum, alpha=mu) if self.config.nesterov else self.momentum
-        new_start = self.start.add(update, alpha=-self.config.lr)
-        add_flat(params, new_start - at.to(torch.float32))
-        self.start = new_start
+        self.start.add_(update, alpha=-self.config.lr)  # in place: a stage's vector is up to 256 MB
+        del update
+        add_flat(params, torch.sub(self.start, at.to(torch.float32)))
         self.rounds += 1
         self.round_started_step = step
-        return new_start.clone()
+        return self.start.clone()
 
     def _check_vector(self, vector: torch.Tensor, name: str) -> None:
         if not isinstance(vector, torch.Tensor) or vector.dim() != 1 or vector.numel() != self.numel:

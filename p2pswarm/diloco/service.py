@@ -213,20 +213,22 @@ class DilocoService:
             at = flatten(engine.params)
             pseudo = self.outer.pseudo_gradient(at)
             if self.residual is not None:
-                pseudo = pseudo + self.residual
+                pseudo.add_(self.residual)
             if attack:
                 return at, pseudo, [compression.encode(_poisoned(pseudo[a:b], attack), codec) for a, b in bounds]
             shards = [compression.encode(pseudo[a:b], codec) for a, b in bounds]
             if codec != "float32":
                 sent = torch.cat([compression.decode(s, codec, b - a) for s, (a, b) in zip(shards, bounds)])
-                self.residual = pseudo - sent
+                self.residual = sent.neg_().add_(pseudo)  # what the codec left out, carried to the next round
             return at, pseudo, shards
 
         if attack:
             log.warning("%s=%s: this peer sends poisoned pseudo-gradients (a test of the others' defences)",
                         ATTACK_VARIABLE, attack)
+        began = trio.current_time()
         at, pseudo, shards = await self.swarm.with_engine(take)
-        self._pending = {"at": at, "pseudo": pseudo, "bounds": bounds}
+        self._pending = {"at": at, "pseudo": pseudo, "bounds": bounds, "agreed_s": began - self._started_at,
+                         "take_s": trio.current_time() - began}
         self._do(round_, round_.provide_shards(shards, trio.current_time()))
 
     def _combine(self, contributions: dict[str, bytes], me: str) -> tuple[bytes, dict[str, str]]:
@@ -248,7 +250,9 @@ class DilocoService:
             self._retry_at = trio.current_time() + LEFT_OUT_BACKOFF  # will tell us whom to load from
             return
         pending = self._pending or await self._alone()
-        aggregated, missing, refused = self._assemble(outcome, pending)
+        finished = trio.current_time()
+        aggregated, missing, refused = await trio.to_thread.run_sync(self._assemble, outcome, pending)
+        assembled = trio.current_time()
 
         def apply(engine):
             self.outer.outer_step(aggregated, pending["at"], engine.params, engine.step)
@@ -263,7 +267,12 @@ class DilocoService:
             "bytes_received": self.bytes_received - self._received_before,
             "missing_shards": missing, "refused_results": refused,
             "pseudo_gradient_norm": round(float(pending["pseudo"].norm()), 4),
-            "update_norm": round(float(aggregated.norm()), 4), "at_step": self.swarm.engine.step})
+            "update_norm": round(float(aggregated.norm()), 4), "at_step": self.swarm.engine.step,
+            "phases_s": {"gather_agree": round(pending.get("agreed_s", 0.0), 3),
+                         "take_pseudo_gradient": round(pending.get("take_s", 0.0), 3),
+                         "exchange": round(finished - self._started_at - pending.get("agreed_s", 0.0)
+                                           - pending.get("take_s", 0.0), 3),
+                         "assemble": round(assembled - finished, 3), "outer_step": round(now - assembled, 3)}})
         self.counts["rounds"] += 1
         log.info("outer round %d done: %d member(s), %.1f s, %.2f MB sent, %d shard(s) missing",
                  round_.round, len(outcome.group), now - self._started_at,
