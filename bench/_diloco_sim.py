@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from p2pswarm.diloco.service import result_check  # the member's check of an owner's aggregate
 from p2pswarm.diloco import aggregation, compression
 from p2pswarm.diloco.messages import shard_bounds
 from p2pswarm.diloco.outer import OuterConfig, OuterOptimizer, flatten
@@ -254,12 +255,14 @@ def combine_shard(index: int, parts: list[list[bytes]], bounds: list, arm: Arm, 
     return compression.encode(combined.result, arm.codec)
 
 
-def assemble(pseudo: torch.Tensor, results: list[bytes], bounds: list, arm: Arm) -> tuple[torch.Tensor, int]:
-    """As ``service._assemble``: every result decoded; a verifying member keeps its own shard where it refuses one."""
+def assemble(pseudo: torch.Tensor, results: list[bytes], bounds: list, arm: Arm, me: int) -> tuple[torch.Tensor, int]:
+    """As ``service._assemble``: every result decoded; a verifying member keeps its own shard where it
+    refuses another owner's aggregate (judged by its length, ``service.result_check``)."""
     shards, refused = [], 0
-    for data, (a, b) in zip(results, bounds):
+    check = result_check(len(bounds))
+    for index, (data, (a, b)) in enumerate(zip(results, bounds)):
         result = compression.decode(data, arm.codec, b - a)
-        if arm.verify and not aggregation.verify(result, pseudo[a:b], aggregation.VerifyConfig()).accepted:
+        if arm.verify and index != me and not aggregation.verify(result, pseudo[a:b], check).accepted:
             refused += 1
             shards.append(pseudo[a:b])
             continue
@@ -284,7 +287,7 @@ def outer_round(replicas: list[Replica], arm: Arm, bounds: list, stats: Stats, g
         sent_results[BYZANTINE] = compression.encode(attacked(honest, arm.attack, gen), arm.codec)
     for r, (replica, (at, pseudo, _)) in enumerate(zip(replicas, prepared)):
         mine = results if r == BYZANTINE else sent_results  # the attacker applies the honest aggregate
-        aggregated, refused = assemble(pseudo, mine, bounds, arm)
+        aggregated, refused = assemble(pseudo, mine, bounds, arm, r)
         if not (liar and r == BYZANTINE):
             stats.refused_results += refused
         replica.outer.outer_step(aggregated, at, replica.params, step)

@@ -290,7 +290,7 @@ class DilocoService:
     def _assemble(self, outcome, pending) -> tuple[torch.Tensor, list[int], list[int]]:
         """The group's pseudo-gradient: each shard's result, or our own where it is missing or refused."""
         pseudo, parts, missing, refused = pending["pseudo"], [], list(outcome.missing), []
-        verify = _result_check(len(outcome.group)) if self.settings.verify else None
+        verify = result_check(len(outcome.group)) if self.settings.verify else None
         for index, (a, b) in enumerate(pending["bounds"]):
             own = pseudo[a:b]
             data = outcome.results.get(index)
@@ -463,7 +463,7 @@ def _poisoned(shard: torch.Tensor, attack: str) -> torch.Tensor:
     return -10.0 * shard
 
 
-def _result_check(members: int) -> aggregation.VerifyConfig:
+def result_check(members: int) -> aggregation.VerifyConfig:
     """How far an owner's aggregate may be from our own shard before we call it a lie: only its
     length is judged. The mean of n nearly orthogonal honest pseudo-gradients is about
     1/sqrt(n) as long as each and points anywhere within 60 degrees, so direction says little;
