@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from p2pswarm.diloco.service import result_check  # the member's check of an owner's aggregate
+from p2pswarm.diloco.service import STRIKES, result_check  # as the service: barring, and judging results
 from p2pswarm.diloco import aggregation, compression
 from p2pswarm.diloco.messages import shard_bounds
 from p2pswarm.diloco.outer import OuterConfig, OuterOptimizer, flatten
@@ -198,6 +198,7 @@ class Replica:
 
 @dataclass
 class Stats:
+    strikes: list = field(default_factory=list)  # rounds in which the honest replicas refused the liar
     bytes_sent: list = field(default_factory=lambda: [0] * N_WORKERS)  # parts out
     bytes_received: list = field(default_factory=lambda: [0] * N_WORKERS)  # results in
     rejected_byzantine: int = 0  # the attacker's parts an honest owner refused
@@ -244,7 +245,7 @@ def encode_parts(replica: Replica, bounds: list, codec: str) -> tuple[torch.Tens
 def combine_shard(index: int, parts: list[list[bytes]], bounds: list, arm: Arm, stats: Stats) -> bytes:
     """Owner ``index``: decode the parts of its shard, combine (verifying if asked), encode the result."""
     a, b = bounds[index]
-    contributions = {NAMES[r]: compression.decode(parts[r][index], arm.codec, b - a) for r in range(N_WORKERS)}
+    contributions = {NAMES[r]: compression.decode(parts[r][index], arm.codec, b - a) for r in range(len(parts))}
     check = aggregation.VerifyConfig() if arm.verify else None
     combined = aggregation.combine(contributions, NAMES[index], arm.method, check)
     for name in combined.rejected:
@@ -268,6 +269,24 @@ def assemble(pseudo: torch.Tensor, results: list[bytes], bounds: list, arm: Arm,
             continue
         shards.append(result)
     return torch.cat(shards), refused
+
+
+def honest_round(replicas: list[Replica], arm: Arm, stats: Stats, step: int) -> None:
+    """A round of the honest replicas alone (the liar is barred: service.STRIKES); the liar steps alone."""
+    honest, liar = replicas[:BYZANTINE], replicas[BYZANTINE]
+    bounds = shard_bounds(honest[0].outer.numel, len(honest))
+    prepared = [encode_parts(replica, bounds, arm.codec) for replica in honest]
+    parts = [shards for _, _, shards in prepared]
+    results = [combine_shard(i, parts, bounds, arm, stats) for i in range(len(honest))]
+    for r, (replica, (at, pseudo, _)) in enumerate(zip(honest, prepared)):
+        aggregated, refused = assemble(pseudo, results, bounds, arm, r)
+        stats.refused_results += refused
+        replica.outer.outer_step(aggregated, at, replica.params, step)
+        stats.bytes_sent[r] += sum(len(p) for i, p in enumerate(parts[r]) if i != r)
+        stats.bytes_sent[r] += (len(honest) - 1) * len(results[r])
+    at, pseudo, _ = encode_parts(liar, [(0, liar.outer.numel)], arm.codec)
+    liar.outer.outer_step(pseudo, at, liar.params, step)
+    stats.rounds += 1
 
 
 def outer_round(replicas: list[Replica], arm: Arm, bounds: list, stats: Stats, gen: torch.Generator,
@@ -321,7 +340,13 @@ def run_diloco(warm: Warm, streams: list[list[torch.Tensor]], heldout: list[torc
             stopped = f"training loss {train:.2f} bits/byte after round {k}"
             break
         try:
-            outer_round(replicas, arm, bounds, stats, gen, (k + 1) * h)
+            if arm.verify and arm.attack is not None and len(stats.strikes) >= STRIKES:
+                honest_round(replicas, arm, stats, (k + 1) * h)
+            else:
+                before = (stats.rejected_byzantine, stats.refused_results)
+                outer_round(replicas, arm, bounds, stats, gen, (k + 1) * h)
+                if (stats.rejected_byzantine, stats.refused_results) != before:
+                    stats.strikes.append(k)  # honest replicas refused the liar this round
         except ValueError as exc:
             stopped = f"round {k + 1}: {exc}"
             break

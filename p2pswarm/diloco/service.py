@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import math
 import os
 from collections import Counter
 from pathlib import Path
@@ -464,9 +465,11 @@ def _poisoned(shard: torch.Tensor, attack: str) -> torch.Tensor:
 
 
 def result_check(members: int) -> aggregation.VerifyConfig:
-    """How far an owner's aggregate may be from our own shard before we call it a lie: only its
-    length is judged. The mean of n nearly orthogonal honest pseudo-gradients is about
-    1/sqrt(n) as long as each and points anywhere within 60 degrees, so direction says little;
-    a -10x or blown-up aggregate is far too long."""
+    """How far an owner's aggregate may be from our own shard before we call it a lie. The mean of
+    n honest pseudo-gradients contains ours: even when they are nearly orthogonal (a cold start,
+    a few dozen Adam steps) its cosine with ours is about 1/sqrt(n) and its length about
+    1/sqrt(n) of ours; more when they agree. So it must point at least half that way, and be
+    neither n times longer nor shorter; noise or a -10x aggregate fails."""
     ratio = max(aggregation.MAX_NORM_RATIO, float(members))
-    return aggregation.VerifyConfig(min_cosine=-1.0, max_norm_ratio=ratio, max_var_ratio=ratio * ratio)
+    return aggregation.VerifyConfig(min_cosine=0.5 / math.sqrt(members), max_norm_ratio=ratio,
+                                    max_var_ratio=ratio * ratio)
