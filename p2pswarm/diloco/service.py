@@ -391,6 +391,7 @@ class DilocoService:
             try:
                 engine.load_state_dict(state["engine"])
                 self.outer.load_state_dict(state["diloco"])
+                self.outer.config = self._outer_config()  # our flags, not the neighbour's
                 residual = state.get("feedback", {}).get("residual")
                 self.residual = residual if isinstance(residual, torch.Tensor) and \
                     residual.shape == (self.outer.numel,) else None
