@@ -159,10 +159,21 @@ class DilocoService:
             elif isinstance(action, rnd.Rejected):
                 self._rejected(action.peer, action.reason)
             elif isinstance(action, rnd.CatchUp):
-                self._behind = (action.peer, action.round)
-                self._wake.set()
+                self._note_ahead(action.peer, action.round)
             elif isinstance(action, rnd.Finished):
                 self._nursery.start_soon(self._finish, round_, action.outcome)
+
+    def _note_ahead(self, peer: str, their_round: int) -> None:
+        """A replica says it is at a later round: load its state once our round is over. Only a
+        replica of our stage map that we still meet is believed, and only as far as its signed
+        record goes (plus the one round it may have finished since it was announced): a peer
+        claiming round 10^18 must not make us load whatever it serves."""
+        record = next((r for r in self._stage_map.stages.get(self.stage, []) if r.peer_id == peer), None)
+        if their_round <= self.outer.rounds or peer not in self._replicas() or record is None \
+                or their_round > record.capacity.outer_round + 1:
+            return
+        self._behind = (peer, their_round)
+        self._wake.set()
 
     def _rejected(self, peer: str, reason: str) -> None:
         self.counts["rejected_contributions"] += 1
@@ -320,9 +331,8 @@ class DilocoService:
                 reply, actions = round_.on_hello(peer, message, now)
                 self._do(round_, actions)
                 return reply
-            if message.stage == self.stage and message.round > self.outer.rounds and message.ready:
-                self._behind = (peer, message.round)  # a replica further on: load its state after our round
-                self._wake.set()
+            if message.stage == self.stage and message.ready:
+                self._note_ahead(peer, message.round)
             return self._status()
         self.bytes_received += len(payload)
         if not isinstance(message, (msgs.Part, msgs.Result)):
