@@ -1,0 +1,68 @@
+"""The DiLoCo driver's own judgement of peers: whom it believes is ahead, whom it stops meeting."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("torch")
+
+from p2pswarm.diloco.service import STRIKE_ROUNDS, STRIKES, DilocoService, result_check  # noqa: E402
+from p2pswarm.diloco.settings import DilocoSettings  # noqa: E402
+from p2pswarm.model.catalog import get_model  # noqa: E402
+
+ME, AHEAD, STRANGER = "12D3KooWme", "12D3KooWahead", "12D3KooWstranger"
+
+
+def service(record_round: int = 5) -> DilocoService:
+    record = SimpleNamespace(peer_id=AHEAD, capacity=SimpleNamespace(outer_round=record_round))
+    stage_map = SimpleNamespace(stages={1: [record]})
+    s = DilocoService(settings=DilocoSettings(), spec=get_model("tiny-lm/2"), stage=1, me=ME, pool=None,
+                      stage_map=stage_map)
+    s.outer = SimpleNamespace(rounds=3)
+    return s
+
+
+def test_a_later_round_is_believed_from_a_known_replica_up_to_its_record_plus_one():
+    s = service(record_round=5)
+    s._note_ahead(AHEAD, 6)
+    assert s._behind == (AHEAD, 6)
+
+
+@pytest.mark.parametrize("peer, claimed", [(AHEAD, 7), (AHEAD, 10**18), (AHEAD, 3), (STRANGER, 4)])
+def test_a_claim_beyond_the_signed_record_or_from_a_stranger_is_ignored(peer, claimed):
+    s = service(record_round=5)
+    s._note_ahead(peer, claimed)
+    assert s._behind is None
+
+
+def test_a_peer_refused_in_enough_recent_rounds_is_no_longer_met():
+    s = service()
+    for round_ in range(STRIKES - 1):
+        s.outer.rounds = round_
+        s._rejected(AHEAD, "cosine -1")
+    assert not s._barred(AHEAD) and AHEAD in s._replicas()
+    s.outer.rounds = STRIKES - 1
+    s._rejected(AHEAD, "cosine -1")
+    assert s._barred(AHEAD) and AHEAD not in s._replicas()
+    s._note_ahead(AHEAD, s.outer.rounds + 1)
+    assert s._behind is None  # a barred peer cannot make us load its state either
+    s.outer.rounds += STRIKE_ROUNDS  # strikes age out: it is met again
+    assert not s._barred(AHEAD)
+
+
+def test_an_owner_aggregate_check_admits_the_mean_of_orthogonal_honest_shards_and_refuses_lies():
+    import torch
+
+    from p2pswarm.diloco.aggregation import verify
+
+    gen = torch.Generator().manual_seed(0)
+    for members in (2, 4, 8, 16):
+        shards = [torch.randn(50_000, generator=gen) for _ in range(members)]
+        mean = torch.stack(shards).mean(0)
+        check = result_check(members)
+        assert verify(mean, shards[0], check).accepted
+        assert not verify(-10 * shards[-1], shards[0], check).accepted
+        noise = torch.randn(50_000, generator=gen) * float(mean.norm()) / 50_000 ** 0.5
+        assert not verify(noise, shards[0], check).accepted
