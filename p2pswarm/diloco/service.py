@@ -114,7 +114,8 @@ class DilocoService:
 
     async def _step_rounds(self) -> None:
         now = trio.current_time()
-        if self._behind is not None and (self.round is None or self.round.phase in (Phase.DONE, Phase.LEFT_OUT)):
+        if self._behind is not None and (self.round is None or self.round.phase is Phase.LEFT_OUT):
+            # (a round that is DONE is still applying its outer step: load only after it, not under it)
             (peer, their_round), self._behind = self._behind, None
             if their_round > self.outer.rounds:  # not caught up meanwhile by our own round
                 await self._catch_up([peer])
