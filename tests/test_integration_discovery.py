@@ -1,6 +1,6 @@
 """One real ``p2pswarm bootstrap`` and six ``p2pswarm join`` processes on loopback.
 
-Every node's /api/stages must list every announced stage within 30 s, and a node killed with
+Every node's /api/stages must list every announced stage within 60 s, and a node killed with
 SIGKILL must drop out of the stage map once its record's TTL has passed.
 """
 
@@ -18,6 +18,7 @@ from tests.procs import Swarm, free_port, get_json, wait_until
 pytestmark = pytest.mark.integration
 
 RANGES = ["0:2", "2:4", "4:6", "6:8", "0:2", "4:6"]  # tiny-lm: 4 stages of 2 layers; two served twice
+CONVERGE_DEADLINE = 60.0  # seconds; converging takes 2-8 s on a quiet machine (docs/benchmarks.md)
 
 
 def announced(stages_doc: dict | None) -> set[tuple[str, int, int]]:
@@ -50,7 +51,9 @@ def test_stage_map_converges_and_forgets_killed_peer(swarm):
         return all(announced(get_json(api, "/api/stages")) == expected for api in apis)
 
     started = time.monotonic()
-    assert wait_until(all_converged, timeout=30), {api: announced(get_json(api, "/api/stages")) for api in apis}
+    # a deadline, not a timing: six training peers (each with a DiLoCo start-up) share two cores here
+    assert wait_until(all_converged, timeout=CONVERGE_DEADLINE), \
+        {api: announced(get_json(api, "/api/stages")) for api in apis}
     print(f"stage map converged on all 6 nodes after {time.monotonic() - started:.1f} s")
 
     victim, victim_api = nodes[0]
