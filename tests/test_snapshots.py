@@ -66,19 +66,19 @@ def test_arbitrary_bytes_decode_or_raise_remote_protocol_error(data):
         pass
 
 
-def with_server(test, make):
-    """Run ``test(pool, server_id)`` with a real host serving ``SnapshotServer(make)`` for stage 1 of m."""
+def with_server(test, make, server=SnapshotServer):
+    """Run ``test(pool, server_id)`` with a real host serving ``server("m", 1, make)``."""
 
     async def main():
         async with AsyncExitStack() as stack:
-            server, client = [await stack.enter_async_context(open_host(generate_identity(), LOOPBACK))
-                              for _ in range(2)]
+            host, client = [await stack.enter_async_context(open_host(generate_identity(), LOOPBACK))
+                            for _ in range(2)]
             async with trio.open_nursery() as nursery:
-                StreamPool(server, nursery).serve(snapshots.PROTOCOL_ID, SnapshotServer("m", 1, make).on_frame)
-                await connect(client, peer_info_from_multiaddr(str(server.get_addrs()[0])))
+                StreamPool(host, nursery).serve(snapshots.PROTOCOL_ID, server("m", 1, make).on_frame)
+                await connect(client, peer_info_from_multiaddr(str(host.get_addrs()[0])))
                 pool = StreamPool(client, nursery, Connector(client, nursery))
                 with trio.fail_after(60):
-                    await test(pool, str(server.get_id()))
+                    await test(pool, str(host.get_id()))
                 nursery.cancel_scope.cancel()
 
     trio.run(main)
@@ -111,19 +111,11 @@ def test_a_snapshot_that_does_not_match_its_digest_is_refused():
     async def make():
         return Snapshot(os.urandom(1000), 0, 0, trio.current_time())
 
-    async def main():
-        async with AsyncExitStack() as stack:
-            server, client = [await stack.enter_async_context(open_host(generate_identity(), LOOPBACK))
-                              for _ in range(2)]
-            async with trio.open_nursery() as nursery:
-                StreamPool(server, nursery).serve(snapshots.PROTOCOL_ID, Tampered("m", 1, make).on_frame)
-                await connect(client, peer_info_from_multiaddr(str(server.get_addrs()[0])))
-                pool = StreamPool(client, nursery, Connector(client, nursery))
-                with pytest.raises(RemoteProtocolError, match="digest"):
-                    await fetch_snapshot(pool, str(server.get_id()), "m", 1)
-                nursery.cancel_scope.cancel()
+    async def test(pool, server):
+        with pytest.raises(RemoteProtocolError, match="digest"):
+            await fetch_snapshot(pool, server, "m", 1)
 
-    trio.run(main)
+    with_server(test, make, Tampered)
 
 
 def test_a_peer_of_another_stage_says_so():
