@@ -66,3 +66,23 @@ def test_an_owner_aggregate_check_admits_the_mean_of_orthogonal_honest_shards_an
         assert not verify(-10 * shards[-1], shards[0], check).accepted
         noise = torch.randn(50_000, generator=gen) * float(mean.norm()) / 50_000 ** 0.5
         assert not verify(noise, shards[0], check).accepted
+
+
+def test_a_hello_from_a_peer_not_announced_for_our_stage_never_reaches_the_round():
+    import trio
+
+    from p2pswarm.diloco.messages import Hello
+
+    s = service()
+    s.outer = SimpleNamespace(rounds=3, numel=10)
+    seen = []
+    s.round = SimpleNamespace(round=3, on_hello=lambda peer, hello, now: (seen.append(peer) or hello, []))
+    hello = Hello(1, 3, 10, "int8", True, False, ())
+
+    async def main():
+        reply = await s._on_frame(STRANGER, hello, b"")
+        assert not reply.ready and reply.round == 3  # our status, nothing more
+        await s._on_frame(AHEAD, hello, b"")
+
+    trio.run(main)
+    assert seen == [AHEAD]

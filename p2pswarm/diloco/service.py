@@ -326,8 +326,8 @@ class DilocoService:
         round_ = self.round
         now = trio.current_time()
         if isinstance(message, msgs.Hello):
-            if self._barred(peer):
-                return self._status()  # it sent us poison too often: we do not meet it
+            if peer not in self._replicas():  # not announced for our stage, or it sent us poison too often:
+                return self._status()  # we do not meet it (a stranger cannot join our groups)
             if round_ is not None and message.round == round_.round and message.stage == self.stage:
                 reply, actions = round_.on_hello(peer, message, now)
                 self._do(round_, actions)
