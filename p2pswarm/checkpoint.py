@@ -33,12 +33,12 @@ import re
 import sys
 import tempfile
 import threading
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, NoReturn
 
 import cbor2
 import torch
 
-from p2pswarm import wire
 from p2pswarm.errors import RemoteProtocolError
 
 SNAPSHOT_MAGIC = b"P2PSNAP1"  # format and version at once: a new layout gets a new magic
@@ -193,8 +193,40 @@ def digest(data: bytes) -> bytes:
 # --- decoding ---------------------------------------------------------------------------------
 
 
+def _reject_tag(*args: Any) -> NoReturn:
+    raise ValueError("CBOR tags are not allowed in a snapshot header")
+
+
+class _NoTags(Mapping):
+    """A semantic-decoder table that maps every tag to a rejection, overriding cbor2's own (as wire.py)."""
+
+    def __getitem__(self, tag: int) -> Any:
+        return _reject_tag
+
+    def __iter__(self):
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+
+_NO_TAGS = _NoTags()
+
+
 def _loads(header: bytes) -> Any:
-    return wire.canonical_loads(header, max_depth=_CBOR_DEPTH, what="snapshot header")
+    try:
+        raw = cbor2.loads(
+            header, semantic_decoders=_NO_TAGS, tag_hook=_reject_tag, max_depth=_CBOR_DEPTH,
+            allow_indefinite=False, allow_duplicate_keys=False, strict_hashable_types=True,
+        )
+        canonical = cbor2.dumps(raw, canonical=True)
+    # The boundary to cbor2: whatever it raises on these bytes means they are not a header.
+    except (cbor2.CBORError, ValueError, TypeError, LookupError, ArithmeticError, RecursionError,
+            MemoryError) as e:
+        raise RemoteProtocolError(f"snapshot header is not valid CBOR: {e}") from e
+    if canonical != header:  # one encoding per state: also rejects trailing bytes
+        raise RemoteProtocolError("snapshot header is not in canonical CBOR encoding")
+    return raw
 
 
 def _frame(view: memoryview, max_bytes: int) -> tuple[bytes, int]:

@@ -224,7 +224,7 @@ async def write_frame(stream: Any, msg: Message, payload: bytes = b"") -> None:
 
 
 def _reject_tag(*args: Any) -> typing.NoReturn:
-    raise ValueError("CBOR tags are not allowed")
+    raise ValueError("CBOR tags are not allowed in a header")
 
 
 class _NoTags(Mapping):
@@ -243,36 +243,16 @@ class _NoTags(Mapping):
 _NO_TAGS = _NoTags()
 
 
-def strict_loads(data: bytes, *, max_depth: int, what: str = "header") -> Any:
-    """Plain CBOR only: no tags, no indefinite lengths, no duplicate keys, at most ``max_depth``
-    deep; anything else is a RemoteProtocolError naming ``what``. The one boundary to cbor2's
-    decoder for bytes from elsewhere (headers, stage records, snapshot headers)."""
+def _loads(header: bytes) -> Any:
     try:
         return cbor2.loads(
-            data, semantic_decoders=_NO_TAGS, tag_hook=_reject_tag, max_depth=max_depth,
+            header, semantic_decoders=_NO_TAGS, tag_hook=_reject_tag, max_depth=MAX_CBOR_DEPTH,
             allow_indefinite=False, allow_duplicate_keys=False, strict_hashable_types=True,
         )
     # The boundary to cbor2: whatever it raises on a peer's bytes means the peer sent garbage.
     except (cbor2.CBORError, ValueError, TypeError, LookupError, ArithmeticError, RecursionError,
             MemoryError) as e:
-        raise RemoteProtocolError(f"{what} is not valid CBOR: {e}") from e
-
-
-def canonical_loads(data: bytes, *, max_depth: int, what: str) -> Any:
-    """``strict_loads``, and ``data`` must be exactly the canonical encoding of what it decodes to
-    (RFC 8949 4.2): one encoding per value, so no trailing bytes or oversized numbers either."""
-    value = strict_loads(data, max_depth=max_depth, what=what)
-    try:
-        canonical = cbor2.dumps(value, canonical=True)
-    except (cbor2.CBORError, ValueError, TypeError, RecursionError, MemoryError) as e:
-        raise RemoteProtocolError(f"{what} is not valid CBOR: {e}") from e
-    if canonical != data:
-        raise RemoteProtocolError(f"{what} is not canonically encoded CBOR")
-    return value
-
-
-def _loads(header: bytes) -> Any:
-    return strict_loads(header, max_depth=MAX_CBOR_DEPTH)
+        raise RemoteProtocolError(f"header is not valid CBOR: {e}") from e
 
 
 def _lookup(type_name: Any, version: Any) -> type[Message]:

@@ -37,12 +37,11 @@ Rules ``verify_record`` enforces beyond the field limits below:
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
 import cbor2
 
-from p2pswarm import wire
 from p2pswarm.errors import LocalProtocolError, RemoteProtocolError
 
 RECORD_VERSION = 2  # bumped on any change an older reader must not ignore (v2: stage-keyed)
@@ -186,10 +185,46 @@ def _decode(data: bytes) -> object:
     data = bytes(data)
     if len(data) > MAX_RECORD_BYTES:
         raise RemoteProtocolError(f"stage record is {len(data)} bytes, over {MAX_RECORD_BYTES}")
-    value = wire.canonical_loads(data, max_depth=MAX_CBOR_DEPTH, what="stage record")
+    try:
+        value = cbor2.loads(
+            data,
+            semantic_decoders=_NO_TAGS,
+            tag_hook=_refuse_tag,
+            max_depth=MAX_CBOR_DEPTH,
+            allow_indefinite=False,
+            allow_duplicate_keys=False,
+            strict_hashable_types=True,
+        )
+        canonical = cbor2.dumps(value, canonical=True)
+    except Exception as exc:  # cbor2 raises CBORError, ValueError, RecursionError, ...
+        raise RemoteProtocolError(f"stage record is not valid CBOR: {exc}") from None
+    if canonical != data:
+        raise RemoteProtocolError("stage record is not canonically encoded CBOR")
     return value
 
 
+class _RefuseEveryTag(Mapping):
+    """A semantic-decoder table answering every tag number with a decoder that refuses it.
+
+    cbor2 decodes the tags it knows (datetimes, bignums, shared values, ...) itself and
+    consults ``tag_hook`` only for the others; this table overrides all of them.
+    """
+
+    def __getitem__(self, tag: int):
+        return _refuse_tag
+
+    def __iter__(self):
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+
+def _refuse_tag(*args) -> None:
+    raise ValueError("CBOR tags are not allowed in a stage record")
+
+
+_NO_TAGS = _RefuseEveryTag()
 
 
 def _record_from_body(body: object) -> StageRecord:
