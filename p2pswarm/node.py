@@ -146,7 +146,7 @@ async def _join_dht(state: NodeState, nursery: trio.Nursery, rng: random.Random,
     bootstrap_infos = [peer_info_from_multiaddr(a) for a in config.bootstrap]
     state.index = StageIndex(host, state.kad, state.control, RecordStore(), server=config.dht_server)
     state.nat.set_dht_server = state.index.set_server
-    state.stage_map = StageMap(state.index, state.model)
+    state.stage_map = StageMap(state.index, state.model, nursery)
     reached = await join_network(host, state.kad, bootstrap_infos, BOOTSTRAP_DIAL_TIMEOUT)
     log.info("joined the DHT through %d bootstrap peer(s); routing table holds %d",
              reached, state.kad.get_routing_table_size())

@@ -5,12 +5,14 @@ when asked and older than STAGE_MAP_PERIOD: a full map costs one lookup per stag
 nobody asks should not spend that every few seconds. Each stage's answer replaces its entry as
 soon as it is in; a stage whose lookup overruns the bound keeps its previous entry. A joining
 peer also keeps its own and the adjacent stages fresh and checks their peers (candidates).
-``/api/stages`` serves the map.
+``/api/stages`` serves the map: it waits for a rebuild at most API_WAIT, and the rebuild goes on
+in the background (on a loaded machine it takes seconds; an API call must not).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
 from collections.abc import Awaitable, Callable
@@ -30,16 +32,17 @@ STAGE_MAP_BUILD_TIMEOUT = 2 * LOOKUP_TIMEOUT + 1.0  # a closest-peer search and 
 #                                                   bounded, with room to finish rather than be cut
 CHECK_TIMEOUT = 3.0  # connect plus one control round trip; a peer slower than this is no candidate
 MAX_CHECKS_AT_ONCE = 8  # round trips in flight while checking candidates
+API_WAIT = 1.0  # seconds /api/stages waits for a rebuild before it answers with the map it has
 
 
 class StageMap:
     """The cached stage map of ``model``, rebuilt on demand through ``index``."""
 
-    def __init__(self, index: StageIndex, model: ModelSpec) -> None:
-        self._index, self.model = index, model
+    def __init__(self, index: StageIndex, model: ModelSpec, nursery: trio.Nursery) -> None:
+        self._index, self.model, self._nursery = index, model, nursery
         self.stages: dict[int, list[StageRecord]] = {}
         self.updated_at = 0.0
-        self._lock = trio.Lock()
+        self._rebuilt: trio.Event | None = None  # while a rebuild runs: set when it ends
         self.book = CandidateBook()  # who answered us; only they are candidates
 
     async def refresh(self) -> dict[int, list[StageRecord]]:
@@ -48,13 +51,24 @@ class StageMap:
         self.updated_at = time.time()
         return self.stages
 
-    async def current(self) -> dict[int, list[StageRecord]]:
+    async def current(self, wait: float = math.inf) -> dict[int, list[StageRecord]]:
         """The stage map, rebuilt when older than STAGE_MAP_PERIOD (a stage whose lookup overruns
-        its bound keeps its previous answer; the others are updated)."""
-        async with self._lock:
-            if time.time() - self.updated_at >= STAGE_MAP_PERIOD:
-                await self.refresh()
+        its bound keeps its previous answer; the others are updated). One rebuild at a time, in the
+        background: a caller waits for it at most ``wait`` seconds, then has the map as it is."""
+        if self._rebuilt is None and time.time() - self.updated_at >= STAGE_MAP_PERIOD:
+            self._rebuilt = trio.Event()
+            self._nursery.start_soon(self._rebuild, self._rebuilt)
+        if self._rebuilt is not None:
+            with trio.move_on_after(wait):
+                await self._rebuilt.wait()
         return self.stages
+
+    async def _rebuild(self, rebuilt: trio.Event) -> None:
+        try:
+            await self.refresh()
+        finally:
+            self._rebuilt = None
+            rebuilt.set()
 
     async def refresh_stages(self, stages: list[int]) -> None:
         """Look up ``stages`` and update each in the map as its answer comes in (bounded)."""
@@ -112,7 +126,7 @@ class StageMap:
         }
 
     async def stages_json(self, params: dict) -> dict:
-        await self.current()
+        await self.current(wait=API_WAIT)
         return self.doc()
 
     def routes(self) -> dict:

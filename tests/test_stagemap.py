@@ -1,0 +1,53 @@
+"""StageMap.current: one rebuild at a time, in the background; a caller waits for it at most
+its bound (an /api/stages call must answer even when DHT lookups take seconds)."""
+
+from __future__ import annotations
+
+import trio
+
+from p2pswarm.dht.records import Capacity, StageRecord
+from p2pswarm.dht.stagemap import StageMap
+from p2pswarm.model.catalog import get_model
+
+MODEL = get_model("tiny-lm/2")
+
+
+class SlowIndex:
+    """lookup_stage answers only when the test lets it (``release``), and counts the lookups."""
+
+    def __init__(self) -> None:
+        self.lookups = 0
+        self.release = trio.Event()
+        self.peers = ["first"]
+
+    async def lookup_stage(self, model: str, stage: int, k: int) -> list[StageRecord]:
+        self.lookups += 1
+        await self.release.wait()
+        start, end = MODEL.stage_range(stage)
+        return [StageRecord(p, (), model, stage, start, end, Capacity(0, 0), 0.0, 60.0) for p in self.peers]
+
+
+def peers(stages: dict) -> set[str]:
+    return {r.peer_id for records in stages.values() for r in records}
+
+
+def test_a_slow_rebuild_does_not_hold_the_caller_and_runs_once():
+    async def main():
+        index = SlowIndex()
+        async with trio.open_nursery() as nursery:
+            stage_map = StageMap(index, MODEL, nursery)
+            assert await stage_map.current(wait=0.05) == {}  # the rebuild is still looking
+            assert await stage_map.current(wait=0.05) == {}
+            assert index.lookups == MODEL.n_stages  # one rebuild, not one per call
+            index.release.set()
+            assert peers(await stage_map.current()) == {"first"}  # waits for the running rebuild
+            index.peers, index.release = ["second"], trio.Event()
+            stage_map.updated_at = 0.0  # stale again
+            assert peers(await stage_map.current(wait=0.05)) == {"first"}  # the map it has
+            index.release.set()
+            assert peers(await stage_map.current()) == {"second"}
+            doc = await stage_map.stages_json({})
+            assert [p["peer_id"] for p in doc["stages"]["0"]["peers"]] == ["second"]
+            assert index.lookups == 2 * MODEL.n_stages
+
+    trio.run(main)
