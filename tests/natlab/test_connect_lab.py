@@ -63,7 +63,11 @@ def test_connection_matrix_direct_punched_and_relayed(lab, tmp_path):
 
     # Who upgraded: the receiving side, once per connection, never both (no crossed exchanges).
     stats = {name: swarm.stats(name) for name in ["pub", *natted]}
-    assert stats["easy1"]["holepunch"]["unilateral"] >= 1, stats["easy1"]["holepunch"]  # dialed pub back
+    # easy1 dials pub back. Usually through its unilateral upgrade; but easy1 also talks to pub on
+    # its own (DHT announcements and lookups, DiLoCo), and when such a dial lands just as the fresh
+    # relayed connection opens there is nothing left to upgrade (seen once in CI: the direct
+    # connection was there 0.3 ms after the relayed one). The upgrade itself is asserted between
+    # real hosts in tests/test_connect.py; here the pair must end direct (asserted above).
     assert stats["easy2"]["holepunch"]["punched"] >= 1, stats["easy2"]["holepunch"]
     sym2 = stats["sym2"]["holepunch"]  # it tried (a failing punch takes ~20 s: three rounds) and never got through
     assert sym2["punched"] == sym2["unilateral"] == 0 and sym2["failed"] + sym2["running"] >= 1, sym2
