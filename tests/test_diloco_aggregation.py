@@ -340,6 +340,22 @@ def test_combine_leaves_the_attacker_out(swarm, method, data):
     assert torch.equal(combined.result, aggregate([contributions[n] for n in sorted(names)], method))
 
 
+@given(swarm=swarms(), method=st.sampled_from(AGGREGATORS), block=st.integers(1, 5))
+@FAST
+def test_combine_with_nothing_refused_is_aggregate_of_everything(swarm, method, block):
+    """One sort serves the reference and the result: the same bits as aggregating afresh."""
+    honest, _, _ = swarm
+    contributions = {f"peer-{i}": t for i, t in enumerate(honest)}
+    saved = aggregation.BLOCK_ELEMENTS
+    aggregation.BLOCK_ELEMENTS = block
+    try:
+        combined = combine(contributions, "peer-0", method)
+        expected = aggregate([contributions[n] for n in sorted(contributions)], method)
+    finally:
+        aggregation.BLOCK_ELEMENTS = saved
+    assert not combined.rejected and torch.equal(combined.result, expected)
+
+
 def test_combine_result_is_the_mean_of_the_rest():
     gen = torch.Generator().manual_seed(4)
     base = torch.randn(1000, generator=gen)

@@ -151,6 +151,42 @@ def test_half_precision_saturates_instead_of_overflowing():
     assert bool(torch.isfinite(y).all()) and y[3] == compression.BFLOAT16_MAX and y[4] == -compression.BFLOAT16_MAX
 
 
+@given(x=vectors(), codec=st.sampled_from(CODECS))
+@FAST
+def test_error_out_is_exactly_what_decoding_loses(x, codec):
+    error = torch.full_like(x, math.nan)
+    data = encode(x, codec, error_out=error)
+    assert data == encode(x, codec)  # the bytes do not change
+    assert torch.equal(error, x - decode(data, codec, x.numel()))  # bit for bit: the decoder's arithmetic
+
+
+@given(x=vectors(), codec=st.sampled_from(CODECS))
+@FAST
+def test_decode_into_out_is_decode(x, codec):
+    data = encode(x, codec)
+    out = torch.full_like(x, math.nan)
+    assert decode(data, codec, x.numel(), out=out) is out
+    assert torch.equal(out, decode(data, codec, x.numel()))
+
+
+def test_decode_leaves_out_alone_on_bad_data():
+    for codec, data in [("int8", b"\xff\xff\xff\xff" + bytes(4)), ("float32", b"\x00\x00\xc0\x7f"),
+                        ("int8", bytes(4) + b"\x80\x00\x00\x00")]:
+        out = torch.full((data.__len__() - 4 if codec == "int8" else 1,), 7.0)
+        with pytest.raises(RemoteProtocolError):
+            decode(data, codec, out.numel(), out=out)
+        assert bool((out == 7.0).all()), codec
+    with pytest.raises(ValueError):
+        decode(bytes(4), "float32", 1, out=torch.zeros(2))
+
+
+def test_error_out_must_fit():
+    x = torch.ones(10)
+    for bad in (torch.zeros(9), torch.zeros(10, dtype=torch.float64), torch.zeros(2, 5)):
+        with pytest.raises(ValueError):
+            encode(x, "int8", error_out=bad)
+
+
 @given(x=vectors())
 @FAST
 def test_int8_error_is_at_most_half_a_scale(x):

@@ -48,8 +48,8 @@ def test_two_nesterov_rounds_match_the_hand_computed_numbers():
     # new start = start - .7 update = [1 - .133, 2 + .266, .5, -1 - .532, 3 - 1.33]
     set_live(params, [0.9, 2.1, 0.4, -1.2, 2.5])
     at = flatten(params)
-    new1 = outer.outer_step(vec(0.1, -0.2, 0.0, 0.4, 1.0), at, params, step=13)
-    assert close(new1, [0.867, 2.266, 0.5, -1.532, 1.67])
+    outer.outer_step(vec(0.1, -0.2, 0.0, 0.4, 1.0), at, params, step=13)
+    assert close(outer.start, [0.867, 2.266, 0.5, -1.532, 1.67])
     assert close(flatten(params), [0.867, 2.266, 0.5, -1.532, 1.67])
     assert close(params["a"].detach(), [0.867, 2.266]) and close(params["b"].detach(), [0.5, -1.532, 1.67])
     assert outer.rounds == 1 and outer.round_started_step == 13
@@ -60,8 +60,8 @@ def test_two_nesterov_rounds_match_the_hand_computed_numbers():
     # new start = [.5443, 2.3794, .633, -1.7588, .438]; live = new start + [.01, 0, 0, 0, -.02]
     at = vec(0.8, 2.2, 0.6, -1.5, 1.5)
     set_live(params, at + vec(0.01, 0.0, 0.0, 0.0, -0.02))
-    new2 = outer.outer_step(vec(0.2, 0.0, -0.1, 0.0, 0.5), at, params, step=16)
-    assert close(new2, [0.5443, 2.3794, 0.633, -1.7588, 0.438])
+    outer.outer_step(vec(0.2, 0.0, -0.1, 0.0, 0.5), at, params, step=16)
+    assert close(outer.start, [0.5443, 2.3794, 0.633, -1.7588, 0.438])
     assert close(flatten(params), [0.5543, 2.3794, 0.633, -1.7588, 0.418])
     assert close(outer.momentum, [0.29, -0.18, -0.1, 0.36, 1.4])
     assert outer.rounds == 2 and outer.round_started_step == 16
@@ -109,7 +109,8 @@ def test_progress_after_the_pseudo_gradient_is_kept_and_counted_next_round():
     at = flatten(params)
     progress = vec(0.25, -0.5, 0.125, 0.0, 1.0)  # inner steps taken while the round ran
     set_live(params, at + progress)
-    new_start = outer.outer_step(outer.pseudo_gradient(at), at, params, step=3)
+    outer.outer_step(outer.pseudo_gradient(at), at, params, step=3)
+    new_start = outer.start
     assert torch.allclose(flatten(params), new_start + progress, atol=1e-6)
     assert not torch.allclose(new_start, at + progress)  # the outer step did move the weights
     # With no further training, the next pseudo-gradient is exactly that progress (as start - current).
@@ -128,7 +129,8 @@ def test_momentum_zero_lr_one_is_plain_model_averaging(config):
     mean = torch.stack(finals).mean(0)
     for outer, params in zip(outers, replicas):
         start = outer.start.clone()
-        new_start = outer.outer_step(aggregated, flatten(params), params, step=0)
+        outer.outer_step(aggregated, flatten(params), params, step=0)
+        new_start = outer.start
         assert torch.allclose(new_start, start - aggregated) and torch.allclose(new_start, mean, atol=1e-6)
         assert torch.allclose(flatten(params), mean, atol=1e-6)  # every replica holds the average
 
@@ -188,14 +190,6 @@ def test_outer_step_misuse_raises_and_changes_nothing(case):
         outer.outer_step(g, at, params, step=step)
     after = (outer.start, outer.momentum, flatten(params), outer.rounds)
     assert all(torch.equal(x, y) for x, y in zip(before[:3], after[:3])) and before[3] == after[3]
-
-
-def test_the_returned_start_is_a_copy():
-    params = tiny_params()
-    outer = OuterOptimizer(params, PAPER)
-    new_start = outer.outer_step(vec(0.1, 0.2, 0.3, 0.4, 0.5), flatten(params), params, step=0)
-    new_start.fill_(99.0)
-    assert not torch.equal(outer.start, new_start)
 
 
 # --- flat views ---------------------------------------------------------------------------------

@@ -158,29 +158,54 @@ def combine(contributions: dict[str, torch.Tensor], own: str, method: str = DEFA
     if not _all_finite(contributions[own]):
         raise ValueError("own contribution holds non-finite values")
     rejected: dict[str, str] = {}
-    if verify_config is not None:
-        reference = _reference(tensors) if len(tensors) >= MIN_VERIFIED else None
-        for name, tensor in zip(names, tensors if reference is not None else []):
+    unrejected = None  # the coordinate-wise result over every contribution, when the sort made it
+    if verify_config is not None and len(tensors) >= MIN_VERIFIED:
+        median, unrejected = _median_and(tensors, method)  # one sort serves the reference and the result
+        reference = _scaled_to_median_norm(median, tensors)
+        for name, tensor in zip(names, tensors):
             if name != own:
                 verdict = verify(tensor, reference, verify_config)
                 if not verdict.accepted:
                     rejected[name] = verdict.reason
     accepted = tuple(name for name in names if name not in rejected)
-    result = aggregate([contributions[name] for name in accepted], method)
-    return Combined(result, accepted, rejected)
+    if rejected or unrejected is None:
+        unrejected = aggregate([contributions[name] for name in accepted], method)
+    return Combined(unrejected, accepted, rejected)
 
 
 # --- helpers ----------------------------------------------------------------------------
 
 
-def _reference(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The coordinate-wise median, scaled to the median of the contributions' norms."""
-    median = _median(tensors)
-    norms = sorted(float(t.double().norm()) for t in tensors)
+def _median_and(tensors: list[torch.Tensor], method: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The coordinate-wise median and, when ``method`` is coordinate-wise too, its result: from
+    one sort of each block (the same bits as ``aggregate``, which sorts the same blocks)."""
+    if method not in ("trimmed_mean", "median"):
+        return _median(tensors), None
+    if method == "median":
+        median = _median(tensors)
+        return median, median
+    median = torch.empty_like(tensors[0])
+    trimmed = torch.empty_like(tensors[0])
+    for start in range(0, median.numel(), BLOCK_ELEMENTS):
+        ordered = _sorted([tensor[start: start + BLOCK_ELEMENTS] for tensor in tensors])
+        median[start: start + BLOCK_ELEMENTS] = _median_of_sorted(ordered)
+        trimmed[start: start + BLOCK_ELEMENTS] = _trimmed_mean_of_sorted(ordered)
+    return median, trimmed
+
+
+def _scaled_to_median_norm(median: torch.Tensor, tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The reference: the coordinate-wise median, scaled to the median of the contributions' norms."""
+    norms = sorted(_norm(t) for t in tensors)
     middle = len(norms) // 2
     length = norms[middle] if len(norms) % 2 else (norms[middle - 1] + norms[middle]) / 2
-    current = float(median.double().norm())
-    return median * (length / current) if current > 0 and math.isfinite(length) else median
+    current = _norm(median)
+    return median * (length / current) if 0 < current < math.inf and math.isfinite(length) else median
+
+
+def _norm(tensor: torch.Tensor) -> float:
+    """The L2 norm: float32 (fast), or float64 when the float32 one overflows."""
+    norm = float(torch.linalg.vector_norm(tensor))
+    return norm if math.isfinite(norm) else float(torch.linalg.vector_norm(tensor, dtype=torch.float64))
 
 
 def _check_contributions(tensors: list[torch.Tensor]) -> None:

@@ -58,38 +58,54 @@ def encoded_size(codec: str, numel: int) -> int:
     return size
 
 
-def encode(vector: torch.Tensor, codec: str) -> bytes:
+def encode(vector: torch.Tensor, codec: str, error_out: torch.Tensor | None = None) -> bytes:
     """The bytes of a 1-D float32 ``vector`` (any layout) under ``codec``.
 
-    Raises ValueError on an unknown codec, a tensor that is not 1-D float32, one longer than
-    MAX_ELEMENTS, or non-finite values (they would not decode: a local fault, not a message).
+    ``error_out``, a float32 tensor of the same length, receives what the codec left out:
+    ``vector - decode(result)``, exactly (the decoder's arithmetic, without decoding the bytes
+    again). Raises ValueError on an unknown codec, a tensor that is not 1-D float32, one longer
+    than MAX_ELEMENTS, non-finite values (they would not decode: a local fault, not a message) or
+    an ``error_out`` that does not fit.
     """
     if codec not in CODECS:
         raise ValueError(f"unknown codec {codec!r}, expected one of {CODECS}")
     flat = _check_vector(vector)
+    if error_out is not None and (not isinstance(error_out, torch.Tensor) or error_out.dtype != torch.float32
+                                  or error_out.shape != flat.shape):
+        raise ValueError(f"error_out must be a float32 tensor of shape {tuple(flat.shape)}")
     if not _all_finite(flat):
         raise ValueError("cannot encode a vector with non-finite values")
     out = bytearray(encoded_size(codec, flat.numel()))
     if not out:  # frombuffer rejects an empty buffer
         return b""
     raw = torch.frombuffer(out, dtype=torch.uint8)
+    if codec == "int8":
+        _encode_int8(flat, raw, error_out)
+        return bytes(out)
     if codec == "float32":
-        _put(raw, flat)
+        narrow = flat
     elif codec == "float16":
-        _put(raw, flat.clamp(-FLOAT16_MAX, FLOAT16_MAX).to(torch.float16))
-    elif codec == "bfloat16":
-        _put(raw, flat.clamp(-BFLOAT16_MAX, BFLOAT16_MAX).to(torch.bfloat16))
+        narrow = flat.clamp(-FLOAT16_MAX, FLOAT16_MAX).to(torch.float16)
     else:
-        _encode_int8(flat, raw)
+        narrow = flat.clamp(-BFLOAT16_MAX, BFLOAT16_MAX).to(torch.bfloat16)
+    _put(raw, narrow)
+    if error_out is not None:
+        torch.sub(flat, narrow.to(torch.float32), out=error_out)
     return bytes(out)
 
 
-def decode(data: bytes, codec: str, numel: int) -> torch.Tensor:
-    """A new, writable 1-D float32 tensor of ``numel`` finite elements from a peer's ``data``.
+def decode(data: bytes, codec: str, numel: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """A new, writable 1-D float32 tensor of ``numel`` finite elements from a peer's ``data``,
+    or ``out`` (a contiguous float32 vector of ``numel`` elements) holding them.
 
     Total: any ``data``, ``codec`` and ``numel`` either decode or raise RemoteProtocolError;
-    the size is checked before anything is allocated.
+    the size is checked before anything is allocated, and ``out`` is not written unless the
+    data decodes. ValueError for an ``out`` that does not fit (a local fault).
     """
+    if out is not None and (not isinstance(out, torch.Tensor) or out.dtype != torch.float32
+                            or out.dim() != 1 or not out.is_contiguous()
+                            or (isinstance(numel, int) and out.numel() != numel)):
+        raise ValueError(f"out must be a contiguous float32 vector of {numel!r} elements")
     if not isinstance(codec, str) or codec not in CODECS:
         raise RemoteProtocolError(f"unknown codec {codec!r}")
     if isinstance(numel, bool) or not isinstance(numel, int) or not 0 <= numel <= MAX_ELEMENTS:
@@ -104,15 +120,15 @@ def decode(data: bytes, codec: str, numel: int) -> torch.Tensor:
     if length != expected:
         raise RemoteProtocolError(f"{codec} of {numel} elements is {expected} bytes, got {length}")
     if numel == 0:
-        return torch.empty(0, dtype=torch.float32)
+        return torch.empty(0, dtype=torch.float32) if out is None else out
     raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)  # a private, writable copy
     if codec == "int8":
-        return _decode_int8(raw, numel)
+        return _decode_int8(raw, numel, out)
     values = _get(raw, {"float32": torch.float32, "float16": torch.float16,
                         "bfloat16": torch.bfloat16}[codec]).to(torch.float32)  # no copy for float32
     if not _all_finite(values):
         raise RemoteProtocolError(f"{codec} data holds non-finite values")
-    return values
+    return values if out is None else out.copy_(values)
 
 
 class ErrorFeedback:
@@ -134,8 +150,8 @@ class ErrorFeedback:
         if flat.numel() != self._residual.numel():
             raise ValueError(f"vector has {flat.numel()} elements, residual {self._residual.numel()}")
         target = flat + self._residual
-        data = encode(target, codec)  # ValueError (residual untouched) if the sum is not finite
-        self._residual = target.sub_(decode(data, codec, target.numel()))
+        data = encode(target, codec, error_out=target)  # ValueError (residual untouched) if not finite
+        self._residual = target
         return data
 
     def residual_norm(self) -> float:
@@ -207,24 +223,29 @@ def _chunk_views(flat: torch.Tensor) -> list[torch.Tensor]:
     return views
 
 
-def _encode_int8(flat: torch.Tensor, raw: torch.Tensor) -> None:
-    """Quantise ``flat`` chunk by chunk into ``raw``: the float32 scales, then the int8 values."""
+def _encode_int8(flat: torch.Tensor, raw: torch.Tensor, error_out: torch.Tensor | None) -> None:
+    """Quantise ``flat`` chunk by chunk into ``raw``: the float32 scales, then the int8 values;
+    ``error_out`` (if given) gets ``flat`` minus the values the decoder will make of them."""
     head = _chunks(flat.numel()) * SCALE_BYTES
     values = raw[head:].view(torch.int8)
+    errors = _chunk_views(error_out) if error_out is not None else None
     scales, start = [], 0
-    for rows in _chunk_views(flat):  # at most two: the full chunks, then the partial one
+    for index, rows in enumerate(_chunk_views(flat)):  # at most two: the full chunks, then the partial one
         low, high = torch.aminmax(rows, dim=1)
         scale = (torch.maximum(high, -low) / INT8_LEVELS).clamp_(max=MAX_INT8_SCALE)
         divisor = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero chunk stays 0
         quantised = (rows / divisor[:, None]).round_().clamp_(-INT8_LEVELS, INT8_LEVELS)
         values[start: start + rows.numel()].view(rows.shape).copy_(quantised)
+        if errors is not None:  # the decoder's q * scale, in float32 as it computes it
+            torch.sub(rows, quantised.mul_(scale[:, None]), out=errors[index])
         scales.append(scale)
         start += rows.numel()
     _put(raw[:head], torch.cat(scales))
 
 
-def _decode_int8(raw: torch.Tensor, numel: int) -> torch.Tensor:
-    """The float32 vector of a length-checked int8 payload; RemoteProtocolError on bad scales."""
+def _decode_int8(raw: torch.Tensor, numel: int, out: torch.Tensor | None) -> torch.Tensor:
+    """The float32 vector of a length-checked int8 payload (in ``out`` if given; written only
+    once the payload is known good); RemoteProtocolError on bad scales or values."""
     head = _chunks(numel) * SCALE_BYTES
     scales = _get(raw[:head], torch.float32)
     if not bool(((scales >= 0) & (scales <= MAX_INT8_SCALE)).all()):  # also false for NaN
@@ -232,7 +253,7 @@ def _decode_int8(raw: torch.Tensor, numel: int) -> torch.Tensor:
     quantised = raw[head:].view(torch.int8)
     if bool((quantised == -INT8_LEVELS - 1).any()):
         raise RemoteProtocolError(f"int8 value {-INT8_LEVELS - 1} is outside [-127, 127]")
-    out = quantised.to(torch.float32)
+    out = quantised.to(torch.float32) if out is None else out.copy_(quantised)
     row = 0
     for rows in _chunk_views(out):
         rows.mul_(scales[row: row + rows.shape[0], None])

@@ -82,6 +82,7 @@ class DilocoService:
         self._behind: tuple[str, int] | None = None  # (a replica, its later round): load its state
         self._retry_at = 0.0  # no new round before this (after being left out)
         self._pending: dict | None = None  # the open round's own data: weights at the close, pseudo-gradient
+        self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # what _pending's tensors live in
 
     # --- life cycle ------------------------------------------------------------------------------
 
@@ -223,16 +224,19 @@ class DilocoService:
         attack = os.environ.get(ATTACK_VARIABLE)
 
         def take(engine):
-            at = flatten(engine.params)
-            pseudo = self.outer.pseudo_gradient(at)
+            at, pseudo = self._round_buffers()
+            flatten(engine.params, out=at)
+            self.outer.pseudo_gradient(at, out=pseudo)
+            if self.residual is None and codec != "float32":
+                self.residual = torch.zeros_like(pseudo)
             if self.residual is not None:
                 pseudo.add_(self.residual)
             if attack:
                 return at, pseudo, [compression.encode(_poisoned(pseudo[a:b], attack), codec) for a, b in bounds]
-            shards = [compression.encode(pseudo[a:b], codec) for a, b in bounds]
-            if codec != "float32":
-                sent = torch.cat([compression.decode(s, codec, b - a) for s, (a, b) in zip(shards, bounds)])
-                self.residual = sent.neg_().add_(pseudo)  # what the codec left out, carried to the next round
+            # the residual becomes what the codec leaves out of each shard, carried to the next round
+            residual = self.residual
+            shards = [compression.encode(pseudo[a:b], codec, error_out=None if residual is None else residual[a:b])
+                      for a, b in bounds]
             return at, pseudo, shards
 
         if attack:
@@ -279,7 +283,7 @@ class DilocoService:
             "bytes_sent": self.bytes_sent - self._sent_before,
             "bytes_received": self.bytes_received - self._received_before,
             "missing_shards": missing, "refused_results": refused,
-            "pseudo_gradient_norm": round(float(pending["pseudo"].norm()), 4),
+            "pseudo_gradient_norm": round(pending["pseudo_norm"], 4),
             "update_norm": round(float(aggregated.norm()), 4), "at_step": self.swarm.engine.step,
             "phases_s": {"gather_agree": round(pending.get("agreed_s", 0.0), 3),
                          "take_pseudo_gradient": round(pending.get("take_s", 0.0), 3),
@@ -292,33 +296,42 @@ class DilocoService:
                  (self.bytes_sent - self._sent_before) / 1e6, len(missing))
         self.round, self._pending = None, None
 
+    def _round_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two stage-sized vectors a round fills (weights at the close, pseudo-gradient), kept
+        from round to round: one round at a time uses them, and fresh ones would cost page faults."""
+        if self._buffers is None or self._buffers[0].numel() != self.outer.numel:
+            self._buffers = (torch.empty(self.outer.numel), torch.empty(self.outer.numel))
+        return self._buffers
+
     async def _alone(self) -> dict:
         """A group of one: our own pseudo-gradient is the aggregate (DiLoCo with one worker)."""
         def take(engine):
-            at = flatten(engine.params)
-            return {"at": at, "pseudo": self.outer.pseudo_gradient(at), "bounds": ((0, self.outer.numel),)}
+            at, pseudo = self._round_buffers()
+            flatten(engine.params, out=at)
+            return {"at": at, "pseudo": self.outer.pseudo_gradient(at, out=pseudo), "bounds": ((0, self.outer.numel),)}
 
         return await self.swarm.with_engine(take)
 
     def _assemble(self, outcome, pending) -> tuple[torch.Tensor, list[int], list[int]]:
-        """The group's pseudo-gradient: each shard's result, or our own where it is missing or refused."""
-        pseudo, parts, missing, refused = pending["pseudo"], [], list(outcome.missing), []
+        """The group's pseudo-gradient, in place of our own: each shard's result, or our own where
+        it is missing or refused (a worker thread; no full-size temporary)."""
+        pseudo, missing, refused = pending["pseudo"], list(outcome.missing), []
+        pending["pseudo_norm"] = float(pseudo.norm())
         verify = result_check(len(outcome.group)) if self.settings.verify else None
+        scratch = torch.empty(max(b - a for a, b in pending["bounds"]))
         for index, (a, b) in enumerate(pending["bounds"]):
             own = pseudo[a:b]
             data = outcome.results.get(index)
             if data is None:
-                parts.append(own)
                 continue
-            result = compression.decode(data, self.settings.codec, b - a)
+            result = compression.decode(data, self.settings.codec, b - a, out=scratch[:b - a])
             verdict = aggregation.verify(result, own, verify) if verify and outcome.group[index] != self.me else None
             if verdict is not None and not verdict.accepted:
                 refused.append(index)  # an owner's aggregate far from our own: a lying owner; keep ours,
                 self._rejected(outcome.group[index], f"aggregate of shard {index}: {verdict.reason}")  # strike it
-                parts.append(own)
                 continue
-            parts.append(result)
-        return torch.cat(parts) if parts else pseudo, missing, refused
+            own.copy_(result)
+        return pseudo, missing, refused
 
     # --- inbound -----------------------------------------------------------------------------------
 
@@ -405,7 +418,7 @@ class DilocoService:
                 self.outer.config = self._outer_config()  # our flags, not the neighbour's
                 residual = state.get("feedback", {}).get("residual")
                 self.residual = residual if isinstance(residual, torch.Tensor) and \
-                    residual.shape == (self.outer.numel,) else None
+                    residual.dtype == torch.float32 and residual.shape == (self.outer.numel,) else None
             except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as exc:
                 raise RemoteProtocolError(f"the snapshot's state does not fit: {exc!r:.200}") from None
             engine.micro_batches, engine.tokens = mine  # our own work counters stay ours
