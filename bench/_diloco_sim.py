@@ -256,16 +256,21 @@ def combine_shard(index: int, parts: list[list[bytes]], bounds: list, arm: Arm, 
     return compression.encode(combined.result, arm.codec)
 
 
-def assemble(pseudo: torch.Tensor, results: list[bytes], bounds: list, arm: Arm, me: int) -> tuple[torch.Tensor, int]:
-    """As ``service._assemble``: every result decoded; a verifying member keeps its own shard where it
-    refuses another owner's aggregate (judged by its length, ``service.result_check``)."""
+def assemble(replica: Replica, pseudo: torch.Tensor, results: list[bytes], bounds: list, arm: Arm,
+             me: int) -> tuple[torch.Tensor, int]:
+    """As ``service._assemble``: every result decoded; where a verifying member refuses another
+    owner's aggregate (judged by its length and direction, ``service.result_check``) it applies
+    nothing and carries its own part to the next round in its residual (``service._carry``)."""
     shards, refused = [], 0
     check = result_check(len(bounds))
     for index, (data, (a, b)) in enumerate(zip(results, bounds)):
         result = compression.decode(data, arm.codec, b - a)
         if arm.verify and index != me and not aggregation.verify(result, pseudo[a:b], check).accepted:
             refused += 1
-            shards.append(pseudo[a:b])
+            if replica.residual is None:
+                replica.residual = torch.zeros_like(pseudo)
+            replica.residual[a:b] = pseudo[a:b]
+            shards.append(torch.zeros(b - a))
             continue
         shards.append(result)
     return torch.cat(shards), refused
@@ -279,7 +284,7 @@ def honest_round(replicas: list[Replica], arm: Arm, stats: Stats, step: int) -> 
     parts = [shards for _, _, shards in prepared]
     results = [combine_shard(i, parts, bounds, arm, stats) for i in range(len(honest))]
     for r, (replica, (at, pseudo, _)) in enumerate(zip(honest, prepared)):
-        aggregated, refused = assemble(pseudo, results, bounds, arm, r)
+        aggregated, refused = assemble(replica, pseudo, results, bounds, arm, r)
         stats.refused_results += refused
         replica.outer.outer_step(aggregated, at, replica.params, step)
         stats.bytes_sent[r] += sum(len(p) for i, p in enumerate(parts[r]) if i != r)
@@ -306,7 +311,7 @@ def outer_round(replicas: list[Replica], arm: Arm, bounds: list, stats: Stats, g
         sent_results[BYZANTINE] = compression.encode(attacked(honest, arm.attack, gen), arm.codec)
     for r, (replica, (at, pseudo, _)) in enumerate(zip(replicas, prepared)):
         mine = results if r == BYZANTINE else sent_results  # the attacker applies the honest aggregate
-        aggregated, refused = assemble(pseudo, mine, bounds, arm, r)
+        aggregated, refused = assemble(replica, pseudo, mine, bounds, arm, r)
         if not (liar and r == BYZANTINE):
             stats.refused_results += refused
         replica.outer.outer_step(aggregated, at, replica.params, step)

@@ -86,3 +86,44 @@ def test_a_hello_from_a_peer_not_announced_for_our_stage_never_reaches_the_round
 
     trio.run(main)
     assert seen == [AHEAD]
+
+
+@pytest.mark.parametrize("codec", ["int8", "float32"])
+def test_a_missing_or_refused_result_applies_nothing_and_carries_our_part(codec):
+    """Members that all lack the same result stay equal: nothing is applied there, and our own
+    part is sent again next round (in the residual) instead of being applied by us alone."""
+    import torch
+
+    from p2pswarm.diloco import compression
+    from p2pswarm.diloco.round_actions import Outcome
+
+    s = service()
+    s.settings = DilocoSettings(codec=codec)
+    gen = torch.Generator().manual_seed(1)
+    bounds = ((0, 1000), (1000, 2000), (2000, 3000))
+    group = tuple(sorted([ME, AHEAD, STRANGER]))
+    mine = group.index(ME)
+    liar, gone = [i for i in range(3) if i != mine]
+    pseudo = torch.randn(3000, generator=gen)
+    own = pseudo.clone()
+    honest = own[slice(*bounds[mine])]  # our own shard's aggregate: the group's result for it
+    results = {mine: compression.encode(honest, codec), liar: compression.encode(-10 * own[slice(*bounds[liar])], codec)}
+    outcome = Outcome(group, results, missing=(gone,))
+    aggregated, missing, refused = s._assemble(outcome, {"pseudo": pseudo, "bounds": bounds})
+    assert missing == [gone] and refused == [liar] and s.penalties[group[liar]] == 1
+    for index in (liar, gone):
+        a, b = bounds[index]
+        assert bool((aggregated[a:b] == 0).all()) and torch.equal(s.residual[a:b], own[a:b])
+    a, b = bounds[mine]
+    assert torch.equal(aggregated[a:b], compression.decode(results[mine], codec, b - a))
+
+
+def test_a_group_of_one_applies_its_own_pseudo_gradient():
+    import torch
+
+    from p2pswarm.diloco.round_actions import Outcome
+
+    s = service()
+    pseudo = torch.arange(10, dtype=torch.float32)
+    aggregated, missing, refused = s._assemble(Outcome((ME,)), {"pseudo": pseudo.clone(), "bounds": ((0, 10),)})
+    assert torch.equal(aggregated, pseudo) and missing == refused == [] and s.residual is None

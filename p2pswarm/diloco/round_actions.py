@@ -70,7 +70,8 @@ class Outcome:
     ``left_out``: the group went on without us (or we abandoned the round): apply nothing from
     it. A group of one (``group == (me,)``, no results): apply our own pseudo-gradient. Otherwise
     ``results[i]`` is the encoded aggregate of shard i (``NeedShards.bounds[i]``), ours included;
-    for the shards in ``missing`` no aggregate came: fall back to our own data there.
+    for the shards in ``missing`` no aggregate came: apply nothing there (the driver carries its
+    own data to the next round).
     """
 
     group: tuple[str, ...]

@@ -313,8 +313,14 @@ class DilocoService:
         return await self.swarm.with_engine(take)
 
     def _assemble(self, outcome, pending) -> tuple[torch.Tensor, list[int], list[int]]:
-        """The group's pseudo-gradient, in place of our own: each shard's result, or our own where
-        it is missing or refused (a worker thread; no full-size temporary)."""
+        """The group's pseudo-gradient, in place of our own (a worker thread; no full-size temporary).
+
+        Each shard is its owner's result. Where a result is missing (owner gone) or refused (a
+        lying owner), nothing is applied and our own part is carried to the next round in the
+        error-feedback residual (``_carry``): the members that all lack the same result stay
+        bit-equal (keeping each one's own part would split their start weights for good), and
+        our progress there is averaged in one round later instead of lost. A group of one has no
+        results and applies its own pseudo-gradient (DiLoCo with one worker)."""
         pseudo, missing, refused = pending["pseudo"], list(outcome.missing), []
         pending["pseudo_norm"] = float(pseudo.norm())
         verify = result_check(len(outcome.group)) if self.settings.verify else None
@@ -323,15 +329,25 @@ class DilocoService:
             own = pseudo[a:b]
             data = outcome.results.get(index)
             if data is None:
-                continue
+                if index in outcome.missing:
+                    self._carry(pseudo, a, b)
+                continue  # (a group of one: our own part is the aggregate)
             result = compression.decode(data, self.settings.codec, b - a, out=scratch[:b - a])
             verdict = aggregation.verify(result, own, verify) if verify and outcome.group[index] != self.me else None
             if verdict is not None and not verdict.accepted:
-                refused.append(index)  # an owner's aggregate far from our own: a lying owner; keep ours,
-                self._rejected(outcome.group[index], f"aggregate of shard {index}: {verdict.reason}")  # strike it
+                refused.append(index)  # an owner's aggregate far from our own: a lying owner; strike it
+                self._rejected(outcome.group[index], f"aggregate of shard {index}: {verdict.reason}")
+                self._carry(pseudo, a, b)
                 continue
             own.copy_(result)
         return pseudo, missing, refused
+
+    def _carry(self, pseudo: torch.Tensor, a: int, b: int) -> None:
+        """Apply nothing to [a, b) this round; send all of our part there again next round."""
+        if self.residual is None:
+            self.residual = torch.zeros_like(pseudo)
+        self.residual[a:b].copy_(pseudo[a:b])  # (it held what the codec left out of the part we sent)
+        pseudo[a:b].zero_()
 
     # --- inbound -----------------------------------------------------------------------------------
 
