@@ -127,3 +127,26 @@ def test_a_group_of_one_applies_its_own_pseudo_gradient():
     pseudo = torch.arange(10, dtype=torch.float32)
     aggregated, missing, refused = s._assemble(Outcome((ME,)), {"pseudo": pseudo.clone(), "bounds": ((0, 10),)})
     assert torch.equal(aggregated, pseudo) and missing == refused == [] and s.residual is None
+
+
+def test_a_hello_failing_after_the_group_was_agreed_does_not_make_its_peer_gone():
+    """A proposal still in flight when the group is agreed may fail late (a stream that would not
+    open, a slow answer): the reduction must not then stop sending to that member and waiting for
+    it (the others would wait REDUCE_S for its part). Before the agreement, it does count."""
+    import trio
+
+    from p2pswarm.diloco.messages import Hello
+    from p2pswarm.diloco.round import Phase
+    from p2pswarm.errors import DialError
+
+    class NoStream:
+        def lease(self, peer, protocol, timeout=None):
+            raise DialError(f"failed to open a stream to {peer}")
+
+    for phase, reported in ((Phase.REDUCE, []), (Phase.AGREE, [AHEAD])):
+        s = service()
+        s._pool = NoStream()
+        failed = []
+        round_ = SimpleNamespace(phase=phase, on_send_failed=lambda peer, now: failed.append(peer) or [])
+        trio.run(s._send_hello, round_, AHEAD, Hello(1, 3, 10, "int8", True, False, ()))
+        assert failed == reported, phase

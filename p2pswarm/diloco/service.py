@@ -198,6 +198,9 @@ class DilocoService:
                     await stream.write_frame(hello)
                     reply, _ = await stream.read_frame(max_payload=0, timeout=HELLO_TIMEOUT)
         except (DialError, ProtocolError, trio.TooSlowError) as exc:
+            if round_.phase is Phase.REDUCE:  # a proposal that failed after the group was agreed without
+                log.debug("hello to %s failed after the group was agreed: %r", peer, exc)  # needing it: the
+                return  # parts and results say whether the peer is reachable (else it would be taken for gone)
             log.debug("hello to %s failed: %r", peer, exc)
             self._do(round_, round_.on_send_failed(peer, trio.current_time()))
             return
