@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
+from p2pswarm.diloco.compression import all_finite
+
 AGGREGATORS = ("mean", "trimmed_mean", "median", "centered_clip")
 DEFAULT_AGGREGATOR = "trimmed_mean"  # robust to a quarter of outliers per coordinate, yet averages
 TRIM_FRACTION = 0.25  # per side: n=4 drops 1+1, n=8 drops 2+2; below 4 nothing is dropped
@@ -102,7 +104,7 @@ def verify(contribution: torch.Tensor, reference: torch.Tensor,
     ValueError if the tensors are not 1-D float32 of one length.
     """
     _check_contributions([contribution, reference])
-    if not (_all_finite(contribution) and _all_finite(reference)):
+    if not (all_finite(contribution) and all_finite(reference)):
         nan = math.nan
         return Verdict(False, "non-finite values", nan, nan, nan)
     norm_c = float(torch.linalg.vector_norm(contribution))
@@ -155,7 +157,7 @@ def combine(contributions: dict[str, torch.Tensor], own: str, method: str = DEFA
     names = sorted(contributions)
     tensors = [contributions[name] for name in names]
     _check_contributions(tensors)
-    if not _all_finite(contributions[own]):
+    if not all_finite(contributions[own]):
         raise ValueError("own contribution holds non-finite values")
     rejected: dict[str, str] = {}
     unrejected = None  # the coordinate-wise result over every contribution, when the sort made it
@@ -217,12 +219,6 @@ def _check_contributions(tensors: list[torch.Tensor]) -> None:
             raise ValueError("contributions must be 1-D float32 tensors")
     if len({tensor.numel() for tensor in tensors}) != 1:
         raise ValueError(f"contributions differ in length: {sorted({t.numel() for t in tensors})}")
-
-
-def _all_finite(tensor: torch.Tensor) -> bool:
-    """Whether every element is finite; a finite sum proves it in one fast pass (NaN and inf
-    elements always make the sum non-finite), else an exact check tells overflow from NaN/inf."""
-    return math.isfinite(float(tensor.sum())) or bool(torch.isfinite(tensor).all())
 
 
 def _ratio(a: float, b: float) -> float:

@@ -73,7 +73,7 @@ def encode(vector: torch.Tensor, codec: str, error_out: torch.Tensor | None = No
     if error_out is not None and (not isinstance(error_out, torch.Tensor) or error_out.dtype != torch.float32
                                   or error_out.shape != flat.shape):
         raise ValueError(f"error_out must be a float32 tensor of shape {tuple(flat.shape)}")
-    if not _all_finite(flat):
+    if not all_finite(flat):
         raise ValueError("cannot encode a vector with non-finite values")
     out = bytearray(encoded_size(codec, flat.numel()))
     if not out:  # frombuffer rejects an empty buffer
@@ -126,7 +126,7 @@ def decode(data: bytes, codec: str, numel: int, out: torch.Tensor | None = None)
         return _decode_int8(raw, numel, out)
     values = _get(raw, {"float32": torch.float32, "float16": torch.float16,
                         "bfloat16": torch.bfloat16}[codec]).to(torch.float32)  # no copy for float32
-    if not _all_finite(values):
+    if not all_finite(values):
         raise RemoteProtocolError(f"{codec} data holds non-finite values")
     return values if out is None else out.copy_(values)
 
@@ -169,7 +169,7 @@ class ErrorFeedback:
             raise ValueError("state must hold a 1-D float32 tensor under 'residual'")
         if residual.numel() != self._residual.numel():
             raise ValueError(f"residual has {residual.numel()} elements, expected {self._residual.numel()}")
-        if not _all_finite(residual):
+        if not all_finite(residual):
             raise ValueError("residual holds non-finite values")
         self._residual = residual.detach().to("cpu").clone()
 
@@ -182,7 +182,7 @@ def _chunks(numel: int) -> int:
     return math.ceil(numel / INT8_CHUNK)
 
 
-def _all_finite(tensor: torch.Tensor) -> bool:
+def all_finite(tensor: torch.Tensor) -> bool:
     """Whether every element is finite; a finite sum proves it in one fast pass (NaN and inf
     elements always make the sum non-finite), else an exact check tells overflow from NaN/inf."""
     return math.isfinite(float(tensor.sum())) or bool(torch.isfinite(tensor).all())

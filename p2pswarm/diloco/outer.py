@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from p2pswarm.diloco.compression import all_finite
 from p2pswarm.errors import ConfigError
 
 INNER_STEPS = 500  # H, the DiLoCo paper's default: rare rounds, little communication
@@ -72,8 +73,7 @@ def flatten(params: dict[str, torch.Tensor], out: torch.Tensor | None = None) ->
     """One 1-D float32 tensor holding every parameter, in the dict's order: a new one, or ``out``
     (a float32 vector of the right length, reused round after round: no page faults)."""
     if out is None:
-        parts = [p.detach().reshape(-1).to(torch.float32) for p in params.values()]
-        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float32)
+        out = torch.empty(_numel(params), dtype=torch.float32)
     _check_flat(params, out)
     if out.dtype != torch.float32:
         raise ValueError("out must be float32")
@@ -82,12 +82,6 @@ def flatten(params: dict[str, torch.Tensor], out: torch.Tensor | None = None) ->
         out[offset:offset + p.numel()].copy_(p.detach().reshape(-1))
         offset += p.numel()
     return out
-
-
-def _all_finite(vector: torch.Tensor) -> bool:
-    """Every element finite: a finite float32 sum proves it in one fast pass (a NaN or inf makes
-    the sum non-finite); only a sum that overflowed needs the exact elementwise check."""
-    return math.isfinite(float(vector.sum())) or bool(torch.isfinite(vector).all())
 
 
 def _numel(params: dict[str, torch.Tensor]) -> int:
@@ -101,25 +95,16 @@ def _check_flat(params: dict[str, torch.Tensor], flat: torch.Tensor) -> None:
         raise ValueError(f"flat tensor of {flat.numel()} elements for {_numel(params)} parameters")
 
 
-def assign_flat(params: dict[str, torch.Tensor], flat: torch.Tensor) -> None:
-    """Copy ``flat`` into the parameters, in place; ValueError if the sizes differ."""
-    _check_flat(params, flat)
+def shift_flat(params: dict[str, torch.Tensor], old: torch.Tensor, new: torch.Tensor) -> None:
+    """``params += new - old``, in place and without a temporary vector (``params - old`` first:
+    for close values that difference is exact); ValueError if the sizes differ."""
+    _check_flat(params, old)
+    _check_flat(params, new)
     offset = 0
     with torch.no_grad():
         for p in params.values():
             n = p.numel()
-            p.copy_(flat[offset:offset + n].reshape(p.shape))
-            offset += n
-
-
-def add_flat(params: dict[str, torch.Tensor], flat: torch.Tensor) -> None:
-    """``params += flat``, in place; ValueError if the sizes differ."""
-    _check_flat(params, flat)
-    offset = 0
-    with torch.no_grad():
-        for p in params.values():
-            n = p.numel()
-            p.add_(flat[offset:offset + n].reshape(p.shape).to(p.dtype))
+            p.sub_(old[offset:offset + n].view(p.shape)).add_(new[offset:offset + n].view(p.shape))
             offset += n
 
 
@@ -174,7 +159,7 @@ class OuterOptimizer:
         if type(step) is not int or step < self.round_started_step:
             raise ValueError(f"step {step!r} is before the round began at {self.round_started_step}")
         g = aggregated.to(torch.float32)
-        if not _all_finite(g):
+        if not all_finite(g):
             raise ValueError("the aggregated pseudo-gradient is not finite")
         mu, lr = self.config.momentum, self.config.lr
         torch.add(g, self.momentum, alpha=mu, out=self.momentum)  # m = g + mu*m
@@ -182,13 +167,7 @@ class OuterOptimizer:
             self.start.add_(g, alpha=-lr).add_(self.momentum, alpha=-lr * mu)
         else:
             self.start.add_(self.momentum, alpha=-lr)
-        at = at.to(torch.float32)
-        offset = 0
-        with torch.no_grad():
-            for p in params.values():  # live - at first: close values, so their difference is exact
-                n = p.numel()
-                p.sub_(at[offset:offset + n].view(p.shape)).add_(self.start[offset:offset + n].view(p.shape))
-                offset += n
+        shift_flat(params, at.to(torch.float32), self.start)
         self.rounds += 1
         self.round_started_step = step
 
