@@ -182,7 +182,7 @@ def test_decode_leaves_out_alone_on_bad_data():
 
 def test_error_out_must_fit():
     x = torch.ones(10)
-    for bad in (torch.zeros(9), torch.zeros(10, dtype=torch.float64), torch.zeros(2, 5)):
+    for bad in (torch.zeros(9), torch.zeros(10, dtype=torch.float64), torch.zeros(2, 5), torch.zeros(20)[::2]):
         with pytest.raises(ValueError):
             encode(x, "int8", error_out=bad)
 

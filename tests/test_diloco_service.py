@@ -150,3 +150,30 @@ def test_a_hello_failing_after_the_group_was_agreed_does_not_make_its_peer_gone(
         round_ = SimpleNamespace(phase=phase, on_send_failed=lambda peer, now: failed.append(peer) or [])
         trio.run(s._send_hello, round_, AHEAD, Hello(1, 3, 10, "int8", True, False, ()))
         assert failed == reported, phase
+
+
+def test_only_our_own_snapshot_gives_us_its_error_feedback_residual():
+    """A neighbour's residual is what it still has to send: taking it would send it twice."""
+    import torch
+    import trio
+
+    from p2pswarm.diloco.outer import OuterOptimizer
+    from p2pswarm.diloco.service import STATE_FORMAT
+    from p2pswarm.swarm.engine import StageEngine
+
+    spec = get_model("tiny-lm/2")
+    engine = StageEngine(spec, 1)
+
+    async def with_engine(fn):
+        return fn(engine)
+
+    s = service()
+    s.swarm = SimpleNamespace(with_engine=with_engine)
+    s.outer = OuterOptimizer(engine.params, s._outer_config())
+    theirs = torch.full((s.outer.numel,), 0.5)
+    state = {"format": STATE_FORMAT, "model": spec.name, "stage": 1, "engine": engine.state_dict(),
+             "diloco": s.outer.state_dict(), "feedback": {"residual": theirs}}
+    trio.run(s._load_state, state, False)
+    assert s.residual is None  # from a neighbour
+    trio.run(s._load_state, state, True)
+    assert torch.equal(s.residual, theirs)  # our own snapshot, from disk

@@ -71,8 +71,8 @@ def encode(vector: torch.Tensor, codec: str, error_out: torch.Tensor | None = No
         raise ValueError(f"unknown codec {codec!r}, expected one of {CODECS}")
     flat = _check_vector(vector)
     if error_out is not None and (not isinstance(error_out, torch.Tensor) or error_out.dtype != torch.float32
-                                  or error_out.shape != flat.shape):
-        raise ValueError(f"error_out must be a float32 tensor of shape {tuple(flat.shape)}")
+                                  or error_out.shape != flat.shape or not error_out.is_contiguous()):
+        raise ValueError(f"error_out must be a contiguous float32 tensor of shape {tuple(flat.shape)}")
     if not all_finite(flat):
         raise ValueError("cannot encode a vector with non-finite values")
     out = bytearray(encoded_size(codec, flat.numel()))

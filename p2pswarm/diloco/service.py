@@ -395,7 +395,7 @@ class DilocoService:
             try:
                 fetched = await snapshots.fetch_snapshot(self._pool, peer, self.spec.name, self.stage)
                 state = await trio.to_thread.run_sync(checkpoint.decode_state, fetched.data)
-                await self._load_state(state)
+                await self._load_state(state, ours=False)
             except (DialError, ProtocolError) as exc:
                 log.warning("could not load stage %d from %s: %s", self.stage, peer, exc)
                 continue
@@ -415,7 +415,7 @@ class DilocoService:
             return False
         path, state = found
         try:
-            await self._load_state(state)
+            await self._load_state(state, ours=True)
         except ProtocolError as exc:
             log.warning("snapshot %s does not fit stage %d: %s", path, self.stage, exc)
             return False
@@ -423,8 +423,11 @@ class DilocoService:
         log.info("loaded stage %d from %s (outer round %d)", self.stage, path, self.outer.rounds)
         return True
 
-    async def _load_state(self, state: dict) -> None:
-        """Take a snapshot's state as ours (RemoteProtocolError if it is not a state of our stage)."""
+    async def _load_state(self, state: dict, ours: bool) -> None:
+        """Take a snapshot's state as ours (RemoteProtocolError if it is not a state of our stage).
+
+        The error-feedback residual is taken only from our own snapshot: a neighbour's is what *it*
+        still has to send (carried parts included), and sending it too would count it twice."""
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT or \
                 state.get("model") != self.spec.name or state.get("stage") != self.stage:
             raise RemoteProtocolError("the snapshot is not of our model and stage")
@@ -435,7 +438,7 @@ class DilocoService:
                 engine.load_state_dict(state["engine"])
                 self.outer.load_state_dict(state["diloco"])
                 self.outer.config = self._outer_config()  # our flags, not the neighbour's
-                residual = state.get("feedback", {}).get("residual")
+                residual = state.get("feedback", {}).get("residual") if ours else None
                 self.residual = residual if isinstance(residual, torch.Tensor) and \
                     residual.dtype == torch.float32 and residual.shape == (self.outer.numel,) else None
             except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as exc:
