@@ -15,6 +15,12 @@ the host is built without that semaphore. ``on_stream`` asks the pure ``limits.S
   stream's handler is *cancelled*, then the stream reset: a local Yamux reset does not wake a
   task blocked reading that stream (measured), so resetting alone would leave the task behind.
 
+A handler that raises (ours, or a library one such as Kademlia's or identify's, e.g. on a
+stream the peer reset) has its stream reset and the error counted (``handler_errors``). Uncaught,
+the exception ended the connection's stream-accepting task (``SwarmConn._handle_new_streams``)
+while the connection stayed open: every later stream the peer opened on it hung in negotiation
+(measured: a peer resetting two streams in a row wedged its connection).
+
 Protocols set their own limits with ``set_protocol_limits(host, protocol, limits)``.
 """
 
@@ -80,10 +86,17 @@ class StreamGuard:
         net_stream.set_protocol(protocol)
         scope = trio.CancelScope(deadline=self.book.deadline(ticket))
         _watch(net_stream, self.book, ticket, scope)
+        failed = False
         with scope:
-            await handler(net_stream)
+            try:
+                await handler(net_stream)
+            except Exception as exc:  # a handler's error ends its stream, never the connection
+                log.debug("the %s handler failed on a stream of %s: %r", protocol, peer, exc)
+                self.book.failed += 1
+                failed = True
         if scope.cancelled_caught:
             self._expire(ticket, peer, protocol)
+        if scope.cancelled_caught or failed:
             await _reset(net_stream)
 
     def _expire(self, ticket: int, peer: str, what: str) -> None:

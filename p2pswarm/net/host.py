@@ -11,8 +11,13 @@ workarounds"), so the host is always built here:
   whatever ``min_connections`` says. We dial whom we need.
 - the connection limit is off by one (libp2p holds at most ``max_connections - 1``), so it is
   passed one higher; a test checks that exactly ``HostLimits.max_connections`` peers are held.
+  The resource manager gets twice that: it counts each upgrading inbound connection twice, so
+  at the same cap a burst of cap/2 concurrent handshakes was denied to the last one.
 - wildcard listen addresses (0.0.0.0) are expanded to the machine's interface addresses
   before they are advertised; otherwise peers are told to dial 0.0.0.0, i.e. themselves.
+- an inbound connection's slot is released when that connection closes, not when the whole
+  swarm stops (``net/swarm_fixes.py``); before, a node refused everyone after 257 inbound
+  connections in its life.
 - ``host.close()`` always runs on the way out; leaving ``host.run()`` alone leaves a
   listener accepting connections.
 - a port already in use is detected before listening: libp2p binds with SO_REUSEPORT (for
@@ -40,6 +45,7 @@ from p2pswarm.errors import ConfigError, DialError, StartupError
 from p2pswarm.identity import Identity
 from p2pswarm.net.guard import StreamGuard
 from p2pswarm.net.limits import StreamLimits
+from p2pswarm.net import swarm_fixes
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +68,7 @@ class HostLimits:
 
 DEFAULT_LIMITS = HostLimits()
 LIBP2P_CONNECTION_LIMIT_SLACK = 1  # py-libp2p holds at most max_connections - 1 peers (defect 9)
+RCMGR_SCOPES_PER_CONNECTION = 2  # the resource manager counts an upgrading inbound connection twice
 
 
 def parse_multiaddr(text: str) -> multiaddr.Multiaddr:
@@ -126,7 +133,10 @@ def build_host(identity: Identity, limits: HostLimits = DEFAULT_LIMITS):
     )
     resource_manager = new_resource_manager(
         limits=ResourceLimits(
-            max_connections=limits.max_connections + LIBP2P_CONNECTION_LIMIT_SLACK,
+            # Every inbound handshake holds two of its connection scopes for a moment (one before
+            # the upgrade, one after); with the swarm's cap here, a burst of cap/2 handshakes took
+            # every scope and all of them were denied. The swarm enforces the cap itself.
+            max_connections=RCMGR_SCOPES_PER_CONNECTION * (limits.max_connections + LIBP2P_CONNECTION_LIMIT_SLACK),
             max_memory_mb=limits.max_memory_mb,
             max_streams=limits.max_streams,
         ),
@@ -149,6 +159,7 @@ def build_host(identity: Identity, limits: HostLimits = DEFAULT_LIMITS):
     host.p2pswarm_guard = StreamGuard(host, limits.streams)
     host.p2pswarm_guard.install()
     host.get_network().auto_connector.start = _auto_connector_stays_off
+    swarm_fixes.install(host.get_network(), limits.max_connections)  # slots released when connections close
     host.get_network().dial_peer = _dial_every_address(host)
     host.p2pswarm_extra_addrs = extra_addrs
     listen_addrs = host.get_addrs

@@ -96,6 +96,7 @@ class StreamBook:
         self.refused: Counter[Refusal] = Counter()
         self.closed: Counter[Closure] = Counter()
         self.admitted = 0
+        self.failed = 0  # handlers that raised (counted by the driver, net/guard.py)
 
     def protocol_limits(self, protocol: str) -> ProtocolLimits:
         return self._protocols.get(protocol, self.limits.default_protocol)
@@ -209,4 +210,5 @@ class StreamBook:
             "admitted": self.admitted,
             **{f"refused_{r.value}": self.refused[r] for r in Refusal},
             **{f"closed_{c.value}": self.closed[c] for c in Closure},
+            "handler_errors": self.failed,
         }

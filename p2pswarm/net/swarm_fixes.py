@@ -1,0 +1,140 @@
+"""Patches of py-libp2p 0.8.1's swarm that keep a node open for its whole life.
+
+``Swarm._handle_inbound_connection`` takes one slot of ``_inbound_limiter``
+(``max_connections - min_connections``) per inbound connection and releases it when
+``_do_handle_inbound_connection`` returns. That function awaits ``manager.wait_finished()``,
+the whole swarm's end, after the upgrade: an inbound connection kept its slot after it closed,
+and after that many inbound connections in a node's life every new one was closed during the
+handshake (a bootstrap node locked every new peer out after 257 of them). The handler task also
+stayed alive, holding the connection's objects, until shutdown.
+
+``serve_inbound`` replaces ``_handle_inbound_connection`` (installed per swarm by ``install``):
+the same slot taken without a checkpoint, the same gate check and upgrade, then it waits only
+until *this* connection is closed. The slot then counts
+the inbound connections open now (handshakes included), which is what the limit means. The TCP
+listener (trio's ``serve_listeners``) closes the socket when the handler returns, so the handler
+must live exactly as long as the connection: it returns once the muxer reports it closed, or once
+the swarm no longer holds the connection (a pruned or trimmed duplicate), checked every
+``ORPHAN_CHECK_PERIOD`` in case a muxer exit path ever skips its closed event.
+
+The other limiters on the connection and stream paths were checked for the same pattern; what
+was found is listed in docs/architecture.md ("py-libp2p 0.8.1 workarounds").
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import trio
+
+log = logging.getLogger(__name__)
+
+ORPHAN_CHECK_PERIOD = 10.0  # seconds between checks that the swarm still holds an inbound connection
+REFUSAL_LOG_PERIOD = 60.0  # a node at its limit says so once a minute, not once per refused peer
+
+
+def install(swarm, max_inbound: int) -> None:
+    """Make ``swarm`` release each inbound slot when its connection closes, not at shutdown, and
+    hold at most ``max_inbound`` inbound connections (the library's own count is one more)."""
+    swarm.p2pswarm_inbound = InboundStats()
+    swarm._inbound_limiter.total_tokens = max_inbound
+
+    async def handle_inbound_connection(read_write_closer, maddr) -> None:
+        await serve_inbound(swarm, read_write_closer, maddr)
+
+    swarm._handle_inbound_connection = handle_inbound_connection
+    # The auto-connector is switched off (net/host.py), so nothing ever reads or prunes its
+    # disconnect backoff (it prunes only inside its own dial loop): one entry per peer ever seen.
+    swarm.auto_connector.record_disconnect = _forget_disconnect
+
+
+class InboundStats:
+    """Inbound connections accepted and refused at the limit; refusals logged at most once a period."""
+
+    def __init__(self) -> None:
+        self.accepted = 0
+        self.refused = 0
+        self._logged_at = -math.inf
+
+    def refuse(self, remote, reason: str) -> None:
+        self.refused += 1
+        now = trio.current_time()
+        if now - self._logged_at >= REFUSAL_LOG_PERIOD:
+            self._logged_at = now
+            log.warning("refusing inbound connections (%s; %d refused so far; latest from %s)",
+                        reason, self.refused, remote)
+
+
+async def serve_inbound(swarm, read_write_closer, maddr) -> None:
+    """Replaces ``Swarm._handle_inbound_connection``: a slot while the connection is open."""
+    try:
+        swarm._inbound_limiter.acquire_nowait()  # no checkpoint between the check and the take
+    except trio.WouldBlock:
+        swarm.p2pswarm_inbound.refuse(swarm._build_remote_multiaddr(read_write_closer),
+                                      f"{int(swarm._inbound_limiter.total_tokens)} inbound connections open")
+        await _close_quietly(read_write_closer)
+        return
+    try:
+        await serve_inbound_until_closed(swarm, read_write_closer, maddr)
+    finally:
+        swarm._inbound_limiter.release()
+
+
+def _forget_disconnect(peer_id) -> None:
+    """Replaces ``AutoConnector.record_disconnect``: the backoff it records is never used here."""
+
+
+async def serve_inbound_until_closed(swarm, read_write_closer, maddr) -> None:
+    """Gate, upgrade and register one inbound connection; return when it is closed."""
+    from libp2p.network.connection.raw_connection import RawConnection
+
+    remote = swarm._build_remote_multiaddr(read_write_closer)
+    if remote is not None and not await swarm.connection_gate.is_allowed(remote):
+        await _close_quietly(read_write_closer)
+        return
+    raw_conn = RawConnection(read_write_closer, False)
+    try:
+        muxed_conn = await swarm.upgrade_inbound_raw_conn(raw_conn, maddr)
+    except Exception as exc:  # refused (limits), failed handshake, timeout: the library cleaned up
+        if "limit" in str(exc):
+            swarm.p2pswarm_inbound.refuse(remote, str(exc))
+        else:
+            log.debug("inbound connection from %s not upgraded: %s", remote, exc)
+        await _close_quietly(raw_conn)
+        return
+    swarm.p2pswarm_inbound.accepted += 1
+    await wait_closed(swarm, muxed_conn)
+
+
+async def wait_closed(swarm, muxed_conn) -> None:
+    """Until ``muxed_conn`` is closed, or the swarm holds it no longer (then it is closed here)."""
+    while True:
+        with trio.move_on_after(ORPHAN_CHECK_PERIOD):
+            await muxed_conn.event_closed.wait()
+            return
+        if not held_by(swarm, muxed_conn):
+            log.debug("closing an inbound connection the swarm no longer holds (%s)", muxed_conn.peer_id)
+            await _close_quietly(muxed_conn)
+            return
+
+
+def held_by(swarm, muxed_conn) -> bool:
+    """Whether one of the swarm's live connections runs over ``muxed_conn``."""
+    return any(conn.muxed_conn is muxed_conn for conn in swarm.connections.get(muxed_conn.peer_id, ()))
+
+
+async def _close_quietly(closable) -> None:
+    with trio.CancelScope(shield=True), trio.move_on_after(5):
+        try:
+            await closable.close()
+        except Exception:  # already closed or broken: nothing more to release
+            pass
+
+
+def inbound_stats(host) -> dict:
+    """Inbound connections open now (upgrading included), accepted and refused at the limit."""
+    swarm = host.get_network()
+    stats = getattr(swarm, "p2pswarm_inbound", None)
+    return {"open": int(swarm._inbound_limiter.borrowed_tokens), "limit": int(swarm._inbound_limiter.total_tokens),
+            "accepted": stats.accepted if stats else 0, "refused": stats.refused if stats else 0}

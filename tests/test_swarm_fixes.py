@@ -1,0 +1,99 @@
+"""The py-libp2p 0.8.1 swarm patches of ``net/swarm_fixes.py`` and ``net/guard.py``, each shown
+against the library's own behaviour (so that an upgrade which fixes the library fails the
+"defect" test and the patch can go), on real hosts on loopback in one trio run."""
+
+from __future__ import annotations
+
+import trio
+
+from p2pswarm import wire
+from p2pswarm.identity import generate_identity
+from p2pswarm.net.control import ControlService
+from p2pswarm.net.guard import guard_stats
+from p2pswarm.net.host import HostLimits, connect, open_host, peer_info_from_multiaddr
+from p2pswarm.net.swarm_fixes import inbound_stats
+from p2pswarm.testing.churn import LOOPBACK, one_lifetime
+
+CAP = 4  # a small connection cap: the old defect shows after this many lifetimes
+LIFETIMES = 5 * CAP
+
+
+async def pong(peer: str, message: wire.Ping) -> wire.Pong:
+    return wire.Pong(nonce=message.nonce + 1)
+
+
+async def lifetimes(node, count: int) -> tuple[int, int]:
+    """``count`` fresh peers connect, ping and leave, one after another: (accepted, failed)."""
+    addr = str(node.get_addrs()[0])
+    accepted = failed = 0
+    for _ in range(count):
+        try:
+            await one_lifetime(addr)
+            accepted += 1
+        except Exception:  # refused: counted
+            failed += 1
+    return accepted, failed
+
+
+def run_node(body, limits: HostLimits = HostLimits(max_connections=CAP)):
+    async def main():
+        async with open_host(generate_identity(), LOOPBACK, limits) as node, trio.open_nursery() as nursery:
+            ControlService(node, nursery).handle(wire.Ping, pong)
+            await body(node, nursery)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_library_defect_inbound_slots_held_until_shutdown():
+    async def body(node, nursery):
+        swarm = node.get_network()
+        del swarm._handle_inbound_connection  # the library's own handler again
+        accepted, failed = await lifetimes(node, 2 * CAP)
+        assert (accepted, failed) == (CAP, CAP)  # each closed connection still holds its slot
+
+    run_node(body)
+
+
+def test_inbound_slots_return_when_connections_close():
+    async def body(node, nursery):
+        assert await lifetimes(node, LIFETIMES) == (LIFETIMES, 0)
+        with trio.fail_after(10):
+            while inbound_stats(node)["open"]:
+                await trio.sleep(0.05)
+        stats = inbound_stats(node)
+        assert stats["accepted"] == LIFETIMES and stats["refused"] == 0 and stats["limit"] == CAP
+        assert not node.get_network().auto_connector._recent_disconnects  # nothing kept per departed peer
+
+    run_node(body)
+
+
+ECHO = "/test/raise-after-read/1.0.0"
+
+
+async def open_and_reset(client, node_id) -> None:
+    with trio.fail_after(5):
+        stream = await client.new_stream(node_id, [ECHO])
+        await stream.write(b"x")
+        await stream.reset()
+
+
+def test_a_failing_handler_ends_its_stream_not_the_connection():
+    async def body(node, nursery):
+        async def handler(stream):
+            await stream.read(1)
+            await trio.sleep(0.01)  # the peer's reset arrives
+            await stream.write(b"y")  # raises: the stream was reset
+
+        node.set_stream_handler(ECHO, handler)
+        async with open_host(generate_identity(), LOOPBACK) as client:
+            await connect(client, peer_info_from_multiaddr(str(node.get_addrs()[0])))
+            for _ in range(5):  # the library's own dispatch hung every stream after the second
+                await open_and_reset(client, node.get_id())
+            with trio.fail_after(5):
+                while guard_stats(node)["handler_errors"] < 5 or guard_stats(node)["open"]:
+                    await trio.sleep(0.05)
+            control = ControlService(client, nursery)
+            assert await control.request(node.get_id(), wire.Ping(nonce=1)) == wire.Pong(nonce=2)
+
+    run_node(body)
