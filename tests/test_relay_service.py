@@ -191,6 +191,27 @@ def test_reservation_with_py_libp2p_client_then_refusal_past_the_limit():
     with_relay(RelayConfig(max_reservations=1), test)
 
 
+def test_a_reservation_ends_with_its_last_connection():
+    """Clients from one IP come and go, one after another, more of them than the per-IP and total
+    limits: each is accepted, because a departed client's reservation is dropped from our book and
+    from the library's own table (which used to keep it for the whole TTL and refuse everyone)."""
+    from p2pswarm.testing.churn import one_lifetime, reserve_work
+
+    async def test(protocol, relay_host, clients):
+        addr = str(relay_host.get_addrs()[0])
+        for _ in range(3 * SMALL.max_reservations):
+            await one_lifetime(addr, reserve_work)
+        with trio.fail_after(10):
+            while protocol.book.reservations or protocol.resource_manager._reservations:
+                await trio.sleep(0.05)
+        assert protocol.book.refused == {}
+        await raw_reserve(clients[0], relay_host.get_id())  # a connected client keeps its reservation
+        await clients[1].disconnect(relay_host.get_id())
+        assert list(protocol.book.reservations) == [clients[0].get_id()]
+
+    with_relay(SMALL, test)
+
+
 def test_circuit_carries_data_and_refusals_use_spec_codes():
     async def test(protocol, relay_host, clients):
         source, destination, stranger = clients
