@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import random
@@ -30,6 +31,9 @@ from p2pswarm.dht.records import (
     MAX_TIMESTAMP,
     MAX_TTL,
     MIN_TTL,
+    PLAUSIBLE_FREE_MEMORY_MB,
+    PLAUSIBLE_QUEUE_DEPTH,
+    PLAUSIBLE_THROUGHPUT,
     RECORD_VERSION,
     SIGNATURE_DOMAIN,
     Capacity,
@@ -428,12 +432,27 @@ def test_best_first_ranks_and_ignores_input_order(items, rng):
     shuffled = list(items)
     rng.shuffle(shuffled)
     assert best_first(shuffled) == ranked
+    def claims(record):
+        cap = record.capacity
+        return (cap.flags & FLAG_RELAYED > 0, min(cap.queue_depth, PLAUSIBLE_QUEUE_DEPTH),
+                -min(cap.free_memory_mb, PLAUSIBLE_FREE_MEMORY_MB), -min(cap.throughput, PLAUSIBLE_THROUGHPUT),
+                -record.timestamp, record.peer_id)
+
     for better, worse in zip(ranked, ranked[1:]):
-        b, w = better.capacity, worse.capacity
-        assert (b.flags & FLAG_RELAYED > 0, b.queue_depth, -b.free_memory_mb, -better.timestamp, better.peer_id) <= (
-            w.flags & FLAG_RELAYED > 0, w.queue_depth, -w.free_memory_mb, -worse.timestamp, worse.peer_id
-        )
+        assert claims(better) <= claims(worse)
         assert routing_rank(better) <= routing_rank(worse)
+
+
+@given(st.lists(records(peer_ids=st.sampled_from(["a", "b", "c", "d"])), max_size=6, unique_by=lambda r: r.peer_id))
+def test_claims_beyond_plausible_rank_like_the_plausible_bound(items):
+    """4 PB free, 10^12 tokens/s or a queue of 4 billion rank exactly like the PLAUSIBLE_* bounds."""
+    def bounded(record):
+        cap = record.capacity
+        return dataclasses.replace(record, capacity=dataclasses.replace(
+            cap, free_memory_mb=min(cap.free_memory_mb, PLAUSIBLE_FREE_MEMORY_MB),
+            queue_depth=min(cap.queue_depth, PLAUSIBLE_QUEUE_DEPTH), throughput=min(cap.throughput, PLAUSIBLE_THROUGHPUT)))
+
+    assert [r.peer_id for r in best_first(items)] == [r.peer_id for r in best_first(map(bounded, items))]
 
 
 def test_best_first_example():

@@ -63,6 +63,9 @@ MAX_OUTER_ROUND = 2**63 - 1  # outer rounds count up for a whole run: any u63 is
 MAX_THROUGHPUT = 1e12  # tokens/s; far beyond any peer, keeps the value a sane finite float
 MAX_FREE_MEMORY_MB = 2**32 - 1  # fits a uint32 in any implementation; 4 PB is beyond any peer
 MAX_QUEUE_DEPTH = 2**32 - 1  # fits a uint32 in any implementation
+PLAUSIBLE_FREE_MEMORY_MB = 2 * 1024 * 1024  # 2 TiB: the largest single hosts; ranking counts no more
+PLAUSIBLE_THROUGHPUT = 1e7  # tokens/s through one stage of one peer; ranking counts no more
+PLAUSIBLE_QUEUE_DEPTH = 10_000  # requests waiting; far beyond any peer's bounded buffer
 FLAGS_LIMIT = 2**32  # capacity flags are a 32-bit field; unknown bits are kept, not refused
 MIN_TTL = 1.0  # a shorter-lived record expires before it can be stored and read
 MAX_TTL = 60.0  # a few re-announce periods (5 s): a record outlives its author by a minute at most,
@@ -127,16 +130,22 @@ def stage_key(model: str, stage: int) -> bytes:
 
 
 def routing_rank(record: StageRecord) -> tuple:
-    """Sort key of ``best_first``: a total order, so ranking never depends on input order."""
+    """Sort key of ``best_first``: a total order, so ranking never depends on input order.
+
+    Claims count up to the PLAUSIBLE_* bounds only: a record claiming 4 PB free ranks like one
+    claiming 2 TiB (the wire accepts more, so that the decoder's limits never need to change)."""
     cap = record.capacity
     relayed = bool(cap.flags & FLAG_RELAYED)  # reachable only through a relay: last (docs/nat.md)
-    return (relayed, cap.queue_depth, -cap.free_memory_mb, -record.timestamp, record.peer_id, record.model,
-            record.stage, record.start, record.end, record.addrs, record.ttl, cap.flags, cap.throughput, cap.outer_round)
+    return (relayed, min(cap.queue_depth, PLAUSIBLE_QUEUE_DEPTH), -min(cap.free_memory_mb, PLAUSIBLE_FREE_MEMORY_MB),
+            -min(cap.throughput, PLAUSIBLE_THROUGHPUT), -record.timestamp, record.peer_id, record.model,
+            record.stage, record.start, record.end, record.addrs, record.ttl, cap.flags, cap.queue_depth,
+            cap.free_memory_mb, cap.throughput, cap.outer_round)
 
 
 def best_first(records: Iterable[StageRecord]) -> list[StageRecord]:
-    """Directly reachable peers before relayed ones, then shortest queue, most free memory, newest,
-    and by peer id."""
+    """Directly reachable peers before relayed ones, then shortest queue, most free memory, highest
+    throughput, newest, and by peer id; every claim bounded to its PLAUSIBLE_* value. Standing and
+    diversity come on top of this (``dht.ranking``)."""
     return sorted(records, key=routing_rank)
 
 
