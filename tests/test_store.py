@@ -9,11 +9,14 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from p2pswarm.dht.records import Capacity, StageRecord, best_first
+from p2pswarm.dht.protocol import FetchRecords, handle_fetch
+from p2pswarm.dht.ranking import MAX_PER_IP, MAX_PER_SUBNET
+from p2pswarm.dht.records import Capacity, StageRecord, best_first, stage_key
 from p2pswarm.dht.store import (
     LOCAL_SOURCE,
     MAX_CLOCK_SKEW,
     MAX_ENTRIES_PER_IP_PER_KEY,
+    MAX_LOOPBACK_ENTRIES_PER_KEY,
     REFRESH_DEADLINE,
     RecordStore,
     StoredRecord,
@@ -113,7 +116,7 @@ def test_full_key_gives_the_place_of_the_entry_refreshed_least_recently_once_ove
 
 def test_64_fake_identities_cannot_push_out_an_honest_re_announcer():
     """The attack review: 64 self-made identities with 3,600 s TTLs emptied a key of its honest
-    15 s record. Now the honest peer keeps its place (and the fakes get 16 places per IP)."""
+    15 s record. Now the honest peer keeps its place (and the fakes get 4 places per IP)."""
     store = RecordStore()
     honest = "honest"
     assert store.put(KEY, stored(honest, ttl=15.0, ip="198.51.100.7"), NOW)
@@ -137,6 +140,33 @@ def test_one_ip_holds_a_bounded_number_of_entries():
     assert store.put(KEY, stored("a", timestamp=NOW + 1.0), NOW)  # refreshing a held entry is no new room
     assert store.put(KEY, stored("e", timestamp=NOW + 60.0), NOW + 60.0)  # expired entries free their room
     assert store.put(KEY, stored("f", ip=LOCAL_SOURCE), NOW)  # our own records are not limited by IP
+
+
+def test_a_loopback_source_is_this_machine_and_holds_a_whole_local_swarm():
+    """Only this machine's own processes connect from loopback: a local swarm (the demo, the tests)
+    shares 127.0.0.1, so it gets MAX_LOOPBACK_ENTRIES_PER_KEY places; a LAN address is one machine."""
+    store = RecordStore()
+    for n, ip in enumerate(("127.0.0.1", "::1", "192.168.1.20", "203.0.113.66")):
+        accepted = sum(store.put(bytes([n]) * 32, stored(f"{ip}-{i}", ip=ip), NOW) for i in range(64))
+        assert accepted == (MAX_LOOPBACK_ENTRIES_PER_KEY if ip in ("127.0.0.1", "::1") else MAX_ENTRIES_PER_IP_PER_KEY)
+
+
+def test_one_source_cannot_fill_the_top_of_a_reply():
+    """A reply gives each source address MAX_PER_IP places (its /24 MAX_PER_SUBNET) before the
+    others' entries, however much its records claim; the rest come after, not never."""
+    store, key = RecordStore(max_entries_per_ip_per_key=8), stage_key("m", 0)
+    for i in range(8):
+        assert store.put(key, stored(f"fake{i}", mem=2**32 - 1, ip="203.0.113.66"), NOW)
+    for i in range(4):
+        assert store.put(key, stored(f"neighbour{i}", mem=2**31 - i, ip=f"203.0.113.{70 + i}"), NOW)
+    assert store.put(key, stored("honest", mem=1024, ip="198.51.100.7"), NOW)
+    assert store.put(key, stored("mine", mem=0, ip=LOCAL_SOURCE), NOW)
+    order = peers_of(store, key, NOW)
+    assert MAX_PER_IP == 2 and MAX_PER_SUBNET == 3  # as the expected order spells out:
+    assert order[:5] == ["fake0", "fake1", "neighbour0", "honest", "mine"]  # equal claims: by peer id
+    assert order[5:] == [f"fake{i}" for i in range(2, 8)] + ["neighbour1", "neighbour2", "neighbour3"]
+    reply = handle_fetch(store, FetchRecords(model="m", stage=0, limit=5), NOW)
+    assert list(reply.records) == [s.raw for s in store.get(key, NOW)[:5]]
 
 
 def test_one_peer_holds_entries_under_a_bounded_number_of_keys():
@@ -181,8 +211,8 @@ def test_max_keys_prunes_expired_keys_first():
 
 def test_get_returns_fresh_entries_best_first():
     store = RecordStore()
-    entries = [stored("a", queue=3), stored("b", queue=0, mem=10), stored("c", queue=0, mem=99),
-               stored("d", ttl=5.0)]
+    entries = [stored("a", queue=3, ip="192.0.2.1"), stored("b", queue=0, mem=10, ip="198.51.100.1"),
+               stored("c", queue=0, mem=99, ip="203.0.113.1"), stored("d", ttl=5.0, ip=LOCAL_SOURCE)]
     for entry in entries:
         assert store.put(KEY, entry, NOW)
     assert peers_of(store, KEY, NOW) == ["c", "b", "d", "a"]
@@ -215,15 +245,34 @@ def test_bad_limits_are_refused(limits):
 # ---------------------------------------------------------------- state machine
 
 MACHINE_MAX_KEYS = 4  # small limits so eviction and every refusal happen often
-MACHINE_MAX_ENTRIES = 3
+MACHINE_MAX_ENTRIES = 5  # above MAX_PER_IP and MAX_PER_SUBNET, so replies get reordered
 MACHINE_SKEW = 10.0
 MACHINE_KEYS_PER_PEER = 2
-MACHINE_PER_IP_KEY = 2
-MACHINE_PER_IP = 4
+MACHINE_PER_IP_KEY = 3
+MACHINE_LOOPBACK_KEY = 4
+MACHINE_PER_IP = 6
 MACHINE_DEADLINE = 10.0
 MACHINE_KEYS = [bytes([k]) * 32 for k in range(6)]
 MACHINE_PEERS = ["p0", "p1", "p2", "p3", "p4"]
-MACHINE_IPS = [LOCAL_SOURCE, "192.0.2.1", "192.0.2.2"]
+MACHINE_IPS = [LOCAL_SOURCE, "192.0.2.1", "192.0.2.2", "192.0.2.3", "198.51.100.1", "127.0.0.1"]
+
+
+def reference_order(entries) -> list[StageRecord]:
+    """Best first; an entry beyond its address's MAX_PER_IP or its /24's MAX_PER_SUBNET goes after."""
+    head, tail, per_ip, per_net = [], [], Counter(), Counter()
+    order = best_first(e[0] for e in entries)
+    ips = {e[0].peer_id: e[1] for e in entries}
+    for record in order:
+        ip = ips[record.peer_id]
+        net = ip.rsplit(".", 1)[0]
+        if ip != LOCAL_SOURCE and (per_ip[ip] >= MAX_PER_IP or per_net[net] >= MAX_PER_SUBNET):
+            tail.append(record)
+            continue
+        if ip != LOCAL_SOURCE:
+            per_ip[ip] += 1
+            per_net[net] += 1
+        head.append(record)
+    return head + tail
 
 
 class ReferenceStore:
@@ -247,7 +296,8 @@ class ReferenceStore:
             return False
         if (old is None or old[1] != ip) and ip != LOCAL_SOURCE:
             same_ip = [k for k, _, e in everything if e[1] == ip]
-            if len(same_ip) >= MACHINE_PER_IP or same_ip.count(key) >= MACHINE_PER_IP_KEY:
+            per_key = MACHINE_LOOPBACK_KEY if ip == "127.0.0.1" else MACHINE_PER_IP_KEY
+            if len(same_ip) >= MACHINE_PER_IP or same_ip.count(key) >= per_key:
                 return False
         if not live and len({k for k, _, _ in everything}) >= MACHINE_MAX_KEYS:
             return False
@@ -266,7 +316,8 @@ class StoreMachine(RuleBasedStateMachine):
         super().__init__()
         self.store = RecordStore(MACHINE_MAX_KEYS, MACHINE_MAX_ENTRIES, MACHINE_SKEW,
                                  max_keys_per_peer=MACHINE_KEYS_PER_PEER, max_entries_per_ip_per_key=MACHINE_PER_IP_KEY,
-                                 max_entries_per_ip=MACHINE_PER_IP, refresh_deadline=MACHINE_DEADLINE)
+                                 max_entries_per_ip=MACHINE_PER_IP, max_loopback_entries_per_key=MACHINE_LOOPBACK_KEY,
+                                 refresh_deadline=MACHINE_DEADLINE)
         self.model = ReferenceStore()
         self.now = 1000.0
         self.last_accepted: dict[tuple[bytes, str], StageRecord] = {}
@@ -277,7 +328,7 @@ class StoreMachine(RuleBasedStateMachine):
         age=st.integers(-15, 40),  # negative: from the future, sometimes beyond the skew
         ttl=st.sampled_from([1, 5, 10, 20, 30, 45]),  # few values, so expiries often tie
         queue=st.integers(0, 2),
-        ip=st.sampled_from(MACHINE_IPS),
+        ip=st.just(MACHINE_IPS[1]) | st.sampled_from(MACHINE_IPS),  # crowd one address, so replies reorder
     )
     def put(self, key, peer, age, ttl, queue, ip):
         record = rec(peer, timestamp=self.now - age, ttl=float(ttl), queue=queue)
@@ -292,7 +343,7 @@ class StoreMachine(RuleBasedStateMachine):
 
     @rule(key=st.sampled_from(MACHINE_KEYS))
     def get(self, key):
-        expected = best_first(e[0] for e in self.model.live(key, self.now).values())
+        expected = reference_order(self.model.live(key, self.now).values())
         assert [s.record for s in self.store.get(key, self.now)] == expected
 
     @precondition(lambda self: self.store.entry_count() > 0)
@@ -309,7 +360,7 @@ class StoreMachine(RuleBasedStateMachine):
         assert len(self.store) <= MACHINE_MAX_KEYS
         for key in MACHINE_KEYS:
             got = [s.record for s in self.store.get(key, self.now)]
-            assert got == best_first(e[0] for e in self.model.live(key, self.now).values())
+            assert got == reference_order(self.model.live(key, self.now).values())
             assert len(got) <= MACHINE_MAX_ENTRIES
             assert all(r.is_fresh(self.now) for r in got)
             assert len({r.peer_id for r in got}) == len(got)
@@ -318,8 +369,10 @@ class StoreMachine(RuleBasedStateMachine):
         assert max(Counter(s.record.peer_id for _, s in held).values(), default=0) <= MACHINE_KEYS_PER_PEER
         per_ip = Counter(s.source_ip for _, s in held if s.source_ip != LOCAL_SOURCE)
         assert max(per_ip.values(), default=0) <= MACHINE_PER_IP
-        per_ip_key = Counter((key, s.source_ip) for key, s in held if s.source_ip != LOCAL_SOURCE)
+        per_ip_key = Counter((key, s.source_ip) for key, s in held if s.source_ip not in (LOCAL_SOURCE, "127.0.0.1"))
         assert max(per_ip_key.values(), default=0) <= MACHINE_PER_IP_KEY
+        loopback_key = Counter(key for key, s in held if s.source_ip == "127.0.0.1")
+        assert max(loopback_key.values(), default=0) <= MACHINE_LOOPBACK_KEY
 
 
 StoreMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=50, deadline=None)

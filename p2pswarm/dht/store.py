@@ -12,7 +12,13 @@ Rules, all bounded so a hostile peer cannot grow the store, or crowd honest peer
   seconds ahead of ``now``, or if the entry held for the same peer is as new or newer.
 * One peer holds entries under at most ``max_keys_per_peer`` keys; one source IP address holds
   at most ``max_entries_per_ip_per_key`` entries under a key and ``max_entries_per_ip`` in all
-  (so identities made by the thousand on one machine get a handful of places, not all).
+  (so identities made by the thousand on one machine get a handful of places, not all). A
+  loopback source is this machine itself, so a whole local swarm (the demo, the tests) shares
+  it: it holds up to ``max_loopback_entries_per_key`` under a key. A private (LAN) source is
+  one machine of a site like any public one.
+* ``get`` answers best first, a few per source: an entry beyond the first MAX_PER_IP of its
+  source address or MAX_PER_SUBNET of its /24 (/48) comes after every other source's
+  (``dht.ranking``), so one address's identities cannot fill the top of a reply either.
 * A full key gives way to a newcomer only by evicting the entry refreshed least recently, and
   only if that entry has gone ``refresh_deadline`` seconds without a refresh. A peer that keeps
   re-announcing keeps its place, whatever TTL a newcomer claims (a long TTL buys nothing).
@@ -27,6 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from p2pswarm.dht.ranking import is_loopback, source_network, spread
 from p2pswarm.dht.records import StageRecord, routing_rank
 from p2pswarm.errors import ConfigError
 
@@ -34,7 +41,9 @@ MAX_KEYS = 4096  # stage keys one node holds; thousands of stages of several mod
 MAX_ENTRIES_PER_KEY = 64  # serving peers remembered per stage; routing needs only the best few
 MAX_CLOCK_SKEW = 30.0  # seconds a record's timestamp may lie in the future (unsynced clocks)
 MAX_KEYS_PER_PEER = 8  # a peer serves one stage; room for a few models or a stage change
-MAX_ENTRIES_PER_IP_PER_KEY = 16  # peers behind one NAT (or a local demo) serving the same stage
+MAX_ENTRIES_PER_IP_PER_KEY = 4  # machines behind one NAT (a household, a small lab) serving one stage
+MAX_LOOPBACK_ENTRIES_PER_KEY = 32  # a whole local swarm on this machine (demo, tests); no remote peer
+#                                    connects from loopback
 MAX_ENTRIES_PER_IP = 256  # all keys together, for one source address
 REFRESH_DEADLINE = 12.0  # announcers refresh every 5 s: two missed beats and a place may be taken
 LOCAL_SOURCE = ""  # source_ip of a record we stored ourselves: no per-IP limit applies
@@ -67,15 +76,18 @@ class RecordStore:
         max_keys_per_peer: int = MAX_KEYS_PER_PEER,
         max_entries_per_ip_per_key: int = MAX_ENTRIES_PER_IP_PER_KEY,
         max_entries_per_ip: int = MAX_ENTRIES_PER_IP,
+        max_loopback_entries_per_key: int = MAX_LOOPBACK_ENTRIES_PER_KEY,
         refresh_deadline: float = REFRESH_DEADLINE,
     ) -> None:
-        counts = (max_keys, max_entries_per_key, max_keys_per_peer, max_entries_per_ip_per_key, max_entries_per_ip)
+        counts = (max_keys, max_entries_per_key, max_keys_per_peer, max_entries_per_ip_per_key, max_entries_per_ip,
+                  max_loopback_entries_per_key)
         if min(counts) < 1 or not max_clock_skew >= 0 or not refresh_deadline >= 0:
             raise ConfigError(
                 f"record store limits must be positive: max_keys={max_keys}, "
                 f"max_entries_per_key={max_entries_per_key}, max_clock_skew={max_clock_skew}, "
                 f"max_keys_per_peer={max_keys_per_peer}, max_entries_per_ip_per_key={max_entries_per_ip_per_key}, "
-                f"max_entries_per_ip={max_entries_per_ip}, refresh_deadline={refresh_deadline}"
+                f"max_entries_per_ip={max_entries_per_ip}, "
+                f"max_loopback_entries_per_key={max_loopback_entries_per_key}, refresh_deadline={refresh_deadline}"
             )
         self._max_keys = max_keys
         self._max_entries_per_key = max_entries_per_key
@@ -83,6 +95,7 @@ class RecordStore:
         self._max_keys_per_peer = max_keys_per_peer
         self._max_per_ip_key = max_entries_per_ip_per_key
         self._max_per_ip = max_entries_per_ip
+        self._max_loopback_per_key = max_loopback_entries_per_key
         self._refresh_deadline = refresh_deadline
         self._keys: dict[bytes, dict[str, _Entry]] = {}
         self._by_ip: dict[str, set[tuple[bytes, str]]] = {}  # source ip -> (key, peer) of its entries
@@ -113,9 +126,12 @@ class RecordStore:
         return True
 
     def get(self, key: bytes, now: float) -> list[StoredRecord]:
-        """The fresh entries under ``key``, best for routing first."""
+        """The fresh entries under ``key``, best for routing first, a few per source address first
+        (our own entries are never pushed back)."""
         fresh = [e.stored for e in self._keys.get(key, {}).values() if e.stored.record.is_fresh(now)]
-        return sorted(fresh, key=lambda stored: routing_rank(stored.record))
+        order = sorted(fresh, key=lambda stored: routing_rank(stored.record))
+        crowded = spread(order, lambda s: None if s.source_ip == LOCAL_SOURCE else source_network(s.source_ip))
+        return [s for _, _, s in sorted(zip(crowded, range(len(order)), order), key=lambda e: e[:2])]
 
     def prune(self, now: float) -> int:
         """Drop expired entries and emptied keys; return the number of entries dropped."""
@@ -173,7 +189,8 @@ class RecordStore:
         for held_key, peer in [e for e in self._by_ip.get(ip, ()) if self._expired(*e, now)]:
             self._remove(held_key, peer)
         held = self._by_ip.get(ip, set())
-        return len(held) < self._max_per_ip and sum(k == key for k, _ in held) < self._max_per_ip_key
+        per_key = self._max_loopback_per_key if is_loopback(ip) else self._max_per_ip_key
+        return len(held) < self._max_per_ip and sum(k == key for k, _ in held) < per_key
 
     def _room_for_new_key(self, now: float) -> bool:
         if len(self._keys) >= self._max_keys:
