@@ -15,12 +15,14 @@ MODEL = get_model("tiny-lm/2")
 class SlowIndex:
     """lookup_stage answers only when the test lets it (``release``), and counts the lookups."""
 
+    me = "me"
+
     def __init__(self) -> None:
         self.lookups = 0
         self.release = trio.Event()
         self.peers = ["first"]
 
-    async def lookup_stage(self, model: str, stage: int, k: int) -> list[StageRecord]:
+    async def lookup_stage(self, model: str, stage: int, k: int, standing=None) -> list[StageRecord]:
         self.lookups += 1
         await self.release.wait()
         start, end = MODEL.stage_range(stage)

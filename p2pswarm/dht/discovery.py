@@ -3,7 +3,8 @@
 Kademlia (py-libp2p's ``/ipfs/kad/1.0.0``) finds the peers closest to a stage key; our record
 protocol (``dht.protocol``) stores the signed record on them and fetches records back. A
 reader verifies every record itself, merges the answers of all closest peers per author
-(newest wins), drops stale ones, and ranks the rest.
+(newest wins), drops stale ones, and ranks the rest (``dht.ranking``: our own record first, then
+peers the caller vouches for, then strangers, a few per address before the others).
 
 Workarounds for py-libp2p's DHT live here: bootstrap peers are added to the routing table
 explicitly after dialling (the table only learns peers that contact it), and a peer that fails
@@ -22,7 +23,8 @@ import trio
 
 from p2pswarm.dht.closest import ClosestPeersCache
 from p2pswarm.dht.protocol import FetchRecords, FetchReply, StoreRecord, StoreReply, handle_fetch, handle_store
-from p2pswarm.dht.records import StageRecord, best_first, stage_key, verify_record
+from p2pswarm.dht.ranking import Standing, pool
+from p2pswarm.dht.records import StageRecord, stage_key, verify_record
 from p2pswarm.dht.store import RecordStore
 from p2pswarm.errors import DialError, ProtocolError, StartupError
 from p2pswarm.net.connect import as_peer_id, remote_ip
@@ -167,6 +169,15 @@ class StageIndex:
         control.handle(StoreRecord, self._on_store)
         control.handle(FetchRecords, self._on_fetch)
 
+    @property
+    def me(self) -> str:
+        """Our own peer id, as records spell it."""
+        return str(self._host.get_id())
+
+    def own_first(self, peer: str) -> Standing:
+        """The standing a lookup gives a record when its caller knows nothing more."""
+        return Standing.OWN if peer == self.me else Standing.STRANGER
+
     async def set_server(self, server: bool) -> None:
         """Switch Kademlia and the record service between server and client mode."""
         from libp2p.kad_dht.kad_dht import DHTMode
@@ -273,8 +284,10 @@ class StageIndex:
                 nursery.start_soon(store_on, peer_id)
         return accepted
 
-    async def lookup_stage(self, model: str, stage: int, k: int = DEFAULT_K) -> list[StageRecord]:
-        """Up to ``k`` fresh records of peers serving ``stage`` of ``model``, best first."""
+    async def lookup_stage(self, model: str, stage: int, k: int = DEFAULT_K,
+                           standing: Callable[[str], Standing] | None = None) -> list[StageRecord]:
+        """Up to ``k`` fresh records of peers serving ``stage`` of ``model``, best first by
+        ``standing`` (default: our own record, then strangers), crowded strangers last (``dht.ranking``)."""
         started = time.perf_counter()
         self.stats.lookups += 1
         newest: dict[str, StageRecord] = {}
@@ -298,7 +311,7 @@ class StageIndex:
         now = self._clock()
         fresh = [r for r in newest.values() if r.is_fresh(now)]
         self.stats.lookup_seconds = (self.stats.lookup_seconds + [time.perf_counter() - started])[-100:]
-        return best_first(fresh)[:k]
+        return pool(fresh, standing or self.own_first, k)
 
     def _merge(self, newest: dict[str, StageRecord], raw: bytes, model: str, stage: int) -> None:
         try:

@@ -7,6 +7,12 @@ soon as it is in; a stage whose lookup overruns the bound keeps its previous ent
 peer also keeps its own and the adjacent stages fresh and checks their peers (candidates).
 ``/api/stages`` serves the map: it waits for a rebuild at most API_WAIT, and the rebuild goes on
 in the background (on a loaded machine it takes seconds; an API call must not).
+
+A stage's lookup keeps a *pool* of up to CHECK_POOL records, and the map shows its top DEFAULT_K,
+re-ranked whenever read (``dht.ranking``): our own record, the peers that answered us, then
+strangers a few per address. The pool is wider than the top so that an honest newcomer crowded
+out of a stranger's place is still checked, answers, and takes its place as a vouched peer; and a
+lookup that misses our own or a vouched peer's record (still fresh) does not drop it.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ import trio
 from p2pswarm import wire
 from p2pswarm.dht.candidates import CHECK_PERIOD, CandidateBook, asks_first
 from p2pswarm.dht.discovery import ANNOUNCE_PERIOD, DEFAULT_K, LOOKUP_TIMEOUT, STAGE_MAP_PERIOD, StageIndex
+from p2pswarm.dht import ranking
+from p2pswarm.dht.ranking import Standing
 from p2pswarm.dht.records import StageRecord
 from p2pswarm.errors import DialError
 from p2pswarm.model.catalog import ModelSpec, least_served_stage
@@ -33,6 +41,7 @@ STAGE_MAP_BUILD_TIMEOUT = 2 * LOOKUP_TIMEOUT + 1.0  # a closest-peer search and 
 CHECK_TIMEOUT = 3.0  # connect plus one control round trip; a peer slower than this is no candidate
 MAX_CHECKS_AT_ONCE = 8  # round trips in flight while checking candidates
 API_WAIT = 1.0  # seconds /api/stages waits for a rebuild before it answers with the map it has
+CHECK_POOL = 3 * DEFAULT_K  # records kept (and checked) per stage: room for newcomers behind a crowd
 
 
 class StageMap:
@@ -40,10 +49,29 @@ class StageMap:
 
     def __init__(self, index: StageIndex, model: ModelSpec, nursery: trio.Nursery) -> None:
         self._index, self.model, self._nursery = index, model, nursery
-        self.stages: dict[int, list[StageRecord]] = {}
+        self._pools: dict[int, list[StageRecord]] = {}  # per stage: the last lookup's CHECK_POOL best
         self.updated_at = 0.0
         self._rebuilt: trio.Event | None = None  # while a rebuild runs: set when it ends
         self.book = CandidateBook()  # who answered us; only they are candidates
+
+    def standing(self, peer: str, now: float | None = None) -> Standing:
+        """Our own record, a peer that answered us recently, or a stranger."""
+        if peer == self._index.me:
+            return Standing.OWN
+        return Standing.VOUCHED if self.book.has_answered(peer, time.time() if now is None else now) \
+            else Standing.STRANGER
+
+    def pool(self, stage: int) -> list[StageRecord]:
+        """Every record kept for ``stage``, best first, crowded strangers last: the peers we check."""
+        now = time.time()
+        return ranking.pool(self._pools.get(stage, []), lambda peer: self.standing(peer, now), CHECK_POOL)
+
+    @property
+    def stages(self) -> dict[int, list[StageRecord]]:
+        """Per stage looked up, its top DEFAULT_K records as we rank them now."""
+        now = time.time()
+        return {stage: ranking.top(records, lambda peer: self.standing(peer, now), DEFAULT_K)
+                for stage, records in self._pools.items()}
 
     async def refresh(self) -> dict[int, list[StageRecord]]:
         """Look every stage up again (each stage's answer kept as soon as it is in)."""
@@ -73,13 +101,23 @@ class StageMap:
     async def refresh_stages(self, stages: list[int]) -> None:
         """Look up ``stages`` and update each in the map as its answer comes in (bounded)."""
         async def one(stage: int) -> None:
-            records = await self._index.lookup_stage(self.model.name, stage, k=DEFAULT_K)
-            self.stages[stage] = [r for r in records if (r.start, r.end) == self.model.stage_range(stage)]
+            records = await self._index.lookup_stage(self.model.name, stage, k=CHECK_POOL, standing=self.standing)
+            self._keep(stage, [r for r in records if (r.start, r.end) == self.model.stage_range(stage)])
 
         with trio.move_on_after(STAGE_MAP_BUILD_TIMEOUT):
             async with trio.open_nursery() as nursery:
                 for stage in stages:
                     nursery.start_soon(one, stage)
+
+    def _keep(self, stage: int, found: list[StageRecord]) -> None:
+        """A lookup's answer replaces the stage's pool, but our own and vouched peers' records it
+        missed stay until they expire: one store that answered alone (a hostile one serving only
+        its identities) or a lookup cut short must not make us forget the peers we work with."""
+        now = time.time()
+        got = {r.peer_id for r in found}
+        kept = [r for r in self._pools.get(stage, []) if r.peer_id not in got and r.is_fresh(now)
+                and self.standing(r.peer_id, now) is not Standing.STRANGER]
+        self._pools[stage] = ranking.pool(found + kept, lambda peer: self.standing(peer, now), CHECK_POOL)
 
     async def answer_ping(self, peer: str, message: wire.Ping) -> wire.Pong:
         """Answer a peer's ping (control channel); a peer that checks us has answered us too."""
@@ -88,7 +126,7 @@ class StageMap:
 
     def candidates(self, stage: int) -> list[StageRecord]:
         """The peers serving ``stage`` that answered us recently, best first: what a router may use."""
-        return self.book.candidates(self.stages.get(stage, []), time.time())
+        return self.book.candidates(self.pool(stage), time.time())
 
     def records(self) -> dict[str, StageRecord]:
         """Every peer of the current map, by peer id."""
@@ -201,7 +239,7 @@ async def serve_candidate_checks(stage_map: StageMap, stages: list[int], me: str
 
     while True:
         await stage_map.refresh_stages(stages)
-        records = {r.peer_id: r for s in stages for r in stage_map.stages.get(s, []) if asks_first(me, r.peer_id)}
+        records = {r.peer_id: r for s in stages for r in stage_map.pool(s) if asks_first(me, r.peer_id)}
         async with trio.open_nursery() as nursery:
             for peer in stage_map.book.to_ask(records, time.time()):
                 nursery.start_soon(check, records[peer])
