@@ -97,7 +97,8 @@ class Watch:
         now = time.time()
         for node in self.nodes:
             view = node.stage_map.stages
-            self.fakes_seen += sum(len(self.fakes.intersection(r.peer_id for r in node.stage_map.pool(s))) for s in view)
+            pools = [node.stage_map.pool(stage) for stage in view]
+            self.fakes_seen += sum(len(self.fakes.intersection(r.peer_id for r in records)) for records in pools)
             for peer, stage in self.ids.items():  # own view and the other peer's view
                 top = [r.peer_id for r in view.get(stage, [])]
                 assert peer in top, f"{peer} missing from its stage {stage} as {node.identity.peer_id_text} sees it"
@@ -107,7 +108,7 @@ class Watch:
             stage_doc = node.stage_map.doc()["stages"][str(node.stage)]["peers"]
             assert node.identity.peer_id_text in {p["peer_id"] for p in stage_doc}  # /api/stages lists us
             next_stage = node.stage + 1
-            offered = {r.peer_id for r in node.stage_map.candidates(next_stage)} if next_stage < MODEL.n_stages else set()
+            offered = {r.peer_id for r in node.stage_map.candidates(next_stage)}
             assert offered <= set(self.ids) and all(node.stage_map.book.has_answered(p, now) for p in offered)
             assert set(node.swarm.router.peers) <= set(self.ids)  # the router never even knew a fake
             assert set(node.swarm.router.choose(next_stage, now)) <= offered | set(self.ids)
@@ -139,6 +140,7 @@ def test_64_identities_on_one_address_claiming_everything_crowd_out_no_honest_pe
                     await node.stage_map.refresh()
                     watch.check()
             assert watch.fakes_seen > 0
+            assert second.identity.peer_id_text in first.swarm.router.peers  # the router was fed all along
             nursery.cancel_scope.cancel()
 
     trio.run(main)

@@ -450,7 +450,8 @@ def test_claims_beyond_plausible_rank_like_the_plausible_bound(items):
         cap = record.capacity
         return dataclasses.replace(record, capacity=dataclasses.replace(
             cap, free_memory_mb=min(cap.free_memory_mb, PLAUSIBLE_FREE_MEMORY_MB),
-            queue_depth=min(cap.queue_depth, PLAUSIBLE_QUEUE_DEPTH), throughput=min(cap.throughput, PLAUSIBLE_THROUGHPUT)))
+            queue_depth=min(cap.queue_depth, PLAUSIBLE_QUEUE_DEPTH),
+            throughput=min(cap.throughput, PLAUSIBLE_THROUGHPUT)))
 
     assert [r.peer_id for r in best_first(items)] == [r.peer_id for r in best_first(map(bounded, items))]
 
