@@ -25,11 +25,12 @@ from p2pswarm.errors import ConfigError, P2PSwarmError, first_error
 from p2pswarm.demo import DEMO_INNER_STEPS
 from p2pswarm.diloco import settings as dls
 from p2pswarm.logs import LOG_FORMATS, quiet_libp2p, setup_logging
+from p2pswarm.memory import use_system_malloc
 from p2pswarm.model.catalog import DEFAULT_MODEL, MODELS, get_model, parse_layers
 from p2pswarm.model.corpus import data_corpus
 from p2pswarm.nat.relay_service import RelayConfig, load_relay_config
 from p2pswarm.nat.stun import parse_stun_server
-from p2pswarm.net.host import peer_info_from_multiaddr
+from p2pswarm.net.host import DEFAULT_LIMITS, peer_info_from_multiaddr
 
 log = logging.getLogger("p2pswarm")
 
@@ -47,6 +48,9 @@ def _node_options(parser: argparse.ArgumentParser, default_listen: str) -> None:
     parser.add_argument("--stun", metavar="HOST[:PORT]",
                         help="STUN server (RFC 3489, two IPs for a full answer) to learn the public "
                              "address and NAT type; none by default")
+    parser.add_argument("--max-connections", type=int, default=DEFAULT_LIMITS.max_connections, metavar="N",
+                        help="peers connected at once, in and out (default %(default)s); beyond it new "
+                             "inbound connections are refused until some close")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -161,10 +165,12 @@ def config_from_args(args: argparse.Namespace) -> NodeConfig:
     role = Role(args.command)
     if args.api:
         parse_host_port(args.api)  # ConfigError before the node listens and prints its addresses
+    if args.max_connections < 1:
+        raise ConfigError(f"--max-connections must be at least 1, not {args.max_connections}")
     default_listen = {Role.BOOTSTRAP: DEFAULT_BOOTSTRAP_LISTEN, Role.RELAY: DEFAULT_RELAY_LISTEN}.get(role, DEFAULT_LISTEN)
     kwargs = dict(role=role, listen=tuple(args.listen or [default_listen]), bootstrap=tuple(args.bootstrap),
                   key_path=args.key, data_dir=args.data_dir, api=args.api,
-                  stun=parse_stun_server(args.stun) if args.stun else None)
+                  stun=parse_stun_server(args.stun) if args.stun else None, max_connections=args.max_connections)
     if role is Role.RELAY:
         kwargs.update(relay=load_relay_config(args.config) if args.config else RelayConfig())
     if role is Role.JOIN:
@@ -345,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_demo(args.peers, args.duration, args.dir, stages=args.stages, kill_one=args.kill_one,
                             inner_steps=args.inner_steps)
         config = config_from_args(args)
+        if argv is None:  # run as the program (not called from Python): memory that comes back
+            use_system_malloc(sys.argv[1:])
         quiet_libp2p(args.log_level)
         trio.run(_run_until_signalled, config)
         return 0

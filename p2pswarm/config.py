@@ -9,6 +9,7 @@ from pathlib import Path
 from p2pswarm.diloco.settings import DilocoSettings
 from p2pswarm.model.catalog import DEFAULT_MODEL
 from p2pswarm.nat.relay_service import RelayConfig
+from p2pswarm.net.host import DEFAULT_LIMITS
 
 DEFAULT_LISTEN = "/ip4/0.0.0.0/tcp/0"  # any free port on every interface
 DEFAULT_BOOTSTRAP_LISTEN = "/ip4/0.0.0.0/tcp/4001"  # the conventional libp2p port, easy to firewall
@@ -45,6 +46,7 @@ class NodeConfig:
     data: str | None = None  # training text (a file or a folder) for stage 0; None: the embedded stdlib corpus
     threads: int | None = None  # torch compute threads; None: torch's default (all cores)
     diloco: DilocoSettings = DilocoSettings()  # outer rounds between the replicas of our stage
+    max_connections: int = DEFAULT_LIMITS.max_connections  # peers connected at once, both directions
 
     @property
     def serves_layers(self) -> bool:

@@ -44,13 +44,15 @@ from p2pswarm.dht.stagemap import (
 )
 from p2pswarm.dht.store import RecordStore
 from p2pswarm.identity import Identity, load_or_create_key
+from p2pswarm.memory import serve_memory_upkeep
 from p2pswarm.model.catalog import ModelSpec, get_model
 from p2pswarm.nat.traversal import NatTraversal
 from p2pswarm.net.connect import Connector
 from p2pswarm.net.control import ControlService
 from p2pswarm.net import probe
 from p2pswarm.net.guard import guard_stats
-from p2pswarm.net.host import open_host, peer_info_from_multiaddr
+from p2pswarm.net.host import HostLimits, open_host, peer_info_from_multiaddr
+from p2pswarm.net.swarm_fixes import inbound_stats
 from p2pswarm.net.pool import StreamPool
 from p2pswarm.net.probe_api import PingRoute
 
@@ -108,6 +110,7 @@ class NodeState:
             "connect": self.connector.stats.summary() if self.connector else {},
             "pool": self.pool.status() if self.pool else {},
             "streams": guard_stats(self.host) if self.host else {},
+            "inbound_connections": inbound_stats(self.host) if self.host else {},
         }
 
     async def stats_json(self, params: dict) -> dict:
@@ -198,11 +201,13 @@ async def run_node(config: NodeConfig, *, on_listening: Callable[[list[str]], No
     identity = load_or_create_key(config.resolved_key_path())
     state = NodeState(identity=identity, config=config, model=model)
     api_listeners = await open_api_listeners(config.api) if config.api else []  # fails before we listen
-    async with open_host(identity, config.listen) as host, trio.open_nursery() as nursery:
+    limits = HostLimits(max_connections=config.max_connections)
+    async with open_host(identity, config.listen, limits) as host, trio.open_nursery() as nursery:
         state.host = host
         log.info("peer %s listening on %s", identity.peer_id_text, ", ".join(state.addrs()))
         on_listening(state.addrs())
         state.connector = Connector(host, nursery)
+        nursery.start_soon(serve_memory_upkeep)
         state.control = ControlService(host, nursery, state.connector)
         probe.register(host, state.control)  # every node answers probes, with or without an API
         state.pool = StreamPool(host, nursery, state.connector)

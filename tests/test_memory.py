@@ -1,0 +1,64 @@
+"""A node command runs with Python objects in glibc's malloc, trimmed (``p2pswarm/memory.py``), so
+that a flood's memory comes back (figures: docs/benchmarks.md, section 13). The operator's own
+choice of allocator is kept."""
+
+from __future__ import annotations
+
+import pytest
+
+from p2pswarm import memory
+from tests.procs import Swarm
+
+pytestmark = pytest.mark.skipif(memory._libc() is None, reason="needs Linux with glibc (malloc_trim)")
+
+
+def environment_of(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        pairs = [item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item]
+    return {k.decode(): v.decode() for k, v in pairs}
+
+
+def started(swarm: Swarm, env: dict | None = None) -> int:
+    process = swarm.start("bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0", name="node", env=env)
+    assert "/p2p/12D3" in process.stdout.readline()  # it listens, after re-executing itself
+    return process.pid
+
+
+def test_a_node_runs_with_the_system_allocator(tmp_path, monkeypatch):
+    monkeypatch.delenv(memory.ALLOCATOR_ENV, raising=False)
+    swarm = Swarm(tmp_path)
+    try:
+        pid = started(swarm)
+        assert environment_of(pid)[memory.ALLOCATOR_ENV] == memory.SYSTEM_ALLOCATOR  # same pid: execve
+    finally:
+        swarm.close()
+
+
+def test_the_operators_allocator_is_kept(tmp_path):
+    swarm = Swarm(tmp_path)
+    try:
+        pid = started(swarm, env={memory.ALLOCATOR_ENV: "pymalloc"})
+        assert environment_of(pid)[memory.ALLOCATOR_ENV] == "pymalloc"
+    finally:
+        swarm.close()
+
+
+def rss_mb() -> float:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:")) / 1024
+
+
+def test_trim_gives_back_freed_memory_that_malloc_keeps():
+    # Holes in the middle of malloc's heap (every other 64 KiB block freed) stay resident: free()
+    # returns only the top of the heap to the system. malloc_trim gives the holes back.
+    blocks = [bytearray(b"x" * BLOCK) for _ in range(2 * HOLES)]
+    kept = blocks[1::2]
+    del blocks
+    freed = rss_mb()
+    assert memory.trim()
+    assert rss_mb() < freed - HOLES * BLOCK / 2**20 / 2, (freed, rss_mb())
+    assert len(kept) == HOLES
+
+
+BLOCK = 64 * 1024  # below malloc's mmap threshold: from the heap
+HOLES = 1024  # 64 MiB of holes
