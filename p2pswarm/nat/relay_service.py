@@ -34,13 +34,14 @@ A reservation ends when its TTL ends or when its peer has no connection to the r
 whichever comes first (the spec: a reservation is valid only while the peer stays connected;
 go-libp2p drops it on disconnect too). The library keeps its own reservation table, which it
 cleans only at expiry and caps at ``max_reservations``: a relay whose clients came and went
-refused every new one for a whole TTL. ``_ReservationsEndWithConnections``, a network notifee,
-drops the peer from both tables when its last connection closes.
+refused every new one for a whole TTL. A connection callback (``_end_reservation``) drops the
+peer from both tables when its last connection closes.
 """
 
 from __future__ import annotations
 
 import contextvars
+import functools
 import logging
 import time
 import tomllib
@@ -52,6 +53,7 @@ import trio
 
 from p2pswarm.errors import ConfigError
 from p2pswarm.net.connect import HOP_PROTOCOL
+from p2pswarm.net.notify import watch_connections
 
 log = logging.getLogger(__name__)
 
@@ -287,37 +289,17 @@ def make_relay_protocol(host, config: RelayConfig, book: RelayBook | None = None
     protocol.config = config
     protocol.book = book if book is not None else RelayBook(config)
     protocol.clock = clock
-    host.get_network().register_notifee(_ReservationsEndWithConnections(protocol))
+    watch_connections(host, on_disconnected=functools.partial(_end_reservation, protocol, host.get_network()))
     return protocol
 
 
-class _ReservationsEndWithConnections:
-    """A libp2p notifee: a peer's reservation ends with its last connection to the relay."""
-
-    def __init__(self, protocol) -> None:
-        self._protocol = protocol
-
-    async def disconnected(self, network, conn) -> None:
-        peer = conn.muxed_conn.peer_id
-        if any(other is not conn and not other.is_closed for other in network.connections.get(peer, ())):
-            return
-        self._protocol.book.release_reservation(peer)
-        self._protocol.resource_manager._reservations.pop(peer, None)
-
-    async def connected(self, network, conn) -> None:
-        pass
-
-    async def opened_stream(self, network, stream) -> None:
-        pass
-
-    async def closed_stream(self, network, stream) -> None:
-        pass
-
-    async def listen(self, network, multiaddr) -> None:
-        pass
-
-    async def listen_close(self, network, multiaddr) -> None:
-        pass
+def _end_reservation(protocol, network, conn) -> None:
+    """A peer's reservation ends with its last connection to the relay (our book and the library's)."""
+    peer = conn.muxed_conn.peer_id
+    if any(other is not conn and not other.is_closed for other in network.connections.get(peer, ())):
+        return
+    protocol.book.release_reservation(peer)
+    protocol.resource_manager._reservations.pop(peer, None)
 
 
 async def serve_relay(host, config: RelayConfig, *, task_status=trio.TASK_STATUS_IGNORED) -> None:

@@ -48,6 +48,7 @@ from p2pswarm.errors import CircuitExhausted, DialError, LocalProtocolError
 from p2pswarm.net import pool_inbound
 from p2pswarm.net.budget import BudgetConfig, CircuitLedger, CircuitLimit, InboundBudget, frame_deadline
 from p2pswarm.net.connect import Connector, as_peer_id, has_direct, is_relayed
+from p2pswarm.net.notify import watch_connections
 from p2pswarm.net.streams import ByteStream, open_stream
 
 log = logging.getLogger(__name__)
@@ -185,7 +186,7 @@ class StreamPool:
         self.budget = InboundBudget(budget or BudgetConfig())
         self.stats = PoolStats()
         self._inbound = pool_inbound.InboundServer(self, budget_wait)
-        host.get_network().register_notifee(_ConnectionClock(self))
+        watch_connections(host, self._connection_opened, self._connection_closed)  # a circuit's age
 
     # --- outbound -------------------------------------------------------------------------
 
@@ -384,28 +385,3 @@ async def _close_quietly(conn) -> None:
             await conn.close()
         except Exception:  # already closing: nothing left to do
             pass
-
-
-class _ConnectionClock:
-    """A libp2p notifee: when each connection appeared (a circuit's age), forgotten when it closes."""
-
-    def __init__(self, pool: StreamPool) -> None:
-        self._pool = pool
-
-    async def connected(self, network, conn) -> None:
-        self._pool._connection_opened(conn)
-
-    async def disconnected(self, network, conn) -> None:
-        self._pool._connection_closed(conn)
-
-    async def opened_stream(self, network, stream) -> None:
-        pass
-
-    async def closed_stream(self, network, stream) -> None:
-        pass
-
-    async def listen(self, network, multiaddr) -> None:
-        pass
-
-    async def listen_close(self, network, multiaddr) -> None:
-        pass
