@@ -24,7 +24,7 @@ from tests.procs import Swarm, free_port, get_json, wait_until
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 LIFETIMES = 2000  # the floor; eight times the slot count that used to run out
-PARALLEL = 8  # lifetimes at once: far below any cap, so only lifetime limits could refuse them
+PARALLEL = 16  # lifetimes at once: far below any cap, so only lifetime limits could refuse them
 BURST = 40  # concurrent connections against a node capped at CAP
 CAP = 16
 RELAY_TOTAL = 128  # the default total; 2,000 reservations are far more
