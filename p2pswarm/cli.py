@@ -242,6 +242,14 @@ def _stun(stats: dict) -> str:
     return f"{stun['nat_type']}, {public}"
 
 
+def _inbound(stats: dict) -> str:
+    inbound = stats.get("inbound_connections")
+    if not inbound:
+        return ""
+    return (f"   inbound {inbound['open']}/{inbound['limit']} open, {inbound['accepted']} accepted, "
+            f"{inbound['refused']} refused at the limit")
+
+
 def _fmt(value: float | None, spec: str = ".3f") -> str:
     return "-" if value is None else format(value, spec)
 
@@ -284,7 +292,8 @@ def format_status(stats: dict, stages: dict, swarm: dict | None = None, diloco: 
         f"peer          {stats['peer_id']}  ({stats['role']}, p2pswarm {stats['version']})",
         f"addresses     {', '.join(stats['addrs']) or '-'}",
         f"reachability  {stats['reachability']}   DHT mode {stats['dht_mode']}   NAT (STUN) {_stun(stats)}",
-        f"connected     {len(stats['connected_peers'])} peer(s)   routing table {stats['routing_table_size']}",
+        f"connected     {len(stats['connected_peers'])} peer(s)   routing table {stats['routing_table_size']}"
+        f"{_inbound(stats)}",
         f"serving       {stats['model']} stage {_stage(stats)}   uptime {stats['uptime_s']:.0f} s",
         f"stage map     {stages['model']}, {stages['n_layers']} layers in {stages['n_stages']} stages",
     ]

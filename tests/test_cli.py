@@ -259,3 +259,14 @@ def test_the_demo_combines_a_rounds_parts_and_takes_each_replicas_highest_round(
         {"source": "b", "round": 0, "bpb": 6.0, "tokens": 400, "at": 9.0},
     ]
     assert latest_rounds(rounds) == {"a": (11.0, 4.25), "b": (9.0, 6.0)}
+
+
+def test_status_shows_inbound_connections():
+    from p2pswarm.cli import format_status
+
+    stats = {"peer_id": "12D3KooWme", "role": "bootstrap", "version": "x", "addrs": [], "reachability": "public",
+             "dht_mode": "server", "connected_peers": [], "routing_table_size": 0, "model": "tiny-lm",
+             "stage": None, "layers": None, "uptime_s": 3,
+             "inbound_connections": {"open": 3, "limit": 256, "accepted": 2041, "refused": 7}}
+    stages = {"model": "tiny-lm", "n_layers": 8, "n_stages": 4, "stages": {}}
+    assert "inbound 3/256 open, 2041 accepted, 7 refused at the limit" in format_status(stats, stages)

@@ -12,6 +12,10 @@ the node accepts new peers again once the burst has gone.
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+
 import pytest
 import trio
 
@@ -79,6 +83,10 @@ def test_bootstrap_accepts_thousands_of_peers_then_a_join(swarm):
     assert_all_accepted(churn(addr, LIFETIMES), LIFETIMES)
     stats = wait_inbound_closed(api)
     assert stats["inbound_connections"]["accepted"] >= LIFETIMES
+    status = subprocess.run([sys.executable, "-m", "p2pswarm", "status", "--api", api],
+                            capture_output=True, text=True, timeout=30)
+    shown = re.search(r"inbound (\d+)/256 open, (\d+) accepted, 0 refused", status.stdout)
+    assert shown and int(shown.group(2)) >= LIFETIMES, status.stdout  # what an operator sees
     print(f"bootstrap: {before} before, {ProcessUsage.of(pid)} after {LIFETIMES} lifetimes")
     _, join_api = swarm.join(addr, "0:2", name="joiner")
     joined = wait_until(lambda: (get_json(join_api, "/api/stats") or {}).get("stage") is not None, API_DEADLINE)
