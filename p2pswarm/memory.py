@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import gc
 import logging
 import os
@@ -68,16 +69,12 @@ async def serve_memory_upkeep(period: float = TRIM_PERIOD) -> None:
         log.debug("memory trimmed in %.1f ms", (time.perf_counter() - started) * 1000)
 
 
-_LIBC: list = []
-
-
+@functools.cache
 def _libc():
     """glibc, or None (musl, macOS, Windows: no malloc_trim)."""
-    if not _LIBC:
-        name = ctypes.util.find_library("c") if sys.platform.startswith("linux") else None
-        try:
-            libc = ctypes.CDLL(name) if name else None
-        except OSError:
-            libc = None
-        _LIBC.append(libc if libc is not None and hasattr(libc, "malloc_trim") else None)
-    return _LIBC[0]
+    name = ctypes.util.find_library("c") if sys.platform.startswith("linux") else None
+    try:
+        libc = ctypes.CDLL(name) if name else None
+    except OSError:
+        return None
+    return libc if libc is not None and hasattr(libc, "malloc_trim") else None

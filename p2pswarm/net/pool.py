@@ -49,7 +49,7 @@ from p2pswarm.net import pool_inbound
 from p2pswarm.net.budget import BudgetConfig, CircuitLedger, CircuitLimit, InboundBudget, frame_deadline
 from p2pswarm.net.connect import Connector, as_peer_id, has_direct, is_relayed
 from p2pswarm.net.notify import watch_connections
-from p2pswarm.net.streams import ByteStream, open_stream
+from p2pswarm.net.streams import ByteStream, close_quietly, open_stream
 
 log = logging.getLogger(__name__)
 
@@ -352,7 +352,7 @@ class StreamPool:
         self.stats.circuits_recycled += 1
         log.info("relayed connection to %s used up its circuit; closing it (the next lease re-dials)",
                  stream.remote_peer)
-        self._nursery.start_soon(_close_quietly, stream.swarm_conn or conn)
+        self._nursery.start_soon(close_quietly, stream.swarm_conn or conn)
 
     # --- inbound and status -------------------------------------------------------------------
 
@@ -378,10 +378,3 @@ class StreamPool:
         return {**asdict(self.stats), "budget": self.budget.stats(),
                 "relay": self.ledger.stats(trio.current_time())}
 
-
-async def _close_quietly(conn) -> None:
-    with trio.CancelScope(shield=True), trio.move_on_after(5):
-        try:
-            await conn.close()
-        except Exception:  # already closing: nothing left to do
-            pass

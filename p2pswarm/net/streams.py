@@ -60,6 +60,16 @@ class ByteStream:
                 pass
 
 
+async def close_quietly(closable, timeout: float = 5.0) -> None:
+    """Close a connection (or anything with ``close()``) shielded and bounded; errors from one
+    already closing or broken are not worth reporting."""
+    with trio.CancelScope(shield=True), trio.move_on_after(timeout):
+        try:
+            await closable.close()
+        except Exception:  # already closed or broken: nothing left to release
+            pass
+
+
 async def open_stream(host, peer_id, protocol: str, timeout: float = OPEN_STREAM_TIMEOUT) -> ByteStream:
     """Open a stream to a connected (or known) peer; DialError on any failure."""
     from libp2p.custom_types import TProtocol

@@ -28,6 +28,8 @@ import math
 
 import trio
 
+from p2pswarm.net.streams import close_quietly
+
 log = logging.getLogger(__name__)
 
 ORPHAN_CHECK_PERIOD = 10.0  # seconds between checks that the swarm still holds an inbound connection
@@ -73,7 +75,7 @@ async def serve_inbound(swarm, read_write_closer, maddr) -> None:
     except trio.WouldBlock:
         swarm.p2pswarm_inbound.refuse(swarm._build_remote_multiaddr(read_write_closer),
                                       f"{int(swarm._inbound_limiter.total_tokens)} inbound connections open")
-        await _close_quietly(read_write_closer)
+        await close_quietly(read_write_closer)
         return
     try:
         await serve_inbound_until_closed(swarm, read_write_closer, maddr)
@@ -91,7 +93,7 @@ async def serve_inbound_until_closed(swarm, read_write_closer, maddr) -> None:
 
     remote = swarm._build_remote_multiaddr(read_write_closer)
     if remote is not None and not await swarm.connection_gate.is_allowed(remote):
-        await _close_quietly(read_write_closer)
+        await close_quietly(read_write_closer)
         return
     raw_conn = RawConnection(read_write_closer, False)
     try:
@@ -101,7 +103,7 @@ async def serve_inbound_until_closed(swarm, read_write_closer, maddr) -> None:
             swarm.p2pswarm_inbound.refuse(remote, str(exc))
         else:
             log.debug("inbound connection from %s not upgraded: %s", remote, exc)
-        await _close_quietly(raw_conn)
+        await close_quietly(raw_conn)
         return
     swarm.p2pswarm_inbound.accepted += 1
     await wait_closed(swarm, muxed_conn)
@@ -115,21 +117,13 @@ async def wait_closed(swarm, muxed_conn) -> None:
             return
         if not held_by(swarm, muxed_conn):
             log.debug("closing an inbound connection the swarm no longer holds (%s)", muxed_conn.peer_id)
-            await _close_quietly(muxed_conn)
+            await close_quietly(muxed_conn)
             return
 
 
 def held_by(swarm, muxed_conn) -> bool:
     """Whether one of the swarm's live connections runs over ``muxed_conn``."""
     return any(conn.muxed_conn is muxed_conn for conn in swarm.connections.get(muxed_conn.peer_id, ()))
-
-
-async def _close_quietly(closable) -> None:
-    with trio.CancelScope(shield=True), trio.move_on_after(5):
-        try:
-            await closable.close()
-        except Exception:  # already closed or broken: nothing more to release
-            pass
 
 
 def inbound_stats(host) -> dict:
