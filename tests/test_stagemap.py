@@ -3,6 +3,8 @@ its bound (an /api/stages call must answer even when DHT lookups take seconds)."
 
 from __future__ import annotations
 
+import time
+
 import trio
 
 from p2pswarm.dht.records import Capacity, StageRecord
@@ -21,12 +23,14 @@ class SlowIndex:
         self.lookups = 0
         self.release = trio.Event()
         self.peers = ["first"]
+        self.ttl = 60.0
 
     async def lookup_stage(self, model: str, stage: int, k: int, standing=None) -> list[StageRecord]:
         self.lookups += 1
         await self.release.wait()
         start, end = MODEL.stage_range(stage)
-        return [StageRecord(p, (), model, stage, start, end, Capacity(0, 0), 0.0, 60.0) for p in self.peers]
+        return [StageRecord(p, (), model, stage, start, end, Capacity(0, 0), time.time(), self.ttl)
+                for p in self.peers]
 
 
 def peers(stages: dict) -> set[str]:
@@ -51,5 +55,24 @@ def test_a_slow_rebuild_does_not_hold_the_caller_and_runs_once():
             doc = await stage_map.stages_json({})
             assert [p["peer_id"] for p in doc["stages"]["0"]["peers"]] == ["second"]
             assert index.lookups == 2 * MODEL.n_stages
+
+    trio.run(main)
+
+
+def test_a_record_past_its_ttl_leaves_the_map_while_lookups_hang():
+    """A killed peer must drop out when its record expires, even if every later lookup overruns."""
+    async def main():
+        index = SlowIndex()
+        index.ttl = 0.2
+        index.release.set()
+        async with trio.open_nursery() as nursery:
+            stage_map = StageMap(index, MODEL, nursery)
+            assert peers(await stage_map.current()) == {"first"}
+            assert [r.peer_id for r in stage_map.pool(0)] == ["first"]
+            index.release = trio.Event()  # from now on every lookup hangs
+            await trio.sleep(0.3)
+            assert peers(stage_map.stages) == set()
+            assert stage_map.pool(0) == [] and stage_map.records() == {}
+            nursery.cancel_scope.cancel()
 
     trio.run(main)

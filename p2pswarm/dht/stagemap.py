@@ -61,17 +61,22 @@ class StageMap:
         return Standing.VOUCHED if self.book.has_answered(peer, time.time() if now is None else now) \
             else Standing.STRANGER
 
+    def _fresh(self, stage: int, now: float) -> list[StageRecord]:
+        """The kept records of ``stage`` not yet expired: a record past its TTL is never shown,
+        even while lookups overrun their bound and leave the pool as it was."""
+        return [r for r in self._pools.get(stage, []) if r.is_fresh(now)]
+
     def pool(self, stage: int) -> list[StageRecord]:
-        """Every record kept for ``stage``, best first, crowded strangers last: the peers we check."""
+        """Every fresh record kept for ``stage``, best first, crowded strangers last: the peers we check."""
         now = time.time()
-        return ranking.pool(self._pools.get(stage, []), lambda peer: self.standing(peer, now), CHECK_POOL)
+        return ranking.pool(self._fresh(stage, now), lambda peer: self.standing(peer, now), CHECK_POOL)
 
     @property
     def stages(self) -> dict[int, list[StageRecord]]:
-        """Per stage looked up, its top DEFAULT_K records as we rank them now."""
+        """Per stage looked up, its top DEFAULT_K fresh records as we rank them now."""
         now = time.time()
-        return {stage: ranking.top(records, lambda peer: self.standing(peer, now), DEFAULT_K)
-                for stage, records in self._pools.items()}
+        return {stage: ranking.top(self._fresh(stage, now), lambda peer: self.standing(peer, now), DEFAULT_K)
+                for stage in self._pools}
 
     async def refresh(self) -> dict[int, list[StageRecord]]:
         """Look every stage up again (each stage's answer kept as soon as it is in)."""
