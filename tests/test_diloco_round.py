@@ -3,8 +3,9 @@
 Members run real ``OuterRound`` objects connected by a simulated network that holds every
 message in flight (requests and their replies), so tests choose delivery order, duplicate,
 drop, advance a clock, make a member send garbage or kill it. Each member's pseudo-gradient is
-int32 elements all equal to ``1 << index``, and ``combine`` sums them after verifying each
-contribution is exactly its sender's: a result's value therefore names the members combined.
+int32 elements all equal to ``1 << index``, and ``combine`` (the simulated driver's answer to a
+``CombineShard``, at once or later) sums them after verifying each contribution is exactly its
+sender's: a result's value therefore names the members combined.
 
 Properties, checked by a RuleBasedStateMachine after every step: members that finished with
 the same group hold identical results; a result's contributors are members of the group,
@@ -29,8 +30,8 @@ from p2pswarm import wire
 from p2pswarm.diloco import messages
 from p2pswarm.diloco.messages import Hello, Part, Reply, Result, group_digest, shard_bounds
 from p2pswarm.diloco.round import (
-    AGREE_S, GATHER_S, REDUCE_S, CatchUp, Finished, NeedShards, OuterRound, Phase, Rejected, RoundTiming,
-    SendHello, SendPart, SendResult,
+    AGREE_S, GATHER_S, REDUCE_S, CatchUp, CombineShard, Finished, NeedShards, OuterRound, Phase, Rejected,
+    RoundTiming, SendHello, SendPart, SendResult,
 )
 
 PEERS = ["p0", "p1", "p2", "p3"]
@@ -66,6 +67,17 @@ def combine(contributions: dict[str, bytes], me: str) -> tuple[bytes, dict[str, 
             continue
         total = [t + v for t, v in zip(total, values)]
     return pack(total), rejected
+
+
+def answer_combines(rnd: OuterRound, actions, now: float) -> list:
+    """``actions`` with each CombineShard replaced by what the round does with its answer (a driver at once)."""
+    out = []
+    for action in actions:
+        if isinstance(action, CombineShard):
+            out += answer_combines(rnd, rnd.combined(*combine(action.parts, rnd.me), now), now)
+        else:
+            out.append(action)
+    return out
 
 
 def contributors_of(data: bytes) -> set[str] | None:
@@ -110,17 +122,19 @@ class Flight:
 class Swarm:
     """Members, the network between them, and what they did."""
 
-    def __init__(self, peers, numel=10, timing=RoundTiming(), expected=None, auto_provide=True):
+    def __init__(self, peers, numel=10, timing=RoundTiming(), expected=None, auto_provide=True, auto_combine=True):
         self.peers, self.numel, self.now, self.auto_provide = list(peers), numel, 0.0, auto_provide
+        self.auto_combine = auto_combine  # answer a CombineShard at once, or when a test says so (a slow thread)
         self.rounds = {
             p: OuterRound(me=p, stage=STAGE, round=ROUND, numel=numel, codec=CODEC,
                           expected=frozenset(self.peers if expected is None else expected[p]) - {p},
-                          now=0.0, timing=timing, expected_bytes=messages.expected_bytes, combine=combine)
+                          now=0.0, timing=timing, expected_bytes=messages.expected_bytes)
             for p in self.peers}
         self.flights: list[Flight] = []
         self.started: set[str] = set()
         self.dead: set[str] = set()
         self.need: dict[str, NeedShards] = {}
+        self.combining: dict[str, CombineShard] = {}  # member -> the combine its driver has not answered yet
         self.outcomes: dict = {}
         self.rejected: list[tuple[str, str, str]] = []  # (by, peer, reason)
         self.catch_ups: list[tuple[str, CatchUp]] = []
@@ -154,6 +168,12 @@ class Swarm:
                 self.need[peer] = action
                 if self.auto_provide:
                     self.provide(peer)
+            elif isinstance(action, CombineShard):
+                assert peer not in self.combining and rnd.group is not None and action.shard == rnd.group.index(peer)
+                assert peer in action.parts and action.numel == self.numel_of(peer, action.shard)
+                self.combining[peer] = action
+                if self.auto_combine:
+                    self.answer_combine(peer)
             elif isinstance(action, Rejected):
                 self.rejected.append((peer, action.peer, action.reason))
             elif isinstance(action, CatchUp):
@@ -173,6 +193,15 @@ class Swarm:
     def provide(self, peer: str) -> None:
         need = self.need.pop(peer)
         self.act(peer, self.rounds[peer].provide_shards(own_shards(peer, need.bounds), self.now))
+
+    def numel_of(self, peer: str, shard: int) -> int:
+        start, stop = shard_bounds(self.numel, len(self.rounds[peer].group))[shard]
+        return stop - start
+
+    def answer_combine(self, peer: str) -> None:
+        """The driver's worker thread is done: hand the aggregate back to the round."""
+        action = self.combining.pop(peer)
+        self.act(peer, self.rounds[peer].combined(*combine(action.parts, peer), self.now))
 
     def tick(self, dt: float = 0.0) -> None:
         self.now += dt
@@ -480,7 +509,7 @@ def test_parts_arriving_while_agreeing_are_held_and_judged_later():
     assert not reply.accepted
     _, actions = rnd.on_hello("p1", Hello(STAGE, ROUND, 10, CODEC, True, True, ("p0", "p1")), 0.2)
     assert isinstance(actions[0], NeedShards)
-    actions = rnd.provide_shards(own_shards("p0", actions[0].bounds), 0.3)
+    actions = answer_combines(rnd, rnd.provide_shards(own_shards("p0", actions[0].bounds), 0.3), 0.3)
     sent = [a for a in actions if isinstance(a, (SendPart, SendResult))]
     assert [type(a) for a in sent] == [SendPart, SendResult]  # the held part completed our shard
     assert sent[1].data == expected_result(["p0", "p1"], 5) and sent[1].result.contributors == 2
@@ -497,9 +526,71 @@ def test_held_parts_of_a_small_stage_all_fit_the_budget():
         assert (reply.accepted, reply.reason) == (True, "early")
     for peer in PEERS[1:]:
         rnd.on_hello(peer, Hello(STAGE, ROUND, 1, CODEC, True, True, tuple(PEERS)), 0.2)
-    actions = rnd.provide_shards([pack([BIT["p0"]]), b"", b"", b""], 0.3)
+    actions = answer_combines(rnd, rnd.provide_shards([pack([BIT["p0"]]), b"", b"", b""], 0.3), 0.3)
     results = [a for a in actions if isinstance(a, SendResult)]
     assert len(results) == 3 and results[0].data == expected_result(PEERS, 1)
+
+
+def test_an_owner_asks_its_driver_to_combine_and_no_deadline_ends_the_round_before_the_answer():
+    """The combine is O(shard) tensor work that the driver does in a worker thread: the round
+    closes the shard's parts when it asks, and waits for the answer even past its deadlines."""
+    swarm = Swarm(PEERS[:3], auto_combine=False)
+    swarm.start_all()
+    swarm.deliver_all()
+    assert sorted(swarm.combining) == PEERS[:3] and not swarm.outcomes
+    for i, peer in enumerate(PEERS[:3]):
+        ask = swarm.combining[peer]
+        assert (ask.shard, sorted(ask.parts)) == (i, PEERS[:3])
+        assert ask.parts["p1"] == pack([BIT["p1"]] * ask.numel)
+    rnd = swarm.rounds["p0"]
+    late = Part(STAGE, ROUND, rnd.digest, 0, 3, CODEC, swarm.numel_of("p0", 0))
+    reply, actions = rnd.on_part("p1", late, pack([BIT["p1"]] * late.numel), swarm.now)
+    assert (reply.accepted, reply.reason, actions) == (False, "late", [])  # the parts went with the ask
+    swarm.tick(REDUCE_S)  # past the owners' deadline: nothing more to do but wait for the answers
+    assert not swarm.flights
+    for peer in reversed(PEERS[:3]):
+        swarm.answer_combine(peer)
+    swarm.deliver_all()
+    assert_full_success(swarm, PEERS[:3])
+
+    swarm = Swarm(PEERS[:3], auto_combine=False)
+    swarm.start_all()
+    swarm.deliver_all()
+    swarm.tick(2 * REDUCE_S + 1.0)  # past every deadline: still nobody finishes without its own shard
+    assert not swarm.outcomes and not swarm.flights
+    assert all(r.phase is Phase.REDUCE for r in swarm.rounds.values())
+    swarm.answer_combine("p0")
+    outcome = swarm.outcomes["p0"]  # at once: its own result is in, and its wait for the others is over
+    assert set(outcome.results) == {0} and outcome.missing == (1, 2)
+    assert contributors_of(outcome.results[0]) == set(PEERS[:3]) and outcome.contributors == {0: 3}
+
+
+def test_a_combine_answered_after_the_round_ended_sends_nothing():
+    swarm = Swarm(PEERS[:2], auto_combine=False)
+    swarm.start_all()
+    swarm.deliver_all()
+    rnd = swarm.rounds["p0"]
+    _, actions = rnd.on_hello("p1", Hello(STAGE, ROUND + 2, 10, CODEC, True, False, ()), swarm.now)
+    swarm.act("p0", actions)  # p1 is two rounds ahead: we abandon ours
+    assert rnd.phase is Phase.LEFT_OUT
+    swarm.answer_combine("p0")
+    assert not swarm.flights and swarm.outcomes["p0"].left_out
+
+
+def test_a_wrong_answer_to_a_combine_is_the_drivers_fault():
+    swarm = Swarm(PEERS[:2], auto_combine=False)
+    rnd = swarm.rounds["p0"]
+    with pytest.raises(ValueError):
+        rnd.combined(pack([0] * 5), {}, 0.0)  # before the round reduces
+    swarm.start_all()
+    swarm.deliver_all()
+    ask = swarm.combining.pop("p0")
+    for result, refused in [(pack([0] * 4), {}), (bytearray(pack([0] * 5)), {}), (pack([0] * 5), {"p0": "own"})]:
+        with pytest.raises(ValueError):
+            rnd.combined(result, refused, 0.0)
+    swarm.act("p0", rnd.combined(*combine(ask.parts, "p0"), 0.0))
+    with pytest.raises(ValueError):
+        rnd.combined(pack([0] * 5), {}, 0.0)  # answered twice
 
 
 def test_an_idle_replica_answers_not_ready_and_remembers_who_is():
@@ -538,7 +629,7 @@ def test_local_misuse_raises_value_error():
     with pytest.raises(ValueError):
         rnd.provide_shards([b"\0" * 20, b"\0" * 19], 0.0)  # a shard of the wrong size
     kwargs = dict(me="p0", stage=0, round=0, numel=4, codec=CODEC, expected=frozenset(), now=0.0,
-                  expected_bytes=messages.expected_bytes, combine=combine)
+                  expected_bytes=messages.expected_bytes)
     for bad in [dict(me=""), dict(stage=-1), dict(numel=0), dict(codec="fp8"), dict(expected=frozenset({""}))]:
         with pytest.raises(ValueError):
             OuterRound(**{**kwargs, **bad})
@@ -580,11 +671,11 @@ class RoundMachine(RuleBasedStateMachine):
     @initialize(n=st.integers(3, 4), numel=st.integers(1, 9), idle=st.sets(st.sampled_from(PEERS), max_size=1),
                 auto=st.booleans(), garble=st.none() | st.tuples(st.sampled_from(PEERS[:3]),
                                                                  st.sampled_from(GARBAGE_KINDS), st.booleans()),
-                blind=st.booleans())
-    def setup(self, n, numel, idle, auto, garble, blind):
+                blind=st.booleans(), auto_combine=st.booleans())
+    def setup(self, n, numel, idle, auto, garble, blind, auto_combine):
         members = PEERS[:n]
         expected = {p: [q for q in members if not (blind and p == "p0" and q == members[-1])] for p in members}
-        self.swarm = Swarm(members, numel=numel, auto_provide=auto, expected=expected)
+        self.swarm = Swarm(members, numel=numel, auto_provide=auto, expected=expected, auto_combine=auto_combine)
         self.blind = blind  # p0 does not expect the last member: it may close without it
         if garble is not None:  # this member sends garbage parts and results, with or instead of its own
             self.swarm.garble[garble[0]] = garble[1:]
@@ -630,6 +721,24 @@ class RoundMachine(RuleBasedStateMachine):
         if peer not in self.swarm.dead:
             self.swarm.provide(peer)
 
+    @precondition(lambda self: self.swarm.combining)
+    @rule(data=st.data())
+    def combine_done(self, data):
+        """An owner's worker thread finishes (in any order, at any time; a dead member's never does)."""
+        peer = data.draw(st.sampled_from(sorted(self.swarm.combining)))
+        if peer not in self.swarm.dead:
+            self.swarm.answer_combine(peer)
+
+    def answer_all(self) -> None:
+        """Provide every asked shard and answer every combine of the live members (the driver always does)."""
+        while any(p not in self.swarm.dead for p in [*self.swarm.need, *self.swarm.combining]):
+            for peer in sorted(self.swarm.need):
+                if peer not in self.swarm.dead:
+                    self.swarm.provide(peer)
+            for peer in sorted(self.swarm.combining):
+                if peer not in self.swarm.dead:
+                    self.swarm.answer_combine(peer)
+
     @precondition(lambda self: set(self.live()) - self.swarm.started)
     @rule(data=st.data())
     def start_late(self, data):
@@ -664,9 +773,7 @@ class RoundMachine(RuleBasedStateMachine):
         """Liveness: past every deadline (a few times over: each phase sets the next), all started live members end."""
         self.clean, self.far = False, True
         for _ in range(4):
-            for peer in sorted(self.swarm.need):
-                if peer not in self.swarm.dead:
-                    self.swarm.provide(peer)
+            self.answer_all()
             self.swarm.tick(FAR)
         for peer in self.live():
             if peer in self.swarm.started:
@@ -678,9 +785,11 @@ class RoundMachine(RuleBasedStateMachine):
     @rule(order=st.randoms(use_true_random=False))
     def settle(self, order):
         """No drops, garbage, kills or time, all ready: in any order, everyone gets everything."""
-        while self.swarm.flights or self.swarm.need:
-            if self.swarm.need and (not self.swarm.flights or order.random() < 0.3):
-                self.swarm.provide(order.choice(sorted(self.swarm.need)))
+        while self.swarm.flights or self.swarm.need or self.swarm.combining:
+            asked = sorted(self.swarm.need) + sorted(self.swarm.combining)
+            if asked and (not self.swarm.flights or order.random() < 0.3):
+                peer = order.choice(asked)
+                self.swarm.provide(peer) if peer in self.swarm.need else self.swarm.answer_combine(peer)
             else:
                 self.swarm.deliver(order.randrange(len(self.swarm.flights)))
         assert_full_success(self.swarm, self.swarm.peers)

@@ -93,6 +93,7 @@ def test_a_missing_or_refused_result_applies_nothing_and_carries_our_part(codec)
     """Members that all lack the same result stay equal: nothing is applied there, and our own
     part is sent again next round (in the residual) instead of being applied by us alone."""
     import torch
+    import trio
 
     from p2pswarm.diloco import compression
     from p2pswarm.diloco.round_actions import Outcome
@@ -109,7 +110,8 @@ def test_a_missing_or_refused_result_applies_nothing_and_carries_our_part(codec)
     honest = own[slice(*bounds[mine])]  # our own shard's aggregate: the group's result for it
     results = {mine: compression.encode(honest, codec), liar: compression.encode(-10 * own[slice(*bounds[liar])], codec)}
     outcome = Outcome(group, results, missing=(gone,))
-    aggregated, missing, refused = s._assemble(outcome, {"pseudo": pseudo, "bounds": bounds})
+    done = trio.run(s._assemble, outcome, {"pseudo": pseudo, "bounds": bounds})
+    aggregated, missing, refused = done.aggregated, done.missing, list(done.refused)
     assert missing == [gone] and refused == [liar] and s.penalties[group[liar]] == 1
     for index in (liar, gone):
         a, b = bounds[index]
@@ -120,13 +122,39 @@ def test_a_missing_or_refused_result_applies_nothing_and_carries_our_part(codec)
 
 def test_a_group_of_one_applies_its_own_pseudo_gradient():
     import torch
+    import trio
 
     from p2pswarm.diloco.round_actions import Outcome
 
     s = service()
     pseudo = torch.arange(10, dtype=torch.float32)
-    aggregated, missing, refused = s._assemble(Outcome((ME,)), {"pseudo": pseudo.clone(), "bounds": ((0, 10),)})
-    assert torch.equal(aggregated, pseudo) and missing == refused == [] and s.residual is None
+    done = trio.run(s._assemble, Outcome((ME,)), {"pseudo": pseudo.clone(), "bounds": ((0, 10),)})
+    assert torch.equal(done.aggregated, pseudo) and done.missing == [] and done.refused == {} and s.residual is None
+    assert done.pseudo_norm == done.update_norm == float(pseudo.norm())
+
+
+def test_an_owner_result_that_does_not_decode_is_refused_and_our_part_carried():
+    """An int8 result holding -128 (which no encoder makes) is a lying owner's, not a crash of the round."""
+    import torch
+    import trio
+
+    from p2pswarm.diloco import compression
+    from p2pswarm.diloco.round_actions import Outcome
+
+    s = service()
+    group = tuple(sorted([ME, AHEAD]))
+    mine, theirs = group.index(ME), group.index(AHEAD)
+    bounds = ((0, 2048), (2048, 4096))
+    pseudo = torch.randn(4096, generator=torch.Generator().manual_seed(2))
+    own = pseudo.clone()
+    bad = bytearray(compression.encode(own[slice(*bounds[theirs])], "int8"))
+    bad[-1] = 0x80  # the int8 value -128
+    results = {mine: compression.encode(own[slice(*bounds[mine])], "int8"), theirs: bytes(bad)}
+    done = trio.run(s._assemble, Outcome(group, results), {"pseudo": pseudo, "bounds": bounds})
+    assert list(done.refused) == [theirs] and "undecodable" in done.refused[theirs]
+    assert s.penalties[AHEAD] == 1
+    a, b = bounds[theirs]
+    assert bool((done.aggregated[a:b] == 0).all()) and torch.equal(s.residual[a:b], own[a:b])
 
 
 def test_a_hello_failing_after_the_group_was_agreed_does_not_make_its_peer_gone():

@@ -12,7 +12,9 @@ Replicas of a stage train alone for H inner steps, then meet with no coordinator
   in) a group without us are dropped; if that leaves us alone we are LEFT_OUT (the round went
   on without us), alone otherwise we are DONE (the driver applies its own pseudo-gradient);
   else we ask the driver for our shards (``NeedShards``) and reduce.
-- REDUCE: the butterfly all-reduce of ``round_reduce.Reduction``, then DONE.
+- REDUCE: the butterfly all-reduce of ``round_reduce.Reduction``, then DONE. The owner's
+  combine is asked of the driver too (``CombineShard``, answered with ``combined``): the
+  tensor work of a round is the driver's, done off its event loop.
 - DONE / LEFT_OUT: ``Finished`` was emitted once; later messages get "round over".
 
 Every Hello request is answered with ``status()`` and a Hello reply is processed exactly like
@@ -33,14 +35,15 @@ from p2pswarm.diloco.messages import (
     CODECS, MAX_MEMBERS, MAX_NUMEL, MAX_ROUND, Hello, Part, Reply, Result, is_peer_id,
 )
 from p2pswarm.diloco.round_actions import (
-    Action, CatchUp, Finished, NeedShards, Outcome, Rejected, SendHello, SendPart, SendResult,
+    Action, CatchUp, CombineShard, Finished, NeedShards, Outcome, Rejected, SendHello, SendPart, SendResult,
 )
-from p2pswarm.diloco.round_reduce import Combine, ExpectedBytes, Reduction, reply_to
+from p2pswarm.diloco.round_reduce import ExpectedBytes, Reduction, reply_to
 from p2pswarm.dht.records import MAX_STAGES
 
 __all__ = [
-    "AGREE_S", "GATHER_S", "REDUCE_S", "EARLY_BUFFER_MODELS", "EARLY_SLACK_BYTES", "Action", "CatchUp", "Finished",
-    "NeedShards", "OuterRound", "Outcome", "Phase", "Rejected", "RoundTiming", "SendHello", "SendPart", "SendResult",
+    "AGREE_S", "GATHER_S", "REDUCE_S", "EARLY_BUFFER_MODELS", "EARLY_SLACK_BYTES", "Action", "CatchUp",
+    "CombineShard", "Finished", "NeedShards", "OuterRound", "Outcome", "Phase", "Rejected", "RoundTiming",
+    "SendHello", "SendPart", "SendResult",
 ]
 
 GATHER_S = 20.0  # a ready replica waits this long for the expected ones: stragglers of H inner steps
@@ -79,8 +82,7 @@ class OuterRound:
     """One replica's outer round ``round`` of ``stage`` (module docstring)."""
 
     def __init__(self, *, me: str, stage: int, round: int, numel: int, codec: str, expected: frozenset[str],
-                 now: float, timing: RoundTiming = RoundTiming(), expected_bytes: ExpectedBytes,
-                 combine: Combine) -> None:
+                 now: float, timing: RoundTiming = RoundTiming(), expected_bytes: ExpectedBytes) -> None:
         if not is_peer_id(me) or not all(is_peer_id(p) for p in expected):
             raise ValueError("me and every expected peer must be valid peer ids")
         if not (0 <= stage < MAX_STAGES and 0 <= round <= MAX_ROUND and 1 <= numel <= MAX_NUMEL and codec in CODECS):
@@ -88,7 +90,7 @@ class OuterRound:
         self.me, self.stage, self.round, self.numel, self.codec = me, stage, round, numel, codec
         self.expected = frozenset(expected) - {me}
         self.timing, self.created = timing, now
-        self._expected_bytes, self._combine = expected_bytes, combine
+        self._expected_bytes = expected_bytes
         self.phase = Phase.IDLE
         self.book = Membership(me)
         self.counts: dict[str, int] = dict.fromkeys(COUNT_KEYS, 0)
@@ -154,6 +156,16 @@ class OuterRound:
         if self.phase is not Phase.REDUCE:
             raise ValueError(f"provide_shards() in phase {self.phase.name}, before NeedShards")
         return self._after_reduce(self._reduction.provide(shards, now), now)
+
+    def combined(self, result: bytes, rejected: dict[str, str], now: float) -> list[Action]:
+        """The driver's answer to ``CombineShard``: our shard's aggregate (encoded, of the round's
+        codec) and the contributors its verification refused (peer -> reason, never us); the
+        Results go out ([] if the round is over). ValueError on misuse."""
+        if self.phase in _OVER:
+            return []
+        if self.phase is not Phase.REDUCE:
+            raise ValueError(f"combined() in phase {self.phase.name}, before CombineShard")
+        return self._after_reduce(self._reduction.on_combined(result, rejected), now)
 
     def on_send_failed(self, peer: str, now: float) -> list[Action]:
         """The driver could not deliver to ``peer``: treat it as gone for this round."""
@@ -250,8 +262,7 @@ class OuterRound:
         self.phase = Phase.REDUCE
         self._reduction = Reduction(
             me=self.me, stage=self.stage, round=self.round, numel=self.numel, codec=self.codec, group=self.group,
-            now=now, reduce_s=self.timing.reduce_s, expected_bytes=self._expected_bytes, combine=self._combine,
-            counts=self.counts)
+            now=now, reduce_s=self.timing.reduce_s, expected_bytes=self._expected_bytes, counts=self.counts)
         actions: list[Action] = [NeedShards(self.group, tuple(self._reduction.bounds))]
         for peer in sorted(self.book.withdrawn | self.book.failed):
             actions += self._reduction.peer_gone(peer, now)  # they will not send, and need not be sent to

@@ -30,6 +30,18 @@ class NeedShards:
 
 
 @dataclass(frozen=True)
+class CombineShard:
+    """Our shard's parts are in (or its owner deadline passed): combine and verify ``parts``
+    (member -> encoded part of ``numel`` elements, ours included) and call ``combined`` with the
+    aggregate's bytes and the refused contributors. The work is O(shard): the driver does it off
+    its event loop, and the round waits for the answer (no later deadline ends it before)."""
+
+    shard: int
+    numel: int
+    parts: dict[str, bytes]
+
+
+@dataclass(frozen=True)
 class SendPart:
     """Send our contribution ``data`` to shard ``part.shard``'s owner ``peer``; it answers with a Reply."""
 
@@ -88,4 +100,4 @@ class Finished:
     outcome: Outcome
 
 
-Action = SendHello | NeedShards | SendPart | SendResult | Rejected | CatchUp | Finished
+Action = SendHello | NeedShards | CombineShard | SendPart | SendResult | Rejected | CatchUp | Finished

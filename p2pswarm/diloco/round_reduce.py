@@ -6,11 +6,13 @@ Once the group G is agreed (``round.py``), the flat pseudo-gradient is cut into 
 - every member sends each other owner its own slice of that owner's shard (a ``Part``);
 - an owner accepts one Part per member of G that names exactly this group, shard, size and
   codec; when it has them all (its own included), or at ``reduce_s`` after the reduce began,
-  it combines them with the injected ``combine`` (which also verifies them: what it refuses
-  is reported as ``Rejected``) and sends the aggregate (a ``Result``) to every other member;
+  it asks its driver to combine them (``CombineShard``: O(shard) tensor work, which the driver
+  does in a worker thread, never on its event loop) and, given the aggregate (``combined``;
+  the contributions the driver's verification refused are reported as ``Rejected``), sends
+  it (a ``Result``) to every other member;
 - a member accepts a Result only from that shard's owner, and is done when it has every
   shard's, or at ``2 * reduce_s``, or as soon as the owners it still waits for are gone (the
-  driver could not reach them) or sent an invalid result.
+  driver could not reach them) or sent an invalid result; never while its own combine is out.
 
 A member that sent an invalid part (or owner an invalid result) is not waited for any more:
 its first message settled what it owed, as a valid first one would have (later copies are
@@ -26,9 +28,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from p2pswarm.diloco.messages import MAX_MEMBERS, MAX_ROUND, Part, Reply, Result, group_digest, shard_bounds
-from p2pswarm.diloco.round_actions import Action, Outcome, Rejected, SendPart, SendResult
+from p2pswarm.diloco.round_actions import Action, CombineShard, Outcome, Rejected, SendPart, SendResult
 
-Combine = Callable[[dict[str, bytes], str], tuple[bytes, dict[str, str]]]
 ExpectedBytes = Callable[[str, int], int]
 
 
@@ -41,18 +42,18 @@ class Reduction:
     """One member's side of the butterfly all-reduce for an agreed group (module docstring)."""
 
     def __init__(self, *, me: str, stage: int, round: int, numel: int, codec: str, group: tuple[str, ...],
-                 now: float, reduce_s: float, expected_bytes: ExpectedBytes, combine: Combine,
-                 counts: dict[str, int]) -> None:
+                 now: float, reduce_s: float, expected_bytes: ExpectedBytes, counts: dict[str, int]) -> None:
         self.me, self.stage, self.round, self.codec, self.group = me, stage, round, codec, group
         self.digest = group_digest(stage, round, group)
         self.bounds = shard_bounds(numel, len(group))
         self.index = group.index(me)
         self.owner_deadline = now + reduce_s  # an owner combines what it has by then
         self.results_deadline = now + 2 * reduce_s  # a member stops waiting for results then
-        self._expected_bytes, self._combine, self.counts = expected_bytes, combine, counts
+        self._expected_bytes, self.counts = expected_bytes, counts
         self.own: list[bytes] | None = None  # our encoded shards, once the driver provided them
         self.parts: dict[str, bytes] = {}  # contributions to our shard, ours included
-        self.combined = False
+        self.combined = False  # our shard's parts are closed (CombineShard was emitted): later ones are late
+        self.combining: tuple[str, ...] | None = None  # the members whose parts the driver is combining
         self.results: dict[int, bytes] = {}
         self.contributors: dict[int, int] = {}
         self.gone: set[str] = set()  # members that cannot be reached: not waited for
@@ -164,26 +165,37 @@ class Reduction:
 
     def _combine_now(self) -> list[Action]:
         self.combined = True
-        result, rejected = self._combine(dict(self.parts), self.me)
+        self.combining = tuple(sorted(self.parts))
+        action = CombineShard(self.index, self._numel(self.index), dict(self.parts))
+        self.parts.clear()  # the data went with the action; `combined` now refuses late parts
+        return [action]
+
+    def on_combined(self, result: bytes, rejected: dict[str, str]) -> list[Action]:
+        """The driver's answer to ``CombineShard``: send our aggregate; ValueError on misuse."""
+        if self.combining is None:
+            raise ValueError("combined() without a CombineShard to answer")
         size = self._expected_bytes(self.codec, self._numel(self.index))
         if type(result) is not bytes or len(result) != size:
             raise ValueError(f"combine must return the {size} bytes of our shard, not {type(result).__name__}")
         if self.me in rejected:
             raise ValueError("combine rejected our own contribution")
-        used = [p for p in self.parts if p not in rejected]
+        contributors, self.combining = self.combining, None
+        used = [p for p in contributors if p not in rejected]
         self.results[self.index] = result
         self.contributors[self.index] = len(used)
         actions: list[Action] = []
-        for peer in sorted(set(rejected) & set(self.parts)):
+        for peer in sorted(set(rejected) & set(contributors)):
             self.counts["rejected"] += 1
             actions.append(Rejected(peer, f"contribution refused: {rejected[peer]}"[:200]))
         msg = self._shard_msg(Result, self.index, len(used))
         actions += [SendResult(peer, msg, result) for peer in self.group if peer != self.me and peer not in self.gone]
-        self.parts.clear()  # the data is no longer needed; `combined` now refuses late parts
         return actions
 
     def complete(self, now: float) -> bool:
-        """Every shard's result is in, or its owner is gone, or the results deadline has passed."""
+        """Every shard's result is in, or its owner is gone, or the results deadline has passed;
+        never while our own combine is out (it is local work, and its answer always comes)."""
+        if self.combining is not None:
+            return False
         if now >= self.results_deadline:
             return True
         return all(s in self.results or (s != self.index and owner in self.gone | self.bad_owners)

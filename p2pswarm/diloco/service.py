@@ -10,20 +10,24 @@
   group, butterfly reduce) over ``/p2pswarm/diloco/1.0.0``; the pseudo-gradient is taken when the
   group is agreed, compressed with error feedback (``compression``), each shard combined robustly
   by its owner (``aggregation``), and the outer Nesterov step applied (``outer``). Training never
-  pauses for a round: the engine keeps stepping and the local progress made meanwhile is kept;
+  pauses for a round: the engine keeps stepping and the local progress made meanwhile is kept.
+  Every step of a round that walks a vector runs in a worker thread (``offload``), never on the
+  trio loop that also answers the activation protocol's acks;
 - **a peer that fell behind** (left out of a round, or meeting a replica at a later round) loads
   that replica's snapshot;
 - **every** ``snapshot_period`` it writes its state atomically to ``--data-dir`` (last 5 kept).
 
-Only this module, ``compression``, ``aggregation`` and ``outer`` touch torch; the engine's tensors
-are touched only through ``SwarmService.with_engine`` (between two compute jobs, in the worker
-thread). ``doc()`` is ``GET /api/diloco``.
+Only this module, ``offload``, ``compression``, ``aggregation`` and ``outer`` touch torch; the
+engine's tensors are touched only through ``SwarmService.with_engine`` (between two compute jobs,
+in the worker thread), and the error-feedback residual only under ``_state_lock`` or the engine's
+lock (snapshots hold both). ``doc()`` is ``GET /api/diloco``.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -34,7 +38,7 @@ import torch
 import trio
 
 from p2pswarm import checkpoint, wire
-from p2pswarm.diloco import aggregation, compression, messages as msgs, snapshots
+from p2pswarm.diloco import aggregation, compression, messages as msgs, offload, snapshots
 from p2pswarm.diloco.outer import OuterConfig, OuterOptimizer, flatten
 from p2pswarm.diloco.round import OuterRound, Phase, RoundTiming
 from p2pswarm.diloco import round as rnd
@@ -83,6 +87,7 @@ class DilocoService:
         self._retry_at = 0.0  # no new round before this (after being left out)
         self._pending: dict | None = None  # the open round's own data: weights at the close, pseudo-gradient
         self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # what _pending's tensors live in
+        self._state_lock = trio.Lock()  # the residual, written by _finish's thread: snapshots wait for it
 
     # --- life cycle ------------------------------------------------------------------------------
 
@@ -136,7 +141,7 @@ class DilocoService:
         timing = RoundTiming(gather_s=self.settings.gather_s, agree_s=AGREE_S, reduce_s=REDUCE_S)
         self.round = OuterRound(me=self.me, stage=self.stage, round=self.outer.rounds, numel=self.outer.numel,
                                 codec=self.settings.codec, expected=expected, now=now, timing=timing,
-                                expected_bytes=msgs.expected_bytes, combine=self._combine)
+                                expected_bytes=msgs.expected_bytes)
         self._started_at = now
         self._sent_before, self._received_before = self.bytes_sent, self.bytes_received
         log.info("outer round %d: ready after %d inner steps, gathering with %d known replica(s)",
@@ -158,6 +163,8 @@ class DilocoService:
                 self._nursery.start_soon(self._send_bulk, round_, action.peer, action.result, action.data)
             elif isinstance(action, rnd.NeedShards):
                 self._nursery.start_soon(self._provide_shards, round_, action.bounds)
+            elif isinstance(action, rnd.CombineShard):
+                self._nursery.start_soon(self._combine_shard, round_, action)
             elif isinstance(action, rnd.Rejected):
                 self._rejected(action.peer, action.reason)
             elif isinstance(action, rnd.CatchUp):
@@ -251,15 +258,14 @@ class DilocoService:
                          "take_s": trio.current_time() - began}
         self._do(round_, round_.provide_shards(shards, trio.current_time()))
 
-    def _combine(self, contributions: dict[str, bytes], me: str) -> tuple[bytes, dict[str, str]]:
-        """An owner's aggregate of its shard (called by the round, on the trio thread)."""
-        codec, bounds = self.settings.codec, self._pending["bounds"]
-        a, b = bounds[sorted(self.round.group).index(me)]
-        numel = b - a
-        tensors = {peer: compression.decode(data, codec, numel) for peer, data in contributions.items()}
-        verify = aggregation.VerifyConfig() if self.settings.verify else None
-        combined = aggregation.combine(tensors, me, self.settings.aggregator, verify)
-        return compression.encode(combined.result, codec), dict(combined.rejected)
+    async def _combine_shard(self, round_: OuterRound, action: rnd.CombineShard) -> None:
+        """Our shard's aggregate, made in a worker thread (decode, verify, combine, encode: ~95 ms for
+        4M elements), then handed back to the round on the loop (which sends the Results)."""
+        s = self.settings
+        combine = functools.partial(offload.combine_shard, action.parts, self.me, action.numel, codec=s.codec,
+                                    aggregator=s.aggregator, verify=s.verify)
+        result, refused = await trio.to_thread.run_sync(combine)
+        self._do(round_, round_.combined(result, refused, trio.current_time()))
 
     async def _finish(self, round_: OuterRound, outcome) -> None:
         if outcome.left_out:
@@ -271,7 +277,8 @@ class DilocoService:
             return
         pending = self._pending or await self._alone()
         finished = trio.current_time()
-        aggregated, missing, refused = await trio.to_thread.run_sync(self._assemble, outcome, pending)
+        done = await self._assemble(outcome, pending)
+        aggregated, missing, refused = done.aggregated, done.missing, list(done.refused)
         assembled = trio.current_time()
 
         def apply(engine):
@@ -286,8 +293,8 @@ class DilocoService:
             "bytes_sent": self.bytes_sent - self._sent_before,
             "bytes_received": self.bytes_received - self._received_before,
             "missing_shards": missing, "refused_results": refused,
-            "pseudo_gradient_norm": round(pending["pseudo_norm"], 4),
-            "update_norm": round(float(aggregated.norm()), 4), "at_step": self.swarm.engine.step,
+            "pseudo_gradient_norm": round(done.pseudo_norm, 4),
+            "update_norm": round(done.update_norm, 4), "at_step": self.swarm.engine.step,
             "phases_s": {"gather_agree": round(pending.get("agreed_s", 0.0), 3),
                          "take_pseudo_gradient": round(pending.get("take_s", 0.0), 3),
                          "exchange": round(finished - self._started_at - pending.get("agreed_s", 0.0)
@@ -315,42 +322,19 @@ class DilocoService:
 
         return await self.swarm.with_engine(take)
 
-    def _assemble(self, outcome, pending) -> tuple[torch.Tensor, list[int], list[int]]:
-        """The group's pseudo-gradient, in place of our own (a worker thread; no full-size temporary).
-
-        Each shard is its owner's result. Where a result is missing (owner gone) or refused (a
-        lying owner), nothing is applied and our own part is carried to the next round in the
-        error-feedback residual (``_carry``): the members that all lack the same result stay
-        bit-equal (keeping each one's own part would split their start weights for good), and
-        our progress there is averaged in one round later instead of lost. A group of one has no
-        results and applies its own pseudo-gradient (DiLoCo with one worker)."""
-        pseudo, missing, refused = pending["pseudo"], list(outcome.missing), []
-        pending["pseudo_norm"] = float(pseudo.norm())
+    async def _assemble(self, outcome, pending) -> offload.Assembled:
+        """The group's pseudo-gradient from the owners' results (``offload.assemble``, in a worker
+        thread, under ``_state_lock``: it writes the residual a snapshot reads); then, on the loop,
+        a strike for each owner whose result we refused."""
         verify = result_check(len(outcome.group)) if self.settings.verify else None
-        scratch = torch.empty(max(b - a for a, b in pending["bounds"]))
-        for index, (a, b) in enumerate(pending["bounds"]):
-            own = pseudo[a:b]
-            data = outcome.results.get(index)
-            if data is None:
-                if index in outcome.missing:
-                    self._carry(pseudo, a, b)
-                continue  # (a group of one: our own part is the aggregate)
-            result = compression.decode(data, self.settings.codec, b - a, out=scratch[:b - a])
-            verdict = aggregation.verify(result, own, verify) if verify and outcome.group[index] != self.me else None
-            if verdict is not None and not verdict.accepted:
-                refused.append(index)  # an owner's aggregate far from our own: a lying owner; strike it
-                self._rejected(outcome.group[index], f"aggregate of shard {index}: {verdict.reason}")
-                self._carry(pseudo, a, b)
-                continue
-            own.copy_(result)
-        return pseudo, missing, refused
-
-    def _carry(self, pseudo: torch.Tensor, a: int, b: int) -> None:
-        """Apply nothing to [a, b) this round; send all of our part there again next round."""
-        if self.residual is None:
-            self.residual = torch.zeros_like(pseudo)
-        self.residual[a:b].copy_(pseudo[a:b])  # (it held what the codec left out of the part we sent)
-        pseudo[a:b].zero_()
+        assemble = functools.partial(offload.assemble, outcome, pending["pseudo"], pending["bounds"], me=self.me,
+                                     codec=self.settings.codec, verify=verify, residual=self.residual)
+        async with self._state_lock:
+            done = await trio.to_thread.run_sync(assemble)
+            self.residual = done.residual
+        for index, reason in done.refused.items():  # an owner's aggregate far from our own: a lying owner
+            self._rejected(outcome.group[index], f"aggregate of shard {index}: {reason}")
+        return done
 
     # --- inbound -----------------------------------------------------------------------------------
 
@@ -446,7 +430,8 @@ class DilocoService:
             engine.micro_batches, engine.tokens = mine  # our own work counters stay ours
             engine.weights_changed()
 
-        await self.swarm.with_engine(load)
+        async with self._state_lock:
+            await self.swarm.with_engine(load)
 
     async def _make_snapshot(self) -> snapshots.Snapshot:
         def make(engine):
@@ -455,7 +440,8 @@ class DilocoService:
                      "feedback": {"residual": self.residual} if self.residual is not None else {}}
             return checkpoint.encode_state(state), engine.step
 
-        data, step = await self.swarm.with_engine(make)
+        async with self._state_lock:  # (not while _finish's thread writes the residual)
+            data, step = await self.swarm.with_engine(make)
         return snapshots.Snapshot(data, self.outer.rounds, step, trio.current_time())
 
     async def _snapshot_loop(self) -> None:

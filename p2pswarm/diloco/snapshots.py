@@ -18,11 +18,14 @@ Exchange (request and reply frames on a pooled stream):
 The client checks every reply against the first (same digest, contiguous offsets, ``total``
 within ``MAX_SNAPSHOT_BYTES``), then the whole snapshot's sha256 against its digest, then decodes
 it with ``checkpoint.decode_state`` (total: a bad snapshot is a ``RemoteProtocolError``).
+A snapshot's sha256 (0.5 to 1 s a GB) is computed once per version, in a worker thread, on both
+sides: never on the trio loop, which also answers the activation protocol's acks.
 ``docs/protocols.md`` ("Snapshots") is the normative description.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 from collections.abc import Awaitable, Callable
@@ -105,8 +108,9 @@ class Snapshot:
     step: int
     made_at: float
 
-    @property
+    @functools.cached_property
     def digest(self) -> bytes:
+        """The sha256 of ``data``: computed on first use (``SnapshotServer`` does it in a worker thread), then kept."""
         return hashlib.sha256(self.data).digest()
 
 
@@ -124,7 +128,9 @@ class SnapshotServer:
         async with self._lock:  # one serialisation at a time; the others get its result
             now = trio.current_time()
             if not self._versions or now - self._versions[-1].made_at > FRESH_S:
-                self._versions = (self._versions + [await self._make()])[-KEEP_VERSIONS:]
+                snapshot = await self._make()
+                await trio.to_thread.run_sync(lambda: snapshot.digest)  # hashed once, off the loop
+                self._versions = (self._versions + [snapshot])[-KEEP_VERSIONS:]
             return self._versions[-1]
 
     async def on_frame(self, peer: str, message, payload: bytes):
@@ -173,10 +179,15 @@ async def fetch_snapshot(pool, peer: str, model: str, stage: int, *, timeout: fl
                 offset += len(payload)
     if scope.cancelled_caught:
         raise DialError(f"snapshot of stage {stage} from {peer}: not complete within {timeout:.0f} s")
-    data = b"".join(chunks)
-    if hashlib.sha256(data).digest() != first.digest:
+    data, digest = await trio.to_thread.run_sync(_joined_and_hashed, chunks)  # O(snapshot): off the loop
+    if digest != first.digest:
         raise RemoteProtocolError(f"snapshot from {peer} does not match its digest")
     return Fetched(data, first.round, first.step, peer, trio.current_time() - started)
+
+
+def _joined_and_hashed(chunks: list[bytes]) -> tuple[bytes, bytes]:
+    data = b"".join(chunks)
+    return data, hashlib.sha256(data).digest()
 
 
 def _check_part(reply, first: Part | None, offset: int, model: str, stage: int) -> Part:
