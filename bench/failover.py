@@ -104,7 +104,7 @@ def main() -> int:
                 name, entry = next((n, e) for n, e in peers.items() if e[2] in live)
                 before = swarm_doc(driver_api)["delivery"]
                 seen = before["rerouted"]
-                timeout_ms = swarm_doc(driver_api)["router"]["peers"][entry[2]]["timeout_ms"]
+                timeout_ms = swarm_doc(driver_api)["router"]["peers"][entry[2]]["deadline_ms"]
                 entry[0].send_signal(signal.SIGKILL if kind == "SIGKILL" else signal.SIGSTOP)
                 wait_until(lambda: swarm_doc(driver_api).get("delivery", {}).get("rerouted", 0) > seen, 10)
                 time.sleep(1.0)  # the micro-batches in flight at the kill all fail over
@@ -112,7 +112,7 @@ def main() -> int:
                 new = after["rerouted"] - seen
                 got = after["failover_ms_recent"][-new:] if new > 0 else []
                 samples.extend(got)
-                print(f"{kind} {event + 1}/{args.events}: {name}, ack timeout {timeout_ms:.0f} ms, "
+                print(f"{kind} {event + 1}/{args.events}: {name}, deadline {timeout_ms:.0f} ms, "
                       f"{len(got)} failovers {got}", flush=True)
                 if kind == "SIGKILL":
                     entry[0].wait()

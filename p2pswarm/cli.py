@@ -265,8 +265,21 @@ def format_swarm(swarm: dict) -> list[str]:
         f"{swarm['inbound']['capacity']} (mean fill {swarm['inbound']['mean_fill']:.1%})",
         f"delivery      sent {delivery.get('sent', 0)}  acked {delivery.get('acked', 0)}  busy {delivery.get('busy', 0)}"
         f"  failovers {delivery.get('rerouted', 0)} (p50 {_fmt(delivery.get('failover_ms_p50'), '.0f')} ms)  lost "
-        f"{delivery.get('lost', 0)}  garbage frames {counts.get('garbage_frames', 0)}",
+        f"{delivery.get('lost', 0)}  timeouts {delivery.get('timeouts', 0)}  duplicates dropped "
+        f"{counts.get('duplicates_dropped', 0)}  ack p50/p99 {_fmt(delivery.get('ack_ms_p50'), '.0f')}/"
+        f"{_fmt(delivery.get('ack_ms_p99'), '.0f')} ms  garbage frames {counts.get('garbage_frames', 0)}",
+        *(_link_line(peer, doc) for peer, doc in swarm["router"]["peers"].items()),
     ]
+
+
+def _link_line(peer: str, doc: dict) -> str:
+    """One next-stage peer as the router sees it: path, deadline in force, throughput, window."""
+    rate = doc.get("throughput_mbit_s")
+    slow = f"  SLOW: {doc['slow']}" if doc.get("slow") else ""
+    return (f"  -> {peer[-8:]}  stage {doc['stage']}  {'relayed' if doc['relayed'] else 'direct'}"
+            f"{'' if doc['live'] else ' (backed off)'}  deadline {_fmt(doc.get('deadline_ms'), '.0f')} ms  "
+            f"throughput {'-' if rate is None else f'{rate:.1f} Mbit/s'}  window {doc.get('window', 0):.1f} "
+            f"({doc.get('on_the_way', 0)} on the way){slow}")
 
 
 def format_diloco(doc: dict) -> list[str]:

@@ -126,6 +126,8 @@ class Progress:
     tokens_per_s: float = 0.0
     failovers: int = 0
     lost: int = 0
+    duplicates: int = 0  # re-sent micro-batches a receiver dropped (never computed twice)
+    timeouts: int = 0
     train_bpb: float | None = None
     busy: dict[int, float] = field(default_factory=dict)  # peer -> compute-busy fraction
     latest: dict[str, tuple[float, float]] = field(default_factory=dict)  # stage-0 replica -> (at, bpb)
@@ -148,6 +150,8 @@ class Progress:
         self.tokens_per_s = sum(d.get("tokens_per_s", 0.0) for d in first)
         self.failovers = max(self.failovers, sum(d["delivery"].get("rerouted", 0) for d in docs.values()))
         self.lost = max(self.lost, sum(d["delivery"].get("lost", 0) for d in docs.values()))
+        self.duplicates = max(self.duplicates, sum(d["counts"].get("duplicates_dropped", 0) for d in docs.values()))
+        self.timeouts = max(self.timeouts, sum(d["delivery"].get("timeouts", 0) for d in docs.values()))
         self.busy.update({i: d["engine"]["busy_fraction"] for i, d in docs.items()})
         losses = [d["train_loss_bpb"] for d in last if d.get("train_loss_bpb") is not None]
         self.train_bpb = sum(losses) / len(losses) if losses else self.train_bpb
@@ -295,7 +299,8 @@ def _train(members: list[Peer], processes: list[subprocess.Popen], n_stages: int
 def _summary(progress: Progress, seconds: float, killed: bool) -> int:
     heldout = progress.heldout
     print(f"demo: summary: {progress.tokens} tokens in {seconds:.0f} s ({progress.tokens / seconds:.0f} tok/s), "
-          f"{progress.failovers} failovers, {progress.lost} micro-batches lost"
+          f"{progress.failovers} failovers, {progress.timeouts} timeouts, {progress.lost} micro-batches lost, "
+          f"{progress.duplicates} duplicates dropped"
           f"{', one peer SIGKILLed and restarted' if killed else ''}, 0 crashed processes", flush=True)
     per_stage: dict[int, int] = {}
     for stage, _ in progress.outer:

@@ -44,6 +44,10 @@ class CircuitExhausted(DialError):
     """A frame would not fit the remaining bytes or time of the relay circuit it would travel on."""
 
 
+class WriteStalled(DialError):
+    """A frame's bytes stopped moving for longer than its stall deadline: the peer is not reading."""
+
+
 class NoCandidates(P2PSwarmError):
     """No fresh peer serves what was asked for."""
 

@@ -223,6 +223,36 @@ def test_status_shows_training_from_a_real_swarm_doc():
     stages = {"model": "tiny-lm/2", "n_layers": 8, "n_stages": 2, "stages": {}}
     text = format_status(stats, stages, trio.run(doc))
     assert "training      step 0" in text and "held-out - bits/byte" in text and "failovers 0" in text
+    assert "duplicates dropped 0" in text and "timeouts 0" in text
+
+
+def test_status_shows_each_next_stage_peer_link():
+    import json
+    import time
+
+    import trio
+
+    from p2pswarm.cli import format_swarm
+    from p2pswarm.dht.records import FLAG_RELAYED
+    from p2pswarm.model.catalog import get_model
+    from p2pswarm.swarm.router import Candidate
+    from p2pswarm.swarm.service import SwarmService
+
+    async def doc() -> dict:
+        service = SwarmService(spec=get_model("tiny-lm/2"), stage=0, me="me", pool=None, stage_map=None, host=None)
+        service.router.offer([Candidate("12D3KooWdirect01", 1, 0, 0, time.time()),
+                              Candidate("12D3KooWrelay002", 1, 0, FLAG_RELAYED, time.time())], time.time())
+        service.router.observe_sent("12D3KooWrelay002", 1 << 19)
+        service.router.observe_ack("12D3KooWrelay002", 4.194304, time.time(), 0, 1 << 19)  # 1 Mbit/s
+        service._note_slow_links()
+        return json.loads(json.dumps(service.doc()))
+
+    lines = format_swarm(trio.run(doc))
+    direct = next(line for line in lines if "direct01"[-8:] in line)
+    relayed = next(line for line in lines if "relay002"[-8:] in line)
+    assert "direct" in direct and "throughput -" in direct and "SLOW" not in direct
+    assert "relayed" in relayed and "throughput 1.0 Mbit/s" in relayed and "deadline" in relayed
+    assert "SLOW: its only path is a relay at 1.0 Mbit/s" in relayed
 
 
 def test_status_shows_diloco_from_a_real_diloco_doc():

@@ -7,10 +7,11 @@ entries at least ``deadline`` old, ``peer_failed(p)`` exactly those whose activa
 """
 
 import pytest
+from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from p2pswarm.swarm.inflight import IN_FLIGHT_CAPACITY, IN_FLIGHT_DEADLINE, InFlight, Pending
+from p2pswarm.swarm.inflight import IN_FLIGHT_CAPACITY, IN_FLIGHT_DEADLINE, InFlight, Pending, RecentKeys
 
 KEYS = st.tuples(st.sampled_from([b"s0", b"s1", b"s2"]), st.integers(0, 4))
 UPSTREAMS = [None, "up0", "up1", "up2"]
@@ -74,7 +75,7 @@ class InFlightMachine(RuleBasedStateMachine):
     @rule(dt=steps)
     def expire(self, dt):
         self.now += dt
-        keys = self.book.expire(self.now)
+        keys = [key for key, _ in self.book.expire(self.now)]
         expected = {k for k, e in self.model.items() if self.now - e.started >= self.book.deadline}
         assert len(keys) == len(set(keys)) and set(keys) == expected
         for key in expected:
@@ -131,8 +132,8 @@ def test_expire_gives_up_exactly_at_the_deadline():
     book.add((b"s", 0), None, 0.0)
     book.add((b"s", 1), None, 1.0)
     assert book.expire(1.999) == []
-    assert book.expire(2.0) == [(b"s", 0)]
-    assert book.expire(3.0) == [(b"s", 1)]
+    assert book.expire(2.0) == [((b"s", 0), Pending(None, 0.0))]
+    assert book.expire(3.0) == [((b"s", 1), Pending(None, 1.0))]
     assert (book.finished, book.given_up, len(book)) == (0, 2, 0)
 
 
@@ -157,3 +158,25 @@ def test_defaults_and_rejected_constructor_arguments():
     for deadline, capacity in [(0.0, 4), (-1.0, 4), (1.0, 0), (1.0, -3)]:
         with pytest.raises(ValueError):
             InFlight(deadline=deadline, capacity=capacity)
+
+
+def test_recent_keys_remember_the_last_capacity_and_forget_the_oldest():
+    keys = RecentKeys(capacity=3)
+    assert [keys.add(("forward", (b"s", i))) for i in range(4)] == [True] * 4
+    assert ("forward", (b"s", 0)) not in keys and len(keys) == 3  # the oldest went first
+    assert not keys.add(("forward", (b"s", 3)))  # a duplicate
+    assert keys.add(("backward", (b"s", 3)))  # another kind is another item
+    keys.discard(("backward", (b"s", 3)))
+    assert keys.add(("backward", (b"s", 3)))
+
+
+@given(st.lists(st.tuples(st.sampled_from(["forward", "backward"]), st.integers(0, 20)), max_size=200),
+       st.integers(1, 16))
+def test_recent_keys_stay_bounded_and_match_a_model(items, capacity):
+    keys, model = RecentKeys(capacity), []
+    for kind, n in items:
+        item = (kind, (b"s", n))
+        assert keys.add(item) == (item not in model)  # a duplicate exactly when remembered
+        if item not in model:
+            model = (model + [item])[-capacity:]
+        assert len(keys) == len(model) <= capacity and all(m in keys for m in model)

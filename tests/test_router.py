@@ -10,9 +10,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from p2pswarm.dht.records import FLAG_DRAINING, FLAG_RELAYED, Capacity, StageRecord
 from p2pswarm.errors import NoCandidates
 from p2pswarm.swarm.router import (
-    ACK_TIMEOUT_CEILING, ACK_TIMEOUT_FLOOR, BACKOFF_CAP, K_CANDIDATES, STALE_AFTER, Candidate, Failure,
-    Router, RouterConfig, backoff_delay, rto, score,
+    BACKOFF_CAP, K_CANDIDATES, STALE_AFTER, Candidate, Failure, Router, RouterConfig, backoff_delay, score,
 )
+from p2pswarm.swarm.pacing import DEADLINE_CEILING, DEADLINE_FLOOR, WINDOW_INITIAL, Link
 
 PEERS = [f"peer{i}" for i in range(8)]
 latencies = st.floats(0.0, 2.0, allow_nan=False)
@@ -102,21 +102,30 @@ def test_a_deeper_queue_never_ranks_first(latency, q1, q2):
         assert router.choose(0, 1.0)[0] == "b"
 
 
-@given(st.lists(latencies, min_size=0, max_size=40))
-def test_ack_timeout_stays_within_floor_and_ceiling(samples):
+@given(st.lists(latencies, min_size=0, max_size=40), st.integers(0, 1 << 22))
+def test_deadline_stays_within_floor_and_ceiling(samples, size):
     router = Router(random.Random(0))
     router.offer([Candidate("a", 0, 0, heard_at=0.0)], now=0.0)
-    assert router.ack_timeout("a") == ACK_TIMEOUT_CEILING  # no sample yet: the conservative bound
     for sample in samples:
-        router.observe_ack("a", sample, now=0.0)
-        assert ACK_TIMEOUT_FLOOR <= router.ack_timeout("a") <= ACK_TIMEOUT_CEILING
-    assert ACK_TIMEOUT_FLOOR <= router.ack_timeout("unknown") <= ACK_TIMEOUT_CEILING
+        router.observe_ack("a", sample, now=0.0, size=size)
+        assert DEADLINE_FLOOR <= router.deadline("a", size) <= DEADLINE_CEILING
+    assert router.deadline("unknown", size) == Link().deadline(size)
 
 
-def test_ack_timeout_follows_the_measured_latency():
-    assert rto(0.001, 0.0) == ACK_TIMEOUT_FLOOR
-    assert rto(0.05, 0.005) == pytest.approx(0.07)
-    assert rto(1.0, 1.0) == ACK_TIMEOUT_CEILING
+def test_next_after_offers_only_a_peer_with_room_in_its_window():
+    router = Router(random.Random(0))
+    router.offer([Candidate("a", 0, 0, heard_at=0.0), Candidate("b", 0, 5, heard_at=0.0)], now=0.0)
+    for _ in range(int(WINDOW_INITIAL)):
+        assert router.next_after(0, (), 0.0) == "a"  # the better one while it has room
+        router.observe_sent("a", 1000)
+    assert router.next_after(0, (), 0.0) == "b"
+    for _ in range(int(WINDOW_INITIAL)):
+        router.observe_sent("b", 1000)
+    assert router.next_after(0, (), 0.0) is None and not router.has_room(0, 0.0)  # wait for an answer
+    router.observe_ack("a", 0.01, now=0.0, size=1000)
+    assert router.next_after(0, (), 0.0) == "a" and router.has_room(0, 0.0)
+    with pytest.raises(NoCandidates):
+        router.next_after(0, ("a", "b"), 0.0)
 
 
 @given(st.integers(1, 200), st.integers())
@@ -197,7 +206,7 @@ class RouterMachine(RuleBasedStateMachine):
             fresh = self.now - state.candidate.heard_at < STALE_AFTER
             if fresh and self.now >= state.backoff_until:
                 assert peer in self.router.ranked(0, self.now)
-            assert ACK_TIMEOUT_FLOOR <= self.router.ack_timeout(peer) <= ACK_TIMEOUT_CEILING
+            assert DEADLINE_FLOOR <= self.router.deadline(peer, 1 << 19) <= DEADLINE_CEILING
 
 
 TestRouterMachine = RouterMachine.TestCase

@@ -48,6 +48,29 @@ def test_a_good_forward_is_acked_and_queued():
     run(main)
 
 
+def test_a_re_sent_forward_is_acked_as_a_duplicate_and_not_queued_twice():
+    async def main():
+        svc = service()
+        assert await svc._on_frame("up", *forward(7)) == Ack(7, 1)
+        assert await svc._on_frame("other-up", *forward(7)) == Ack(7, 1, duplicate=True)  # whoever re-sends it
+        assert len(svc.inbound) == 1 and svc.counts["duplicates_dropped"] == 1
+        assert await svc._on_frame("up", *forward(8)) == Ack(8, 2)  # the next one is new
+    run(main)
+
+
+def test_a_forward_refused_busy_is_no_duplicate_when_it_comes_again():
+    async def main():
+        svc = service()
+        for i in range(INBOUND_CAPACITY_ITEMS):
+            await svc._on_frame("up", *forward(i))
+        late = INBOUND_CAPACITY_ITEMS + 1
+        assert isinstance(await svc._on_frame("up", *forward(late)), Busy)
+        svc.inbound.take(trio.current_time())  # room again
+        reply = await svc._on_frame("up", *forward(late))
+        assert isinstance(reply, Ack) and not reply.duplicate
+    run(main)
+
+
 def test_a_flood_is_answered_busy_not_queued_without_bound():
     async def main():
         svc = service()

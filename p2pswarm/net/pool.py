@@ -44,7 +44,7 @@ from dataclasses import asdict, dataclass, field
 import trio
 
 from p2pswarm import wire
-from p2pswarm.errors import CircuitExhausted, DialError, LocalProtocolError
+from p2pswarm.errors import CircuitExhausted, DialError, LocalProtocolError, WriteStalled
 from p2pswarm.net import pool_inbound
 from p2pswarm.net.budget import BudgetConfig, CircuitLedger, CircuitLimit, InboundBudget, frame_deadline
 from p2pswarm.net.connect import Connector, as_peer_id, has_direct, is_relayed
@@ -55,6 +55,7 @@ log = logging.getLogger(__name__)
 
 STREAMS_PER_KEY = 8  # per peer and protocol: two bulk protocols stay under an acceptor's 16 streams per peer
 LEASE_TIMEOUT = 10.0  # wait for a free stream, or connect (relay dial: up to 10 s) and open one
+WRITE_CHUNK = 64 * 1024  # bytes per write while a stall watch is on: progress is seen at this grain
 READ_TIMEOUT = 30.0  # default wait for a reply: a stage's forward pass plus a transfer; routers pass shorter ones
 IDLE_RETIRE = 60.0  # an idle warm stream is closed by us before the acceptor's idle deadline (120 s) resets it
 FRAME_BOUND = wire.HEADER_LENGTH_BYTES + wire.MAX_HEADER_BYTES  # a frame's bytes beyond its payload, at most
@@ -90,6 +91,7 @@ class PoolStream(ByteStream):
         self.ledger = ledger if self.relayed else None
         self.broken = False  # a frame was cut: never reuse
         self.idle_since = 0.0  # trio time it last went back to the pool
+        self.watch: tuple[trio.CancelScope, float] | None = None  # a write's stall watch: (scope, stall seconds)
 
     @property
     def dead(self) -> bool:
@@ -104,7 +106,14 @@ class PoolStream(ByteStream):
     async def write(self, data: bytes) -> None:
         if self.ledger is not None:
             self.ledger.record(self.conn, sent=len(data))  # counted before: a cut write may have gone out
-        await super().write(data)
+        if self.watch is None:
+            await super().write(data)
+            return
+        view = memoryview(data)
+        for at in range(0, len(data), WRITE_CHUNK):
+            await super().write(bytes(view[at:at + WRITE_CHUNK]))
+            scope, stall = self.watch
+            scope.deadline = trio.current_time() + stall  # bytes moved: the stall deadline starts again
 
 
 class Lease:
@@ -123,13 +132,14 @@ class Lease:
         """(bytes, seconds) this stream's relay circuit can still carry; None on a direct connection."""
         return self._pool.circuit_left(self._stream)
 
-    async def write_frame(self, message: wire.Message, payload: bytes = b"", *, timeout: float | None = None) -> None:
-        """Write one frame whole within ``timeout`` (default ``frame_deadline``), or retire the stream.
-
-        DialError if the write fails or stalls; CircuitExhausted, before any byte, if the stream's
-        relay circuit could not carry the frame."""
+    async def write_frame(self, message: wire.Message, payload: bytes = b"", *, timeout: float | None = None,
+                          stall: float | None = None) -> None:
+        """Write one frame whole within ``timeout`` (default ``frame_deadline``), or with ``stall``
+        only while its bytes keep moving (no WRITE_CHUNK goes out for ``stall`` seconds: stalled);
+        else retire the stream. DialError (``WriteStalled`` for no progress) if the write fails or
+        stalls; CircuitExhausted, before any byte, if the stream's relay circuit could not carry it."""
         self._check()
-        await self._pool.send_frame(self._stream, message, payload, timeout=timeout)
+        await self._pool.send_frame(self._stream, message, payload, timeout=timeout, stall=stall)
 
     async def read_frame(self, *, max_payload: int = wire.MAX_PAYLOAD_BYTES,
                          timeout: float = READ_TIMEOUT) -> tuple[wire.Message, bytes]:
@@ -308,7 +318,7 @@ class StreamPool:
         return usage.remaining_bytes(), usage.remaining_seconds(trio.current_time())
 
     async def send_frame(self, stream: PoolStream, message: wire.Message, payload: bytes = b"", *,
-                         timeout: float | None = None) -> None:
+                         timeout: float | None = None, stall: float | None = None) -> None:
         """Write one frame whole, or retire the stream; CircuitExhausted before a byte if it cannot fit."""
         if stream.relayed:
             refusal = self.ledger.check(stream.conn, len(payload) + FRAME_BOUND, trio.current_time())
@@ -318,17 +328,20 @@ class StreamPool:
                 raise CircuitExhausted(
                     f"relayed connection to {stream.remote_peer} cannot carry {len(payload)} B more "
                     f"({refusal.reason}: {refusal.remaining_bytes} B, {refusal.remaining_seconds} s left)")
-        deadline = frame_deadline(len(payload)) if timeout is None else timeout
+        deadline = stall or (frame_deadline(len(payload)) if timeout is None else timeout)
         with trio.CancelScope(shield=True):
             with trio.move_on_after(deadline) as scope:
+                stream.watch = (scope, stall) if stall else None
                 try:
                     await wire.write_frame(stream, message, payload)
                 except BaseException:
                     stream.broken = True
                     raise
+                finally:
+                    stream.watch = None
             if scope.cancelled_caught:
                 stream.broken = True
-                raise DialError(f"{message.TYPE} to {stream.remote_peer}: write stalled for {deadline:.1f} s")
+                raise WriteStalled(f"{message.TYPE} to {stream.remote_peer}: write stalled for {deadline:.1f} s")
         self.stats.frames_sent += 1
 
     def _connection_opened(self, conn) -> None:

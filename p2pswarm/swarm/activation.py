@@ -97,10 +97,12 @@ class _NoPayload(wire.Message):
 
 @wire.message("activation.ack")
 class Ack(_NoPayload):
-    """The receiver queued ``micro_batch``; ``queue_depth`` is its inbound queue after that."""
+    """The receiver queued ``micro_batch``; ``queue_depth`` is its inbound queue after that.
+    ``duplicate``: it already held or had done this micro-batch, and dropped this copy."""
 
     micro_batch: int
     queue_depth: int
+    duplicate: bool = False
 
     def check(self, payload_len: int) -> None:
         super().check(payload_len)

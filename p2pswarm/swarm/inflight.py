@@ -17,12 +17,14 @@ Pure: time is ``now`` (seconds), no trio, no torch. Bounded: at most ``capacity`
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, replace
 
 Key = tuple[bytes, int]  # (session, micro-batch id)
 
 IN_FLIGHT_DEADLINE = 30.0  # seconds a micro-batch may wait for its gradient: a stage's compute on a loaded machine, twice
 IN_FLIGHT_CAPACITY = 256  # entries at most: a stage's inbound buffer (64) several times over
+RECENT_KEYS = 4096  # micro-batches a receiver remembers taking: minutes of work, far beyond any re-send
 
 
 @dataclass(frozen=True)
@@ -89,12 +91,12 @@ class InFlight:
             self.give_up(key)
         return keys
 
-    def expire(self, now: float) -> list[Key]:
-        """Give up every micro-batch older than the deadline; their keys."""
-        keys = [k for k, e in self._entries.items() if now - e.started >= self.deadline]
-        for key in keys:
+    def expire(self, now: float) -> list[tuple[Key, Pending]]:
+        """Give up every micro-batch older than the deadline; their keys and entries."""
+        expired = [(k, e) for k, e in self._entries.items() if now - e.started >= self.deadline]
+        for key, _ in expired:
             self.give_up(key)
-        return keys
+        return expired
 
     def entries(self) -> list[Pending]:
         return list(self._entries.values())
@@ -102,3 +104,34 @@ class InFlight:
     def waiting_from(self, upstream: str | None) -> int:
         """Micro-batches from ``upstream`` still waiting (None: those that started here)."""
         return sum(1 for e in self._entries.values() if e.upstream == upstream)
+
+
+class RecentKeys:
+    """The last ``capacity`` micro-batches (by kind and key) a receiver took: a copy of one of them
+    (a sender's re-send after a lost ack) is a duplicate, dropped and acked as such. Bounded: the
+    oldest is forgotten first."""
+
+    def __init__(self, capacity: int = RECENT_KEYS) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be positive, not {capacity}")
+        self.capacity = capacity
+        self._keys: OrderedDict[tuple[str, Key], None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __contains__(self, item: tuple[str, Key]) -> bool:
+        return item in self._keys
+
+    def add(self, item: tuple[str, Key]) -> bool:
+        """Remember ``item``; False if it was already remembered (a duplicate)."""
+        if item in self._keys:
+            return False
+        self._keys[item] = None
+        while len(self._keys) > self.capacity:
+            self._keys.popitem(last=False)
+        return True
+
+    def discard(self, item: tuple[str, Key]) -> None:
+        """Forget ``item`` (it was refused, so a later copy is no duplicate)."""
+        self._keys.pop(item, None)

@@ -11,7 +11,9 @@ Rules: a peer not heard from for STALE_AFTER is stale and never routed to, nor i
 the score is the seed's Task 1.1 weighted sum of normalised latency EMA and queue depth (lower is
 better, monotone in both); directly reachable peers come before relayed ones; a failing peer is
 backed off exponentially (capped, jittered by the injected ``random.Random``) and not routed to
-until the backoff expires; the ack timeout adapts per peer like TCP's RTO (RFC 6298).
+until the backoff expires. Each peer's ``pacing.Link`` gives the deadline of a frame of a given
+size (measured throughput plus RFC 6298 slack) and its in-flight window (AIMD): ``next_after``
+offers only a peer with room in its window, and ``has_room`` tells stage 0 whether to cut.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from enum import Enum
 
 from p2pswarm.dht.records import FLAG_DRAINING, FLAG_RELAYED, StageRecord
 from p2pswarm.errors import LocalProtocolError, NoCandidates
+from p2pswarm.swarm.pacing import Link
 
 STALE_AFTER = 15.0  # seconds without news before a peer is stale (seed Task 1.2: 3 missed 5 s beats)
 K_CANDIDATES = 3  # candidates per choice, kept warm by the driver (seed Task 1.1 K_CANDIDATES)
@@ -30,15 +33,12 @@ LATENCY_WEIGHT = 0.4  # seed Task 1.1 score weight of latency
 QUEUE_WEIGHT = 0.6  # seed Task 1.1 score weight of queue depth: a long queue costs more than a slow link
 LATENCY_SCALE = 0.5  # seconds; seed Task 1.1 normalises latency over 0..500 ms
 QUEUE_SCALE = 100  # seed Task 1.1 normalises queue depth over 0..100
-UNMEASURED_LATENCY = 0.1  # seconds assumed before the first ack: half the ceiling, neither favoured nor shunned
-ACK_TIMEOUT_CEILING = 0.2  # seconds; the seed's fixed 200 ms ack timeout is the adaptive one's upper bound
-ACK_TIMEOUT_FLOOR = 0.03  # seconds; below this a GC pause or a busy 2-core loop would fail over healthy peers
-RTT_ALPHA = 1 / 8  # RFC 6298 gain of the smoothed round trip (also the latency EMA of the score)
-RTT_BETA = 1 / 4  # RFC 6298 gain of the round-trip variation
-RTT_K = 4  # RFC 6298: timeout = srtt + 4 * rttvar
+UNMEASURED_LATENCY = 0.1  # seconds assumed before the first ack: neither favoured nor shunned
+RTT_ALPHA = 1 / 8  # gain of the ack-latency EMA of the score (RFC 6298's srtt gain)
 BACKOFF_BASE = 1.0  # seconds of backoff after a first failure: long enough to skip a peer that just died
 BACKOFF_CAP = 30.0  # seconds at most: twice STALE_AFTER, by then a dead peer is stale anyway
 BACKOFF_JITTER = 0.5  # a backoff is drawn from [1 - this, 1] x its nominal length, so peers do not retry in step
+MAX_LINKS = 256  # peers whose link measurements are kept, at most
 FORGET_AFTER = 4 * STALE_AFTER  # seconds without news before a peer's statistics are dropped (bounded memory)
 
 
@@ -47,6 +47,7 @@ class Failure(Enum):
 
     TIMEOUT = "timeout"  # no ack within the ack timeout
     ERROR = "error"  # the stream or connection failed, or the peer sent garbage
+    CIRCUIT = "circuit"  # the relayed path could not carry the frame (refused before a byte): not the peer's fault
 
 
 @dataclass(frozen=True)
@@ -77,13 +78,11 @@ class RouterConfig:
     stale_after: float = STALE_AFTER
     latency_weight: float = LATENCY_WEIGHT
     queue_weight: float = QUEUE_WEIGHT
-    timeout_floor: float = ACK_TIMEOUT_FLOOR
-    timeout_ceiling: float = ACK_TIMEOUT_CEILING
     backoff_base: float = BACKOFF_BASE
     backoff_cap: float = BACKOFF_CAP
 
     def __post_init__(self) -> None:
-        if self.k < 1 or not 0 < self.timeout_floor <= self.timeout_ceiling or self.backoff_base <= 0:
+        if self.k < 1 or self.backoff_base <= 0:
             raise LocalProtocolError(f"router config out of range: {self}")
 
 
@@ -93,7 +92,6 @@ class PeerState:
 
     candidate: Candidate
     srtt: float | None = None  # smoothed ack latency (the latency EMA); None before the first ack
-    rttvar: float = 0.0  # smoothed variation of the ack latency
     failures: int = 0  # consecutive failures since the last ack
     backoff_until: float = float("-inf")  # not routed to before this time
 
@@ -107,13 +105,6 @@ def score(latency: float, queue_depth: int, config: RouterConfig = RouterConfig(
     latency_norm = min(1.0, max(0.0, latency) / LATENCY_SCALE)
     queue_norm = min(1.0, max(0, queue_depth) / QUEUE_SCALE)
     return config.latency_weight * latency_norm + config.queue_weight * queue_norm
-
-
-def rto(srtt: float | None, rttvar: float, config: RouterConfig = RouterConfig()) -> float:
-    """The ack timeout: srtt + 4 * rttvar within [floor, ceiling]; the ceiling before any sample."""
-    if srtt is None:
-        return config.timeout_ceiling
-    return min(config.timeout_ceiling, max(config.timeout_floor, srtt + RTT_K * rttvar))
 
 
 def backoff_delay(failures: int, rng: random.Random, config: RouterConfig = RouterConfig()) -> float:
@@ -130,6 +121,8 @@ class Router:
     config: RouterConfig = RouterConfig()
     peers: dict[str, PeerState] = field(default_factory=dict)
     failovers: int = 0  # failures observed, a statistic for /api/swarm
+    frame_size: int = 0  # bytes of the last frame sent: the size /api/swarm shows deadlines for
+    links: dict[str, Link] = field(default_factory=dict)  # every peer we send to, gradients' too (pacing)
 
     def offer(self, candidates: Iterable[Candidate], now: float) -> None:
         """Merge the stage map's answered peers; the newest news of a peer wins."""
@@ -141,6 +134,8 @@ class Router:
                 self.peers[candidate.peer] = replace(state, candidate=candidate)
         for peer in [p for p, s in self.peers.items() if now - s.candidate.heard_at >= FORGET_AFTER]:
             del self.peers[peer]
+        while len(self.links) > MAX_LINKS:  # oldest first: a gradient's upstream peer gone for good
+            self.links.pop(next(iter(self.links)))
 
     def observe_capacity(self, peer: str, queue_depth: int, now: float, flags: int | None = None) -> None:
         """A capacity update (heartbeat or ack) from a known peer: it is alive now."""
@@ -152,22 +147,33 @@ class Router:
                             flags=old.flags if flags is None else flags)
         self.peers[peer] = replace(state, candidate=candidate)
 
-    def observe_ack(self, peer: str, latency: float, now: float, queue_depth: int | None = None) -> None:
-        """An ack after ``latency`` seconds: update srtt/rttvar (RFC 6298), end any backoff."""
+    def observe_sent(self, peer: str, size: int) -> None:
+        """A ``size``-byte frame to ``peer`` is on the way: it takes a place in the peer's window."""
+        self._set_link(peer, self.link(peer).sent())
+        self.frame_size = size
+
+    def observe_ack(self, peer: str, latency: float, now: float, queue_depth: int | None = None,
+                    size: int = 0) -> None:
+        """An ack ``latency`` seconds after the first byte of a ``size``-byte frame: the latency EMA,
+        the link's throughput and slack (and its window) learn from it; any backoff ends."""
+        self._set_link(peer, self.link(peer).acked(size, latency))
         state = self.peers.get(peer)
         if state is None:
             return
         latency = max(0.0, latency)
-        if state.srtt is None:
-            srtt, rttvar = latency, latency / 2
-        else:
-            rttvar = (1 - RTT_BETA) * state.rttvar + RTT_BETA * abs(state.srtt - latency)
-            srtt = (1 - RTT_ALPHA) * state.srtt + RTT_ALPHA * latency
-        self.peers[peer] = replace(state, srtt=srtt, rttvar=rttvar, failures=0, backoff_until=float("-inf"))
+        srtt = latency if state.srtt is None else state.srtt + RTT_ALPHA * (latency - state.srtt)
+        self.peers[peer] = replace(state, srtt=srtt, failures=0, backoff_until=float("-inf"))
         self.observe_capacity(peer, state.candidate.queue_depth if queue_depth is None else queue_depth, now)
 
+    def observe_busy(self, peer: str, queue_depth: int, now: float) -> None:
+        """A ``Busy``: alive but full. Not a failure; its window halves."""
+        self._set_link(peer, self.link(peer).busy())
+        self.observe_capacity(peer, queue_depth, now)
+
     def observe_failure(self, peer: str, now: float, kind: Failure = Failure.TIMEOUT) -> float:
-        """A timeout or error: back the peer off; returns the time the backoff ends."""
+        """No progress within the deadline, or an error: back the peer off and halve its window;
+        returns the time the backoff ends."""
+        self._set_link(peer, self.link(peer).timed_out())
         state = self.peers.get(peer)
         if state is None:
             return now
@@ -193,10 +199,25 @@ class Router:
         state = self.peers[peer]
         return score(state.latency, state.candidate.queue_depth, self.config)
 
-    def ack_timeout(self, peer: str) -> float:
-        """How long to wait for this peer's ack before failing over."""
+    def _set_link(self, peer: str, link: Link) -> None:
+        self.links.pop(peer, None)  # re-inserted last: ``offer`` prunes the least recently used
+        self.links[peer] = link
+
+    def queue_depth(self, peer: str) -> int:
         state = self.peers.get(peer)
-        return self.config.timeout_ceiling if state is None else rto(state.srtt, state.rttvar, self.config)
+        return 0 if state is None else state.candidate.queue_depth
+
+    def link(self, peer: str) -> Link:
+        """What we measured of the path to ``peer`` (a fresh Link before the first frame)."""
+        return self.links.get(peer) or Link()
+
+    def deadline(self, peer: str, size: int) -> float:
+        """Seconds an attempt of ``size`` bytes to ``peer`` may go without progress (``pacing``)."""
+        return self.link(peer).deadline(size)
+
+    def has_room(self, stage: int, now: float) -> bool:
+        """Whether some live peer of ``stage`` has room in its window: stage 0 cuts only then."""
+        return any(self.link(p).has_room for p in self.ranked(stage, now))
 
     def ranked(self, stage: int, now: float) -> list[str]:
         """Every live peer of ``stage``, best first: direct before relayed, then by score."""
@@ -207,18 +228,19 @@ class Router:
         """The K best live peers of ``stage``, best first (empty when there is none)."""
         return self.ranked(stage, now)[: self.config.k]
 
-    def next_after(self, stage: int, tried: Collection[str], now: float) -> str:
-        """The best live peer of ``stage`` not yet tried for this micro-batch; NoCandidates when none."""
-        for peer in self.ranked(stage, now):
-            if peer not in tried:
-                return peer
-        raise NoCandidates(f"no live peer of stage {stage} left to try ({len(tried)} tried)")
+    def next_after(self, stage: int, tried: Collection[str], now: float) -> str | None:
+        """The best live peer of ``stage`` not yet tried for this micro-batch with room in its window;
+        None when every such peer's window is full (wait for an answer); NoCandidates when none is left."""
+        untried = [peer for peer in self.ranked(stage, now) if peer not in tried]
+        if not untried:
+            raise NoCandidates(f"no live peer of stage {stage} left to try ({len(tried)} tried)")
+        return next((peer for peer in untried if self.link(peer).has_room), None)
 
     def stats(self, now: float) -> dict:
         """Per-peer routing statistics for /api/swarm."""
         return {"failovers": self.failovers, "peers": {
             p: {"stage": s.candidate.stage, "live": self.is_live(p, now), "queue_depth": s.candidate.queue_depth,
-                "latency_ms": None if s.srtt is None else s.srtt * 1000, "timeout_ms": self.ack_timeout(p) * 1000,
+                "latency_ms": None if s.srtt is None else round(s.srtt * 1000, 1), **self.link(p).doc(self.frame_size),
                 "failures": s.failures, "relayed": s.candidate.relayed} for p, s in sorted(self.peers.items())}}
 
     def _rank(self, state: PeerState) -> tuple:

@@ -1,20 +1,27 @@
-"""Delivering activations and gradients: warm streams, acks, adaptive timeouts and failover.
+"""Delivering activations and gradients: warm streams, acks, link-fitted deadlines, windows, failover.
 
-The driver of ``swarm/router.py``. A forward goes to the best live peer of the next stage; each
-attempt is one frame on a warm pooled stream answered by an ``Ack`` or a ``Busy``. No answer
-within the router's ack timeout for that peer (adaptive, RFC 6298, 200 ms at most), or a stream
-error, is a failure: the peer is backed off and the *same* micro-batch goes to the next
-candidate at once. A ``Busy`` is not a failure: the peer's queue depth is noted and the next
+The driver of ``swarm/router.py`` and ``swarm/pacing.py``. A forward goes to the best live peer
+of the next stage that has room in its window (``pacing``: AIMD on the frames on the way to it);
+when every live peer's window is full the forward waits for an answer rather than piling more
+onto a full link. Each attempt is one frame on a warm pooled stream answered by an ``Ack`` (or a
+duplicate's ack) or a ``Busy``, and it fails only when the peer makes no progress:
+
+- while the frame is written, its bytes must keep moving: no WRITE_CHUNK for one deadline
+  (``Link.deadline`` of the frame's size: measured throughput plus RFC 6298 slack) is a stall;
+- once written, the ack must come by the end of that deadline counted from the first byte, and
+  never sooner than the link's slack deadline after the last byte;
+- a stream error is a failure at once (a crashed peer is found in milliseconds).
+
+A failure backs the peer off, halves its window, resets the attempt's stream (the first attempt
+is cancelled, so a hung peer never receives it late) and sends the *same* micro-batch to the next
+candidate. A ``Busy`` is not a failure: the window halves, the queue depth is noted and the next
 candidate is tried; when every live candidate is busy the sender waits for the shortest
-retry-after hint. A forward that no candidate takes within ``NO_CANDIDATE_WAIT`` is lost.
+retry-after hint. A forward is lost when no live candidate exists for ``NO_CANDIDATE_WAIT`` or
+no window opens for ``ROOM_WAIT``.
 
 A gradient has exactly one destination, the peer that holds the micro-batch's graph, so it is
 retried on ``Busy`` and lost on failure. Every loss is reported (``on_lost``) and counted; none
-raises out of here.
-
-An attempt runs in its own task and the failover does not wait for it: a hung peer cannot stall
-a sender for longer than its ack timeout, even while the pool finishes (or times out) the frame
-it was writing. Imports neither torch nor the model.
+raises out of here. Imports neither torch nor the model.
 """
 
 from __future__ import annotations
@@ -29,20 +36,22 @@ from dataclasses import dataclass
 import trio
 
 from p2pswarm import wire
-from p2pswarm.errors import NoCandidates, P2PSwarmError, first_error
+from p2pswarm.errors import CircuitExhausted, NoCandidates, P2PSwarmError, WriteStalled, first_error
 from p2pswarm.swarm.activation import PROTOCOL_ID, Ack, Backward, Busy, Forward
+from p2pswarm.swarm.buffers import Priority
 from p2pswarm.swarm.router import Failure, Router
 
 log = logging.getLogger(__name__)
 
 LEASE_TIMEOUT = 5.0  # a stream to a warm candidate is immediate; a cold one needs a connection
-ATTEMPT_READ_TIMEOUT = 10.0  # how long a detached attempt may still wait for its late ack before it retires the stream
 NO_CANDIDATE_WAIT = 5.0  # seconds a forward waits for a live candidate of the next stage before it is lost
-BACKWARD_ACK_TIMEOUT = 2.0  # a gradient has one possible destination: wait longer for it than for a forward
+ROOM_WAIT = 30.0  # seconds a forward waits for room in a live candidate's window before it is lost
 BACKWARD_TRIES = 4  # Busy replies a gradient waits out before it is lost
 BUSY_WAIT_CAP = 1.0  # seconds: the longest a sender sleeps on a Busy's retry-after hint
 IDLE_POLL = 0.05  # seconds between looks for a candidate when there is none
+ACK_READ_GRACE = 1.0  # seconds past the ack deadline the read itself may run (the watch cancels it first)
 LINK_DELAY = float(os.environ.get("P2PSWARM_LINK_DELAY_MS", "0")) / 1000  # benchmarks only: latency added per frame
+ACK_SAMPLES = 1000  # recent ack latencies kept for the p50/p99 of /api/swarm
 
 
 Key = tuple[bytes, int]
@@ -75,49 +84,56 @@ class Deliverer:
                  on_peer_error: Callable[[str], None]) -> None:
         self._pool, self._router, self._nursery = pool, router, nursery
         self._on_acked, self._on_lost, self._on_peer_error = on_acked, on_lost, on_peer_error
-        self.counts: Counter = Counter()  # sent, acked, busy, timeouts, errors, rerouted, lost
+        self.counts: Counter = Counter()  # sent, acked, busy, timeouts, errors, rerouted, lost, duplicates
         self.failover_ms: list[float] = []  # failure -> ack of the re-routed micro-batch, recent ones
+        self.ack_ms: list[float] = []  # first byte -> ack, recent ones
         self._busy: dict[str, float] = {}  # peer -> its last Busy's retry-after hint, seconds
+        self._answered = trio.Event()  # set whenever an attempt ends: a window may have room again
 
     async def forward(self, send: Send) -> None:
         """Deliver a forward to some live peer of its stage; report it lost if none takes it."""
         stage, tried, failed_at = send.message.stage, set(), None
-        deadline = trio.current_time() + NO_CANDIDATE_WAIT
-        while trio.current_time() < deadline:
+        waiting_since: float | None = None  # since when no attempt could be made
+        while True:
+            now = trio.current_time()
             try:
                 peer = self._router.next_after(stage, tried, time.time())
             except NoCandidates:
+                waiting_since = now if waiting_since is None else waiting_since
+                if now - waiting_since >= NO_CANDIDATE_WAIT:
+                    return self._lost(send, "no live peer of the next stage took it")
                 await self._wait_for_candidate(tried)
                 continue
-            reply = await self._attempt(peer, send, self._router.ack_timeout(peer))
+            if peer is None:  # every untried live candidate has a full window: wait for an answer
+                waiting_since = now if waiting_since is None else waiting_since
+                if now - waiting_since >= ROOM_WAIT:
+                    return self._lost(send, "no window of the next stage opened")
+                await self.wait_for_room()
+                continue
+            waiting_since = None
+            reply = await self._attempt(peer, send)
             if isinstance(reply.message, Ack):
-                self._router.observe_ack(peer, reply.seconds, time.time(), reply.message.queue_depth)
-                self._busy.pop(peer, None)
-                self._acked(send, peer, failed_at)
+                self._acked(send, peer, failed_at, reply)
                 return
             tried.add(peer)
             if isinstance(reply.message, Busy):
-                self.counts["busy"] += 1
-                self._router.observe_capacity(peer, reply.message.queue_depth, time.time())
-                self._busy[peer] = reply.message.retry_after_ms / 1000
+                self._busy_reply(peer, reply.message)
                 continue
             if failed_at is None:  # failover time runs from the start of the first failed attempt
                 failed_at = trio.current_time() - reply.seconds
             self._failed(peer, reply.failure)
-        self._lost(send, "no live peer of the next stage took it")
 
     async def backward(self, send: Send) -> None:
         """Deliver a gradient to the peer holding its graph; report it lost if it cannot."""
         for _ in range(BACKWARD_TRIES):
-            reply = await self._attempt(send.to, send, BACKWARD_ACK_TIMEOUT)
+            reply = await self._attempt(send.to, send)
             if isinstance(reply.message, Ack):
-                self._router.observe_ack(send.to, reply.seconds, time.time(), reply.message.queue_depth)
-                self._acked(send, send.to, None)
+                self._acked(send, send.to, None, reply)
                 return
             if not isinstance(reply.message, Busy):
                 self._failed(send.to, reply.failure)
                 break
-            self.counts["busy"] += 1
+            self._busy_reply(send.to, reply.message)
             await trio.sleep(min(BUSY_WAIT_CAP, reply.message.retry_after_ms / 1000))
         self._lost(send, "the peer holding its graph did not take it")
 
@@ -129,59 +145,81 @@ class Deliverer:
         tried.difference_update(p for p in list(tried) if self._router.is_live(p, time.time()))
         await trio.sleep(min([BUSY_WAIT_CAP, *busy]) if busy else IDLE_POLL)
 
-    async def _attempt(self, peer: str, send: Send, timeout: float) -> Reply:
-        """One frame to ``peer`` and its reply, or a failure once ``timeout`` passes (the frame's
-        task goes on detached and retires its stream if the reply never comes)."""
+    async def wait_for_room(self) -> None:
+        """Until some attempt ends (a window may have opened), or BUSY_WAIT_CAP passes."""
+        with trio.move_on_after(BUSY_WAIT_CAP):
+            await self._answered.wait()
+
+    async def _attempt(self, peer: str, send: Send) -> Reply:
+        """One frame to ``peer`` and its reply, or a failure when the peer makes no progress
+        (module docstring); the attempt's stream is reset on any failure."""
+        size = len(send.payload)
+        deadline = self._router.deadline(peer, size)
         self.counts["sent"] += 1
-        done = trio.Event()
-        box: list[Reply] = []
-        late: list[bool] = []  # non-empty once the caller stopped waiting
+        self._router.observe_sent(peer, size)
+        try:
+            reply = await self._exchange(peer, send, deadline)
+        finally:
+            self._answered.set()
+            self._answered = trio.Event()
+        return reply
+
+    async def _exchange(self, peer: str, send: Send, deadline: float) -> Reply:
         started = trio.current_time()
-
-        async def exchange() -> None:
-            try:
-                if LINK_DELAY:  # a benchmark's simulated link latency (bench/swarm_train.py)
-                    await trio.sleep(LINK_DELAY)
-                async with self._pool.lease(peer, PROTOCOL_ID, timeout=LEASE_TIMEOUT) as lease:
-                    await lease.write_frame(send.message, send.payload)
-                    message, _ = await lease.read_frame(max_payload=0, timeout=ATTEMPT_READ_TIMEOUT)
-            except Exception as exc:  # whatever a peer or its connection does, it is that peer's failure
-                error = first_error(exc)
-                expected = isinstance(error, (P2PSwarmError, OSError, trio.BrokenResourceError,
-                                              trio.ClosedResourceError))
-                log.log(logging.DEBUG if expected else logging.WARNING, "%s to %s failed: %r",
-                        send.message.TYPE, peer, error)
-                box.append(Reply(None, Failure.ERROR, trio.current_time() - started))
-            else:
-                ok = isinstance(message, (Ack, Busy)) and message.micro_batch == send.message.micro_batch
-                box.append(Reply(message if ok else None, None if ok else Failure.ERROR,
-                                 trio.current_time() - started))
-                if ok and late:  # a late ack: the peer lives, and its timeout should grow
-                    self.counts["late_acks"] += 1
-                    self._router.observe_ack(peer, trio.current_time() - started, time.time(), message.queue_depth)
-            finally:
-                done.set()
-
-        self._nursery.start_soon(exchange)
-        with trio.move_on_after(timeout):
-            await done.wait()
-        if box:
-            return box[0]
-        late.append(True)
-        return Reply(None, Failure.TIMEOUT, timeout)
+        try:
+            if LINK_DELAY:  # a benchmark's simulated link latency (bench/swarm_train.py)
+                await trio.sleep(LINK_DELAY)
+            async with self._pool.lease(peer, PROTOCOL_ID, timeout=LEASE_TIMEOUT) as lease:
+                started = trio.current_time()  # the deadline runs from the first byte, not from a dial
+                await lease.write_frame(send.message, send.payload, stall=deadline)
+                wait = max(started + deadline - trio.current_time(), self._router.deadline(peer, 0))
+                with trio.move_on_after(wait):
+                    message, _ = await lease.read_frame(max_payload=0, timeout=wait + ACK_READ_GRACE)
+                    ok = isinstance(message, (Ack, Busy)) and message.micro_batch == send.message.micro_batch
+                    return Reply(message if ok else None, None if ok else Failure.ERROR,
+                                 trio.current_time() - started)
+                return Reply(None, Failure.TIMEOUT, trio.current_time() - started)  # read cut: stream retired
+        except CircuitExhausted as exc:  # refused before a byte: the peer is fine, this relayed path is full
+            log.info("%s to %s re-routed: %s", send.message.TYPE, peer, exc)
+            return Reply(None, Failure.CIRCUIT, trio.current_time() - started)
+        except WriteStalled as exc:
+            log.debug("%s to %s: %s", send.message.TYPE, peer, exc)
+            return Reply(None, Failure.TIMEOUT, trio.current_time() - started)
+        except Exception as exc:  # whatever a peer or its connection does, it is that peer's failure
+            error = first_error(exc)
+            expected = isinstance(error, (P2PSwarmError, OSError, trio.BrokenResourceError, trio.ClosedResourceError))
+            log.log(logging.DEBUG if expected else logging.WARNING, "%s to %s failed: %r", send.message.TYPE, peer, error)
+            return Reply(None, Failure.ERROR, trio.current_time() - started)
 
     # --- outcomes -------------------------------------------------------------------------------
 
-    def _acked(self, send: Send, peer: str, failed_at: float | None) -> None:
+    def _acked(self, send: Send, peer: str, failed_at: float | None, reply: Reply) -> None:
+        self._router.observe_ack(peer, reply.seconds, time.time(), reply.message.queue_depth, len(send.payload))
+        self._busy.pop(peer, None)
         self.counts["acked"] += 1
+        if reply.message.duplicate:
+            self.counts["acked_as_duplicate"] += 1
+        if isinstance(send.message, Forward) and send.message.priority == Priority.TRAINING_FORWARD:
+            self.counts["training_forwards_acked"] += 1  # each micro-batch once: what the next stage may train on
+        self.ack_ms.append(1000 * reply.seconds)
+        del self.ack_ms[:-ACK_SAMPLES]
         self._on_acked(send.key, peer)
         if failed_at is not None:
             self.counts["rerouted"] += 1
             self.failover_ms.append(1000 * (trio.current_time() - failed_at))
             del self.failover_ms[:-1000]
 
+    def _busy_reply(self, peer: str, busy: Busy) -> None:
+        self.counts["busy"] += 1
+        self._router.observe_busy(peer, busy.queue_depth, time.time())
+        self._busy[peer] = busy.retry_after_ms / 1000
+
     def _failed(self, peer: str, failure: Failure | None) -> None:
         failure = failure or Failure.ERROR
+        if failure is Failure.CIRCUIT:  # no failure of the peer's: nothing it acked is given up
+            self.counts["circuit_full"] += 1
+            self._router.observe_busy(peer, self._router.queue_depth(peer), time.time())
+            return
         self.counts["timeouts" if failure is Failure.TIMEOUT else "errors"] += 1
         self._router.observe_failure(peer, time.time(), failure)
         if failure is Failure.ERROR:
@@ -193,11 +231,16 @@ class Deliverer:
         self._on_lost(send, why)
 
     def stats(self) -> dict:
-        latencies = sorted(self.failover_ms)
-
-        def pct(q: float) -> float | None:
-            return round(latencies[min(len(latencies) - 1, int(q * len(latencies)))], 1) if latencies else None
-
-        return {**{k: self.counts[k] for k in ("sent", "acked", "busy", "timeouts", "late_acks", "errors", "rerouted", "lost")},
-                "failover_ms_p50": pct(0.5), "failover_ms_p99": pct(0.99), "failovers_measured": len(latencies),
+        return {**{k: self.counts[k] for k in ("sent", "acked", "busy", "timeouts", "errors", "rerouted", "lost",
+                                               "acked_as_duplicate", "circuit_full",
+                                               "training_forwards_acked")},
+                "ack_ms_p50": percentile(self.ack_ms, 0.5), "ack_ms_p99": percentile(self.ack_ms, 0.99),
+                "failover_ms_p50": percentile(self.failover_ms, 0.5), "failover_ms_p99": percentile(self.failover_ms, 0.99),
+                "failovers_measured": len(self.failover_ms),
                 "failover_ms_recent": [round(x, 1) for x in self.failover_ms[-100:]]}
+
+
+def percentile(samples: list[float], q: float) -> float | None:
+    """The ``q`` quantile of ``samples`` (nearest rank), rounded; None when there are none."""
+    ordered = sorted(samples)
+    return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 1) if ordered else None

@@ -44,7 +44,7 @@ from p2pswarm.swarm import engine as eng
 from p2pswarm.swarm.activation import MAX_RETRY_AFTER_MS, PROTOCOL_ID, SESSION_BYTES, Ack, Backward, Busy, Forward
 from p2pswarm.swarm.buffers import EngineLedger, Outcome, Priority, hand_on, inbound_buffer, outbound_queue
 from p2pswarm.swarm.evaluation import EVAL_BATCHES, EVAL_ROWS, EvalBook
-from p2pswarm.swarm.inflight import InFlight
+from p2pswarm.swarm.inflight import InFlight, RecentKeys
 from p2pswarm.swarm.router import Candidate, Router
 from p2pswarm.swarm.sender import Deliverer, Send
 
@@ -59,6 +59,7 @@ UPKEEP_PERIOD = 0.5  # seconds between candidate refreshes, stream warming and i
 WARM_STREAMS = 2  # idle streams kept open to each of the router's best candidates
 BAN_PERIOD = 60.0  # seconds a peer that sent us garbage is refused
 RATE_WINDOW = 20.0  # seconds over which throughput (tokens/s) is measured
+SLOW_LINK_FACTOR = 4.0  # a link whose transfer of a micro-batch takes this many compute times bounds training
 LOSS_EMA = 0.05  # weight of a new micro-batch in the training-loss average
 
 
@@ -85,6 +86,7 @@ class SwarmService:
         self.inbound, self.outbound = inbound_buffer(now), outbound_queue(now)
         self.ledger = EngineLedger(now)
         self.inflight = InFlight()
+        self.taken = RecentKeys()  # micro-batches taken from peers: copies are duplicates
         self.router = Router(self.rng)
         self.evals = EvalBook()
         self.engine: eng.StageEngine | None = None
@@ -94,10 +96,12 @@ class SwarmService:
         self.counts: Counter = Counter()
         self.train_loss_bpb: float | None = None
         self._banned: dict[str, float] = {}
+        self._slow: dict[str, str] = {}  # next-stage peer -> why its link bounds training
         self._work_ready = trio.Event()
         self._sends_ready = trio.Event()
         self._progress = trio.Event()
         self._local_queued = 0
+        self._evals_queued = 0  # held-out batches cut here and not yet computed
         self._compute_s = 0.05  # EMA of one job's compute time: the basis of Busy's retry-after
         self._rate: collections.deque = collections.deque()
         self.session = os.urandom(SESSION_BYTES)
@@ -146,7 +150,12 @@ class SwarmService:
             raise
         if job is None:  # a gradient for a micro-batch given up already
             return Ack(message.micro_batch, len(self.inbound))
+        taken = (job.work.kind, job.work.key)
+        if not self.taken.add(taken):  # a re-send of what we hold or did: never computed twice
+            self.counts["duplicates_dropped"] += 1
+            return Ack(message.micro_batch, len(self.inbound), duplicate=True)
         if not self.inbound.offer(job, priority, trio.current_time()).accepted:
+            self.taken.discard(taken)
             self.counts["busy_replies"] += 1
             retry_ms = min(MAX_RETRY_AFTER_MS, int(1000 * self._compute_s * max(1, len(self.inbound))))
             return Busy(message.micro_batch, len(self.inbound), retry_ms)
@@ -195,6 +204,9 @@ class SwarmService:
             job: Job = entry.item
             if job.upstream is None and job.work.kind == "forward":
                 self._local_queued -= 1
+            if job.upstream is None and job.work.kind == "eval":
+                self._evals_queued -= 1
+                self._progress.set()
             self.ledger.begin(trio.current_time())
             started = trio.current_time()
             try:
@@ -207,6 +219,8 @@ class SwarmService:
                 self._give_up(job.work.key)
                 continue
             self._compute_s += 0.1 * (trio.current_time() - started - self._compute_s)
+            if job.upstream is not None and job.work.kind == "forward":
+                self.counts["forwards_trained"] += 1  # at most once per micro-batch: ``taken``
             if out.loss_nats is not None:
                 self._record_loss(job.work, out)
             self.ledger.finish(trio.current_time(), self._hand_on(job, sends))
@@ -313,9 +327,10 @@ class SwarmService:
         while True:
             while not self.is_last and not self.router.choose(self.stage + 1, time.time()):
                 await trio.sleep(UPKEEP_PERIOD)  # no live peer serves the next stage: nothing to compute for
+            while not self.is_last and not self.router.has_room(self.stage + 1, time.time()):
+                await self.deliverer.wait_for_room()  # paced: cut only what the next stage absorbs
             while self._local_queued + self.inflight.waiting_from(None) >= MAX_IN_FLIGHT:
-                self._progress = trio.Event()
-                await self._progress.wait()
+                await self._next_progress()
             try:
                 batch = await trio.to_thread.run_sync(next, batches)
             except ConfigError as exc:  # the corpus vanished under us: stop cutting, keep serving
@@ -329,6 +344,12 @@ class SwarmService:
                 self._work_ready.set()
             else:
                 await trio.sleep(UPKEEP_PERIOD)
+
+    async def _next_progress(self) -> None:
+        """Until the next progress (a job done, a micro-batch given up); any number of waiters."""
+        if self._progress.is_set():
+            self._progress = trio.Event()
+        await self._progress.wait()
 
     async def _evaluate(self, corpus) -> None:
         held = await trio.to_thread.run_sync(
@@ -345,9 +366,12 @@ class SwarmService:
                 work = eng.Work("eval", (session, micro_batch), ids[:, :-1], ids[:, 1:].contiguous(), round_)
                 micro_batch += 1
                 if self.inbound.offer(Job(work, None), Priority.INFERENCE, trio.current_time()).accepted:
+                    self._evals_queued += 1
                     self._work_ready.set()
             round_ += 1
             await trio.sleep(EVAL_PERIOD)
+            while self._evals_queued:  # a slow machine: never stack rounds that starve training
+                await self._next_progress()
 
     # --- upkeep and status ------------------------------------------------------------------------
 
@@ -366,13 +390,40 @@ class SwarmService:
                 connected = {str(p) for p in self._host.get_connected_peers()}
                 for peer in {e.sent_to for e in self.inflight.entries() if e.sent_to} - connected:
                     self._downstream_failed(peer)
-                for key in self.inflight.expire(trio.current_time()):
-                    self.engine.forget(key)
-                    self.counts["given_up"] += 1
-                    self._progress.set()
+                self._expire_in_flight()
+                self._note_slow_links()
                 self._sample_rate()
                 self._banned = {p: t for p, t in self._banned.items() if t > trio.current_time()}
                 await trio.sleep(UPKEEP_PERIOD)
+
+    def _note_slow_links(self) -> None:
+        """Flag (and log, once) a next-stage peer whose measured link, not compute, would bound
+        training: a micro-batch's transfer takes over SLOW_LINK_FACTOR x our compute time."""
+        size = self.router.frame_size
+        for peer, state in list(self.router.peers.items()):
+            link = self.router.link(peer)
+            transfer = link.transfer_time(size)
+            slow = link.throughput is not None and size and transfer > SLOW_LINK_FACTOR * self._compute_s
+            if not slow:
+                self._slow.pop(peer, None)
+                continue
+            path = "its only path is a relay" if state.candidate.relayed else "its direct path"
+            why = (f"{path} at {link.throughput * 8 / 1e6:.1f} Mbit/s: a {size / 1024:.0f} KiB micro-batch "
+                   f"takes {transfer:.2f} s, {transfer / self._compute_s:.0f}x our compute time")
+            if peer not in self._slow:
+                log.warning("peer %s of stage %d is too slow for its stage: %s", peer, state.candidate.stage, why)
+            self._slow[peer] = why
+
+    def _expire_in_flight(self) -> None:
+        """Give up micro-batches whose gradient is overdue; a peer that took one and never sent its
+        gradient back is backed off (measured from our side: its acks alone prove nothing)."""
+        for key, entry in self.inflight.expire(trio.current_time()):
+            self.engine.forget(key)
+            self.counts["given_up"] += 1
+            if entry.sent_to is not None:
+                self.counts["gradients_overdue"] += 1
+                self.router.observe_failure(entry.sent_to, time.time())
+            self._progress.set()
 
     async def _warm(self, peer: str, warming: set[str]) -> None:
         try:
@@ -418,9 +469,15 @@ class SwarmService:
                        "kept_graphs": engine.kept if engine else 0},
             "in_flight": len(self.inflight), "counts": dict(self.counts),
             "inbound": _fill_doc(self.inbound.stats(now)), "outbound": _fill_doc(self.outbound.stats(now)),
-            "router": self.router.stats(time.time()),
+            "router": self._router_doc(),
             "delivery": self.deliverer.stats() if self.deliverer else {},
         }
+
+    def _router_doc(self) -> dict:
+        doc = self.router.stats(time.time())
+        for peer, entry in doc["peers"].items():
+            entry["slow"] = self._slow.get(peer)
+        return doc
 
     async def doc_json(self, params: dict) -> dict:
         return self.doc()

@@ -1,0 +1,115 @@
+"""How long to wait for one peer's ack, and how many frames to have on the way to it: the pure link core.
+
+A fixed ack deadline cannot fit every link: 512 KiB take 5 ms on loopback, 42 ms at 100 Mbit/s
+and 840 ms at 5 Mbit/s. A deadline shorter than the transfer fails a healthy peer, the same
+micro-batch is sent again elsewhere, and the duplicates fill the link and the queues until no
+ack comes in time at all (congestion collapse, issue 14). So each peer gets a ``Link``, measured
+from our side only (what a peer claims never enters it):
+
+- **throughput**: an average of ``size / seconds`` over acked frames of at least
+  SAMPLE_MIN_BYTES (small frames say nothing of the link's rate), from send to ack;
+- **slack**: what the ack latency adds to the transfer time expected at that throughput (the
+  receiver's loop, its buffering), smoothed with its variation as TCP does (RFC 6298);
+- **deadline(size)** = ``size / throughput`` x TRANSFER_MARGIN + slack + RTT_K x variation,
+  within [DEADLINE_FLOOR, DEADLINE_CEILING]. The driver counts it from the first byte and does
+  not fail a peer while the frame's bytes are still moving (``sender``): the deadline bounds
+  how long a peer may make *no* progress, so a hung peer is found within one deadline;
+- **window**: frames allowed on the way to the peer (sent, not yet answered), additive increase
+  by one frame per window of acks, halved on a timeout or a ``Busy`` (AIMD), within
+  [WINDOW_MIN, WINDOW_MAX]. A sender takes a slot before it writes and gives it back on the
+  answer; stage 0 cuts a micro-batch only when some next-stage peer has room.
+
+A liar cannot game this: acking what it never read makes its samples look like a fast link,
+which only sends it frames whose gradients then never come (``inflight`` gives those up and the
+router backs the peer off); ``Busy`` forever shrinks only its own window; the window never
+exceeds WINDOW_MAX whatever the acks say. Pure: no clock, no I/O; every update returns a new Link.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+INITIAL_THROUGHPUT = 1.25e6  # bytes/s assumed before a sample (10 Mbit/s): generous deadlines on a new link
+MIN_THROUGHPUT = 12_500.0  # bytes/s (100 kbit/s): an estimate never falls below, so no deadline is unbounded
+SAMPLE_MIN_BYTES = 64 * 1024  # frames smaller than this measure latency, not throughput
+THROUGHPUT_ALPHA = 1 / 4  # weight of a new throughput sample
+TRANSFER_MARGIN = 2.0  # a transfer may take this much longer than the estimate before it is late
+INITIAL_SLACK = 2.0  # seconds of slack assumed before a sample (RFC 6298 starts at 1 s): a loaded receiver's loop
+SLACK_ALPHA = 1 / 8  # RFC 6298 gain of the smoothed slack
+SLACK_BETA = 1 / 4  # RFC 6298 gain of its variation
+RTT_K = 4  # RFC 6298: deadline = transfer + srtt + 4 * rttvar
+DEADLINE_FLOOR = 1.0  # seconds (RFC 6298's minimum RTO): a GC pause or a busy 2-core loop never fails a healthy peer
+DEADLINE_CEILING = 60.0  # seconds: at MIN_THROUGHPUT a 512 KiB frame still fits
+WINDOW_INITIAL = 2.0  # frames on the way to a new peer
+WINDOW_MIN = 1.0  # a peer that answers at all always gets one frame at a time
+WINDOW_MAX = 8.0  # frames on the way to one peer, at most, whatever its acks say
+
+
+@dataclass(frozen=True)
+class Link:
+    """What we measured of the path to one peer, and how much we may have on it."""
+
+    throughput: float | None = None  # bytes/s, None before a sample
+    slack: float | None = None  # smoothed seconds an ack adds to the expected transfer
+    slack_var: float = 0.0  # smoothed variation of that
+    window: float = WINDOW_INITIAL  # frames allowed on the way (AIMD)
+    on_the_way: int = 0  # frames sent and not yet answered
+    acks: int = 0
+    timeouts: int = 0
+    busies: int = 0
+
+    @property
+    def rate(self) -> float:
+        """Bytes/s the deadlines assume."""
+        return INITIAL_THROUGHPUT if self.throughput is None else self.throughput
+
+    def transfer_time(self, size: int) -> float:
+        """Seconds ``size`` bytes are expected to take at the measured throughput."""
+        return max(0, size) / self.rate
+
+    def deadline(self, size: int) -> float:
+        """Seconds an attempt of ``size`` bytes may go without progress before the peer is failed."""
+        slack = INITIAL_SLACK if self.slack is None else self.slack + RTT_K * self.slack_var
+        seconds = TRANSFER_MARGIN * self.transfer_time(size) + slack
+        return min(DEADLINE_CEILING, max(DEADLINE_FLOOR, seconds))
+
+    @property
+    def has_room(self) -> bool:
+        return self.on_the_way < int(self.window)
+
+    def sent(self) -> Link:
+        """A frame is on the way (the caller checked ``has_room``, or it is a gradient: one place to go)."""
+        return replace(self, on_the_way=self.on_the_way + 1)
+
+    def acked(self, size: int, seconds: float) -> Link:
+        """An ack ``seconds`` after the first byte of ``size`` bytes: learn, and open the window."""
+        seconds = max(0.0, seconds)
+        throughput = self.throughput
+        if size >= SAMPLE_MIN_BYTES and seconds > 0:
+            sample = max(MIN_THROUGHPUT, size / seconds)
+            throughput = sample if throughput is None else throughput + THROUGHPUT_ALPHA * (sample - throughput)
+        excess = max(0.0, seconds - size / (throughput or INITIAL_THROUGHPUT))
+        if self.slack is None:
+            slack, var = excess, excess / 2
+        else:
+            var = (1 - SLACK_BETA) * self.slack_var + SLACK_BETA * abs(self.slack - excess)
+            slack = (1 - SLACK_ALPHA) * self.slack + SLACK_ALPHA * excess
+        window = min(WINDOW_MAX, self.window + 1 / self.window)
+        return replace(self, throughput=throughput, slack=slack, slack_var=var, window=window,
+                       on_the_way=max(0, self.on_the_way - 1), acks=self.acks + 1)
+
+    def busy(self) -> Link:
+        """A ``Busy``: the peer is alive but full; have less on the way to it."""
+        return replace(self, window=max(WINDOW_MIN, self.window / 2), on_the_way=max(0, self.on_the_way - 1),
+                       busies=self.busies + 1)
+
+    def timed_out(self) -> Link:
+        """No progress within the deadline (or an error): halve the window, as TCP does on a loss."""
+        return replace(self, window=max(WINDOW_MIN, self.window / 2), on_the_way=max(0, self.on_the_way - 1),
+                       timeouts=self.timeouts + 1)
+
+    def doc(self, size: int) -> dict:
+        """For /api/swarm: the deadline in force for a ``size``-byte frame, throughput, window."""
+        return {"deadline_ms": round(1000 * self.deadline(size), 1),
+                "throughput_mbit_s": None if self.throughput is None else round(self.throughput * 8 / 1e6, 2),
+                "window": round(self.window, 2), "on_the_way": self.on_the_way}
