@@ -11,7 +11,15 @@ Three arms in one run, one after the other on this machine (never at once: 2 cor
 3. **swarm, 50 ms links** — the same with ``P2PSWARM_LINK_DELAY_MS=50`` (every frame waits 50 ms
    before it is written), for the compute-busy fraction.
 
-    python bench/swarm_train.py [--seconds 120]
+With ``--links unshaped,home,...`` (names of ``p2pswarm.testing.linklab.PROFILES``, or ``relayed``)
+the same 2 x 2 swarm then runs in a shaped-link lab (root; network namespaces and ``tc tbf``), one
+arm per name after the arms above (``--links-only``: instead of them): every join on its own line
+of that profile, or, for ``relayed``, stage 0 and stage 1 behind symmetric NATs talking through a
+relay. Each prints tokens/s against the unshaped arm of the same run and against the link-bound
+limit (what the links alone could carry), ack latency, timeouts per 100 sends, duplicates, lost
+micro-batches and compute-busy per peer.
+
+    python bench/swarm_train.py [--seconds 120] [--links unshaped,home [--links-only]]
 """
 
 from __future__ import annotations
@@ -20,8 +28,10 @@ import argparse
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -93,23 +103,103 @@ def swarm(seconds: float, delay_ms: int = 0) -> dict:
             "busy": busy.group(1) if busy else None, "busy_mean": float(busy.group(2)) if busy else None}
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=120.0)
-    args = parser.parse_args()
-    base_rate, curve = baseline(args.seconds)
+def main_arms(seconds: float) -> None:
+    """The three arms above: baseline, swarm, swarm with 50 ms links."""
+    base_rate, curve = baseline(seconds)
     print(f"baseline: one process, {base_rate:.0f} tok/s, held-out {curve[0][1]:.3f} -> {curve[-1][1]:.3f} "
           f"bits/byte after {curve[-1][0]} tokens", flush=True)
-    result = swarm(args.seconds)
+    result = swarm(seconds)
     equal = at_tokens(curve, result["tokens"])
     print(f"swarm 2x2: {result['tok_s']} tok/s over the run ({result['steady_tok_s']:.0f} steady), "
           f"{result['tokens']} tokens, held-out {result['heldout']} bits/byte; baseline at equal tokens "
           f"{equal:.3f}", flush=True)
     print(f"  ratio tokens/s (steady) {result['steady_tok_s'] / base_rate:.2f}x; held-out at equal tokens "
           f"{result['heldout'] / equal:.3f}x the baseline's; compute-busy {result['busy']}", flush=True)
-    slow = swarm(args.seconds, delay_ms=50)
+    slow = swarm(seconds, delay_ms=50)
     print(f"swarm 2x2, 50 ms links: {slow['tok_s']} tok/s, held-out {slow['heldout']}, compute-busy per peer "
           f"{slow['busy']} (mean {slow['busy_mean']})", flush=True)
+
+
+def link_arms(names: list[str], seconds: float) -> None:
+    """One lab arm per name, one after the other (unshaped first, for the ratios); a line each."""
+    from p2pswarm.testing.linkswarm import run_link_arm, run_relayed_arm
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so a lab is torn down
+    unshaped = None
+    for name in sorted(names, key=lambda n: n != "unshaped"):
+        with tempfile.TemporaryDirectory(prefix=f"swarm-train-{name}-") as workdir:
+            began = time.monotonic()
+            try:
+                result = (run_relayed_arm(seconds, Path(workdir)) if name == "relayed"
+                          else run_link_arm(name, seconds, Path(workdir)))
+            except Exception as exc:  # noqa: BLE001 - one broken arm must not hide the others
+                print(f"link arm {name}: failed after {time.monotonic() - began:.0f} s: {exc}", flush=True)
+                continue
+        if name == "unshaped":
+            unshaped = result["tokens_per_s"]
+        print(link_line(result, unshaped), flush=True)
+
+
+def _total(section: dict, word: str) -> float:
+    """The sum over stages of every key of SECTION (stage -> counters) containing WORD."""
+    return sum(v for sums in section.values() for k, v in sums.items() if word in k and "_ms" not in k)
+
+
+def _worst(section: dict, key: str) -> float | None:
+    values = [sums[key] for sums in section.values() if sums.get(key) is not None]
+    return max(values) if values else None
+
+
+def link_line(result: dict, unshaped: float | None) -> str:
+    rate, bound, delivery = result["tokens_per_s"], result["link_bound_tok_s"], result["delivery"]
+    if result["arm"] == "relayed":
+        line = "symmetric NATs, through a relay"
+    elif result["up_mbit"] is None and result["down_mbit"] is None:
+        line = "unshaped"
+    else:
+        line = f"{result['up_mbit'] or '-'} up / {result['down_mbit'] or '-'} down Mbit/s"
+    ratio = ("no unshaped arm" if unshaped is None else "the unshaped arm trained nothing" if not unshaped
+             else f"{rate / unshaped:.2f}x unshaped")
+    limit = f"link-bound {bound:.0f} tok/s ({rate / bound:.2f}x)" if bound else "link-bound -"
+    p50, p99 = _worst(delivery, "ack_ms_p50"), _worst(delivery, "ack_ms_p99")
+    ack = f"ack p50/p99 {p50:.0f}/{p99:.0f} ms" if p50 is not None and p99 is not None else "ack p50/p99 -"
+    sent = _total(delivery, "sent")
+    timeouts = f"{100 * _total(delivery, 'timeouts') / sent:.1f}" if sent else "-"
+    duplicates = f"{_total(result['counts'], 'duplicate'):.0f} dropped by receivers, " \
+                 f"{_total(delivery, 'duplicate'):.0f} acked as such to senders"
+    busy = " ".join(f"{b:.2f}" if b is not None else "-" for _, b in sorted(result["busy"].items()))
+    started = "" if result["training_started"] else " (training never started)"
+    if result["arm"] == "relayed" and not result.get("relay_reserved"):
+        started += " (a peer never got a relay reservation)"
+    return (f"link {result['arm']} ({line}): {rate:.0f} tok/s ({ratio}), {limit}, {ack}, timeouts {timeouts} "
+            f"per 100 sends ({sent:.0f} sent), duplicates {duplicates}, lost {_total(delivery, 'lost'):.0f}, "
+            f"compute-busy since start {busy}; {result['tokens']} tokens in {result['seconds']:.0f} s after "
+            f"{result['wait_s']:.0f} s of start-up, arm {result['total_s']:.0f} s{started}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=120.0)
+    parser.add_argument("--links", default="", metavar="NAMES",
+                        help="comma list of link profiles (unshaped, dc100, home, weak) or relayed: one lab arm each")
+    parser.add_argument("--links-only", action="store_true", help="run only the --links arms")
+    args = parser.parse_args()
+    links = [n.strip() for n in args.links.split(",") if n.strip()]
+    if links:
+        from p2pswarm.testing.linklab import PROFILES, link_lab_available
+        from p2pswarm.testing.natlab import lab_available
+
+        unknown = [n for n in links if n not in PROFILES and n != "relayed"]
+        if unknown:
+            parser.error(f"unknown link profile(s) {unknown}; known: {', '.join(PROFILES)}, relayed")
+        if reason := link_lab_available() or ("relayed" in links and lab_available()):
+            parser.error(reason)
+    elif args.links_only:
+        parser.error("--links-only needs --links")
+    if not args.links_only:
+        main_arms(args.seconds)
+    if links:
+        link_arms(links, args.seconds)
     return 0
 
 

@@ -56,6 +56,17 @@ def test_a_new_link_is_generous_and_learns_the_rate():
     assert link.window == WINDOW_MAX
 
 
+def test_acks_slowed_by_our_own_queue_shrink_the_window():
+    link = Link()
+    for _ in range(6):  # the line at its best: 512 KiB in 0.2 s
+        link = link.sent().acked(FRAME, 0.2)
+    grown = link.window
+    for _ in range(6):  # the same line with seconds of our own frames queued in front
+        link = link.sent().acked(FRAME, 1.5)
+    assert link.window < grown and link.window >= WINDOW_MIN
+    assert link.sent().acked(FRAME, 0.25).window > link.window  # the queue drained: it grows again
+
+
 def test_small_frames_measure_latency_not_throughput():
     link = Link().acked(SAMPLE_MIN_BYTES - 1, 0.5)
     assert link.throughput is None

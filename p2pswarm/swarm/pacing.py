@@ -16,7 +16,10 @@ from our side only (what a peer claims never enters it):
   how long a peer may make *no* progress, so a hung peer is found within one deadline;
 - **window**: frames allowed on the way to the peer (sent, not yet answered), additive increase
   by one frame per window of acks, halved on a timeout or a ``Busy`` (AIMD), within
-  [WINDOW_MIN, WINDOW_MAX]. A sender takes a slot before it writes and gives it back on the
+  [WINDOW_MIN, WINDOW_MAX]. An ack that took over QUEUE_FACTOR times what the fastest rate seen
+  on this link explains (plus QUEUE_ALLOWANCE) means our own frames wait in a queue on the way
+  (a full uplink buffer): the window then shrinks by one frame per window instead of growing,
+  so a slow line is kept full but not queued behind seconds of our own data (as TCP Vegas). A sender takes a slot before it writes and gives it back on the
   answer; stage 0 cuts a micro-batch only when some next-stage peer has room.
 
 A liar cannot game this: acking what it never read makes its samples look like a fast link,
@@ -40,6 +43,8 @@ SLACK_BETA = 1 / 4  # RFC 6298 gain of its variation
 RTT_K = 4  # RFC 6298: deadline = transfer + srtt + 4 * rttvar
 DEADLINE_FLOOR = 1.0  # seconds (RFC 6298's minimum RTO): a GC pause or a busy 2-core loop never fails a healthy peer
 DEADLINE_CEILING = 60.0  # seconds: at MIN_THROUGHPUT a 512 KiB frame still fits
+QUEUE_FACTOR = 3.0  # an ack this many times slower than the link's best means a queue of our own frames
+QUEUE_ALLOWANCE = 0.05  # seconds of loop and scheduling noise never counted as a queue
 WINDOW_INITIAL = 2.0  # frames on the way to a new peer
 WINDOW_MIN = 1.0  # a peer that answers at all always gets one frame at a time
 WINDOW_MAX = 8.0  # frames on the way to one peer, at most, whatever its acks say
@@ -50,6 +55,7 @@ class Link:
     """What we measured of the path to one peer, and how much we may have on it."""
 
     throughput: float | None = None  # bytes/s, None before a sample
+    fastest: float | None = None  # the highest throughput sample seen: the link without our queue
     slack: float | None = None  # smoothed seconds an ack adds to the expected transfer
     slack_var: float = 0.0  # smoothed variation of that
     window: float = WINDOW_INITIAL  # frames allowed on the way (AIMD)
@@ -84,18 +90,21 @@ class Link:
     def acked(self, size: int, seconds: float) -> Link:
         """An ack ``seconds`` after the first byte of ``size`` bytes: learn, and open the window."""
         seconds = max(0.0, seconds)
-        throughput = self.throughput
+        throughput, fastest, queued = self.throughput, self.fastest, False
         if size >= SAMPLE_MIN_BYTES and seconds > 0:
             sample = max(MIN_THROUGHPUT, size / seconds)
             throughput = sample if throughput is None else throughput + THROUGHPUT_ALPHA * (sample - throughput)
+            queued = fastest is not None and seconds > QUEUE_FACTOR * size / fastest + QUEUE_ALLOWANCE
+            fastest = sample if fastest is None else max(fastest, sample)
         excess = max(0.0, seconds - size / (throughput or INITIAL_THROUGHPUT))
         if self.slack is None:
             slack, var = excess, excess / 2
         else:
             var = (1 - SLACK_BETA) * self.slack_var + SLACK_BETA * abs(self.slack - excess)
             slack = (1 - SLACK_ALPHA) * self.slack + SLACK_ALPHA * excess
-        window = min(WINDOW_MAX, self.window + 1 / self.window)
-        return replace(self, throughput=throughput, slack=slack, slack_var=var, window=window,
+        step = -1 / self.window if queued else 1 / self.window
+        window = min(WINDOW_MAX, max(WINDOW_MIN, self.window + step))
+        return replace(self, throughput=throughput, fastest=fastest, slack=slack, slack_var=var, window=window,
                        on_the_way=max(0, self.on_the_way - 1), acks=self.acks + 1)
 
     def busy(self) -> Link:

@@ -20,7 +20,7 @@ retry-after hint. A forward is lost when no live candidate exists for ``NO_CANDI
 no window opens for ``ROOM_WAIT``.
 
 A gradient has exactly one destination, the peer that holds the micro-batch's graph, so it is
-retried on ``Busy`` and lost on failure. Every loss is reported (``on_lost``) and counted; none
+retried on ``Busy`` and on a timeout (the receiver drops a duplicate) and lost on an error. Every loss is reported (``on_lost``) and counted; none
 raises out of here. Imports neither torch nor the model.
 """
 
@@ -130,11 +130,15 @@ class Deliverer:
             if isinstance(reply.message, Ack):
                 self._acked(send, send.to, None, reply)
                 return
-            if not isinstance(reply.message, Busy):
-                self._failed(send.to, reply.failure)
+            if isinstance(reply.message, Busy):
+                self._busy_reply(send.to, reply.message)
+                await trio.sleep(min(BUSY_WAIT_CAP, reply.message.retry_after_ms / 1000))
+                continue
+            self._failed(send.to, reply.failure)
+            if reply.failure is not Failure.TIMEOUT:  # the peer is gone: its graph with it
                 break
-            self._busy_reply(send.to, reply.message)
-            await trio.sleep(min(BUSY_WAIT_CAP, reply.message.retry_after_ms / 1000))
+            # no progress within the deadline: the one peer that can take it may be slow; the
+            # receiver drops a copy it already took, so trying again never trains it twice
         self._lost(send, "the peer holding its graph did not take it")
 
     # --- attempts -------------------------------------------------------------------------------

@@ -12,7 +12,8 @@
 - **outbound**: ``SENDERS`` tasks deliver forwards to the next stage with failover and
   gradients back to the peer each micro-batch came from (``swarm/sender.py``);
 - **stage 0** cuts micro-batches from its own offset of the corpus, keeps ``MAX_IN_FLIGHT`` of
-  them in flight, and every ``EVAL_PERIOD`` sends the fixed held-out set through the swarm; the
+  them in flight, and every ``EVAL_PERIOD`` (longer where a round takes over 1/EVAL_SHARE of the
+  time to compute and send) sends the fixed held-out set through the swarm; the
   last stage turns those into held-out bits per byte (``swarm/evaluation.py``);
 - **upkeep**: candidates of the next stage from the stage map into the router, streams to the
   best of them kept warm, micro-batches whose path died given up (``swarm/inflight.py``).
@@ -55,6 +56,8 @@ MAX_ROWS = 256  # rows a peer may send us in one micro-batch
 MAX_IN_FLIGHT = 6  # stage-0 micro-batches between being cut and their gradient coming back
 SENDERS = 4  # concurrent deliveries: a slow peer never holds up the others
 EVAL_PERIOD = 10.0  # seconds between held-out evaluation rounds sent by a stage-0 peer
+EVAL_SHARE = 5  # a round that takes t seconds to compute and send waits (EVAL_SHARE - 1) x t before the next:
+#                 8 x 32 rows are 16.8 MB of activations, 6.7 s of a 20 Mbit/s uplink every 10 s otherwise
 UPKEEP_PERIOD = 0.5  # seconds between candidate refreshes, stream warming and in-flight checks
 WARM_STREAMS = 2  # idle streams kept open to each of the router's best candidates
 BAN_PERIOD = 60.0  # seconds a peer that sent us garbage is refused
@@ -97,11 +100,13 @@ class SwarmService:
         self.train_loss_bpb: float | None = None
         self._banned: dict[str, float] = {}
         self._slow: dict[str, str] = {}  # next-stage peer -> why its link bounds training
+        self._slow_logged: set[str] = set()  # peers whose slowness was logged already
         self._work_ready = trio.Event()
         self._sends_ready = trio.Event()
         self._progress = trio.Event()
         self._local_queued = 0
         self._evals_queued = 0  # held-out batches cut here and not yet computed
+        self._eval_sends: set = set()  # held-out batches computed here and not yet acked downstream
         self._compute_s = 0.05  # EMA of one job's compute time: the basis of Busy's retry-after
         self._rate: collections.deque = collections.deque()
         self.session = os.urandom(SESSION_BYTES)
@@ -118,7 +123,7 @@ class SwarmService:
         async with trio.open_nursery() as nursery:
             for extension in self.extensions:
                 nursery.start_soon(extension.run, self)
-            self.deliverer = Deliverer(self._pool, self.router, nursery, on_acked=self.inflight.sent_to,
+            self.deliverer = Deliverer(self._pool, self.router, nursery, on_acked=self._sent,
                                        on_lost=self._send_lost, on_peer_error=self._downstream_failed)
             self._pool.serve(PROTOCOL_ID, self._on_frame, max_payload=self._max_payload())
             nursery.start_soon(self._compute_worker)
@@ -277,6 +282,8 @@ class SwarmService:
         if work.kind == "forward" and not self.is_last:
             self.inflight.add(work.key, job.upstream, now)
         outcome = Outcome.SENT
+        if work.kind == "eval" and self.is_first and sends:
+            self._eval_sends.add(work.key)  # on its way until acked or lost
         for send in sends:
             priority = Priority(send.message.priority)
             if hand_on(self.outbound, send, priority, now, len(send.payload)) is Outcome.LOCAL_ONLY:
@@ -301,8 +308,15 @@ class SwarmService:
             else:
                 await self.deliverer.backward(send)
 
+    def _sent(self, key, peer: str) -> None:
+        """The next stage (or the upstream peer) acked ``key``."""
+        self.inflight.sent_to(key, peer)
+        self._eval_sends.discard(key)
+        self._progress.set()
+
     def _send_lost(self, send: Send, why: str) -> None:
         self.counts["lost_" + send.message.TYPE.split(".")[-1]] += 1
+        self._eval_sends.discard(send.key)
         if isinstance(send.message, Forward) and send.message.priority == Priority.TRAINING_FORWARD:
             self._give_up(send.key)
 
@@ -369,9 +383,12 @@ class SwarmService:
                     self._evals_queued += 1
                     self._work_ready.set()
             round_ += 1
-            await trio.sleep(EVAL_PERIOD)
-            while self._evals_queued:  # a slow machine: never stack rounds that starve training
+            began = trio.current_time()
+            while self._evals_queued or self._eval_sends:  # never stack rounds that starve training
                 await self._next_progress()
+            # a round on a slow machine or line takes its share at most: 1 / EVAL_SHARE of the time
+            await trio.sleep(max(EVAL_PERIOD - (trio.current_time() - began),
+                                 (EVAL_SHARE - 1) * (trio.current_time() - began)))
 
     # --- upkeep and status ------------------------------------------------------------------------
 
@@ -397,20 +414,20 @@ class SwarmService:
                 await trio.sleep(UPKEEP_PERIOD)
 
     def _note_slow_links(self) -> None:
-        """Flag (and log, once) a next-stage peer whose measured link, not compute, would bound
-        training: a micro-batch's transfer takes over SLOW_LINK_FACTOR x our compute time."""
+        """Flag (and log, once per peer) a next-stage peer reachable only through a relay whose best
+        measured rate, not compute, would bound training: a micro-batch's transfer at the fastest
+        rate seen takes over SLOW_LINK_FACTOR x our compute time."""
         size = self.router.frame_size
         for peer, state in list(self.router.peers.items()):
-            link = self.router.link(peer)
-            transfer = link.transfer_time(size)
-            slow = link.throughput is not None and size and transfer > SLOW_LINK_FACTOR * self._compute_s
-            if not slow:
+            fastest = self.router.link(peer).fastest
+            transfer = size / fastest if fastest else 0.0
+            if not (state.candidate.relayed and transfer > SLOW_LINK_FACTOR * self._compute_s):
                 self._slow.pop(peer, None)
                 continue
-            path = "its only path is a relay" if state.candidate.relayed else "its direct path"
-            why = (f"{path} at {link.throughput * 8 / 1e6:.1f} Mbit/s: a {size / 1024:.0f} KiB micro-batch "
-                   f"takes {transfer:.2f} s, {transfer / self._compute_s:.0f}x our compute time")
-            if peer not in self._slow:
+            why = (f"its only path is a relay at {fastest * 8 / 1e6:.1f} Mbit/s at best: a {size / 1024:.0f} KiB "
+                   f"micro-batch takes {transfer:.2f} s, {transfer / self._compute_s:.0f}x our compute time")
+            if peer not in self._slow_logged:
+                self._slow_logged.add(peer)
                 log.warning("peer %s of stage %d is too slow for its stage: %s", peer, state.candidate.stage, why)
             self._slow[peer] = why
 

@@ -65,7 +65,8 @@ class _Router:
     home: Host
 
 
-_GET_JSON = """import json, sys, urllib.error, urllib.request
+# argv[1] URL, argv[2] timeout: prints the JSON answer (an HTTP error's body plus http_status), or null
+GET_JSON = """import json, sys, urllib.error, urllib.request
 try:
     with urllib.request.urlopen(sys.argv[1], timeout=float(sys.argv[2])) as r: print(r.read().decode())
 except urllib.error.HTTPError as e: print(json.dumps({"http_status": e.code, **json.load(e)}))
@@ -109,7 +110,7 @@ def _check(argv: list[str], stdin: str | None = None) -> subprocess.CompletedPro
     return subprocess.run(argv, input=stdin, capture_output=True, text=True, timeout=CMD_TIMEOUT, check=True)
 
 
-def _letters(n: int) -> str:
+def letters(n: int) -> str:
     """0 -> 'a', 25 -> 'z', 26 -> 'ba': a counter that never ends in a digit."""
     out = ""
     while True:
@@ -119,13 +120,13 @@ def _letters(n: int) -> str:
             return out
 
 
-def _netns_names() -> list[str]:
+def netns_names() -> list[str]:
     listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=CMD_TIMEOUT,
                              check=False)
     return [line.split()[0] for line in listing.stdout.splitlines() if line.strip()]
 
 
-def _kill_netns(name: str) -> None:
+def kill_netns(name: str) -> None:
     """SIGKILL every process in namespace NAME by pid, then delete the namespace."""
     for _ in range(3):
         pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True, timeout=CMD_TIMEOUT,
@@ -149,7 +150,7 @@ def lab_available() -> str | None:
     for tool in ("ip", "nft", "conntrack", "timeout"):
         if shutil.which(tool) is None:
             return f"the NAT lab needs `{tool}` (apt-get install iproute2 nftables conntrack)"
-    probe = f"{NAME_PREFIX}{os.getpid()}{_letters(next(_lab_counter))}x"
+    probe = f"{NAME_PREFIX}{os.getpid()}{letters(next(_lab_counter))}x"
     try:
         _check(["ip", "netns", "add", probe])
         _check(["ip", "-n", probe, "link", "add", "name", "pa", "type", "veth", "peer", "name", "pb"])
@@ -160,7 +161,7 @@ def lab_available() -> str | None:
         detail = getattr(exc, "stderr", None) or exc
         return f"cannot build a NAT lab here: {' '.join(str(detail).split())}"
     finally:
-        _kill_netns(probe)
+        kill_netns(probe)
     return None
 
 
@@ -179,7 +180,7 @@ class NatLab:
     """A throwaway internet with public hosts, a STUN host and NATed homes; use as a context manager."""
 
     def __init__(self) -> None:
-        self.prefix = f"{NAME_PREFIX}{os.getpid()}{_letters(next(_lab_counter))}"
+        self.prefix = f"{NAME_PREFIX}{os.getpid()}{letters(next(_lab_counter))}"
         self.namespaces: list[str] = []
         self.processes: list[subprocess.Popen] = []
         self.labels: dict[str, str] = {}  # namespace -> the label it was created with, for messages
@@ -305,7 +306,7 @@ class NatLab:
     def node_get(self, host: Host, api: str, path: str, timeout: float = 2.0) -> dict | None:
         """GET ``path`` of the node's API (on ``host``'s loopback): its JSON, with ``http_status``
         added when the answer is an error, or None when nothing answers."""
-        argv = [sys.executable, "-c", _GET_JSON, f"http://{api}{path}", str(timeout)]
+        argv = [sys.executable, "-c", GET_JSON, f"http://{api}{path}", str(timeout)]
         return json.loads(self.exec(host, argv, timeout=timeout + 5).stdout)
 
     def _check_own(self, host: Host) -> None:
@@ -329,7 +330,7 @@ class NatLab:
                 pass
         for name in reversed(self.namespaces):
             try:
-                _kill_netns(name)
+                kill_netns(name)
             except Exception:  # noqa: BLE001, S110 - teardown goes on; the retry below deletes it
                 pass
         for process in self.processes:
@@ -342,11 +343,11 @@ class NatLab:
                 process.stdout.close()
         for _ in range(3):  # never leave a namespace behind
             try:
-                leftover = [name for name in _netns_names() if name in self.namespaces]
+                leftover = [name for name in netns_names() if name in self.namespaces]
                 if not leftover:
                     break
                 for name in leftover:
-                    _kill_netns(name)
+                    kill_netns(name)
             except Exception:  # noqa: BLE001
                 time.sleep(0.2)
         self.namespaces.clear()

@@ -1,0 +1,234 @@
+"""A shaped-link lab on one machine: each host on its own rate-limited line onto one bridge.
+
+Where the NAT lab (``natlab.py``) asks "can these peers reach each other", this lab asks "how do
+they train over home-sized links". Requires root, iproute2 (``ip netns``, ``tc`` with the ``tbf``
+qdisc) and coreutils ``timeout``. Topology::
+
+    core namespace: bridge br0 (no address of its own), 10.98.0.0/24
+      port p<i> -- host namespace h<i>: eth0 10.98.0.(10+i)/24
+
+Shaping is ``tc qdisc ... tbf`` (rate only: the kernels this runs on may lack netem, so no delay
+or loss here): a host's **uplink** on its own ``eth0`` inside its
+namespace (what it sends), its **downlink** on its bridge port inside the core namespace (what the
+bridge hands it). ``None`` leaves that direction unshaped (veth speed).
+
+Safety, as in the NAT lab: every address lives inside namespaces this lab creates; nothing is
+linked to the root namespace and no namespace has a route out (only the bridge's /24). IPv6 is
+disabled in every lab namespace. Every process runs inside a lab namespace under ``timeout``; on
+exit the lab stops its processes by pid (SIGTERM, then SIGKILL of whatever ``ip netns pids``
+still lists) and deletes the namespaces, even after an error. Namespace names are
+``p2k<pid><lab letters><role><index>``, unique per run, at most 15 characters.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Self
+
+from p2pswarm.testing.natlab import (
+    CMD_TIMEOUT,
+    GET_JSON,
+    IPV6_OFF,
+    KILL_AFTER,
+    MAX_NS_NAME,
+    TERM_GRACE,
+    kill_netns,
+    letters,
+    netns_names,
+)
+
+NAME_PREFIX = "p2k"  # every link-lab namespace starts with this, then the pid of the process that made it
+SUBNET = "10.98.0"  # the lab's /24 (the NAT lab uses 10.99)
+HOST_OCTET_BASE = 10  # host i gets SUBNET.(10+i)
+MAX_HOSTS = 200
+BRIDGE, HOST_IF = "br0", "eth0"
+# tbf: burst 64 KiB is above rate/HZ at every rate used here (100 Mbit/s / 250 Hz = 50 KB), so the
+# bucket can refill to the full rate between timer ticks, yet a burst is only ~5 ms at 100 Mbit/s and
+# ~100 ms at 5 Mbit/s. latency 400 ms sizes the queue like a home router's (1 MB at 20 Mbit/s): TCP
+# sees queueing delay, as on a real bloated line, not a drop at every burst.
+TBF_BURST, TBF_LATENCY = "64kb", "400ms"
+
+_lab_counter = itertools.count()
+
+
+@dataclass(frozen=True)
+class LinkProfile:
+    name: str
+    up_mbit: float | None  # what each host may send, Mbit/s; None: unshaped
+    down_mbit: float | None  # what each host may receive, Mbit/s; None: unshaped
+
+
+PROFILES = {p.name: p for p in (
+    LinkProfile("unshaped", None, None),
+    LinkProfile("dc100", 100, 100),  # a data-centre 100 Mbit/s port
+    LinkProfile("home", 20, 100),  # a common home line: 20 up, 100 down
+    LinkProfile("weak", 5, 25),  # a weak home line
+)}
+
+
+@dataclass(frozen=True)
+class LinkHost:
+    name: str  # network namespace name
+    ip: str
+    label: str
+    port: str  # its bridge port inside the core namespace (where its downlink is shaped)
+    up_mbit: float | None
+    down_mbit: float | None
+
+
+def _check(argv: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=CMD_TIMEOUT, check=True)
+
+
+def _tbf(namespace: str, ifname: str, mbit: float) -> None:
+    _check(["ip", "netns", "exec", namespace, "tc", "qdisc", "add", "dev", ifname, "root", "tbf",
+            "rate", f"{mbit:g}mbit", "burst", TBF_BURST, "latency", TBF_LATENCY])
+
+
+def link_lab_available() -> str | None:
+    """None when a link lab can be built here, else why not (checked by shaping a probe veth)."""
+    if os.geteuid() != 0:
+        return "the link lab needs root (network namespaces and tc)"
+    for tool in ("ip", "tc", "timeout"):
+        if shutil.which(tool) is None:
+            return f"the link lab needs `{tool}` (apt-get install iproute2 coreutils)"
+    probe = f"{NAME_PREFIX}{os.getpid()}{letters(next(_lab_counter))}x"
+    try:
+        _check(["ip", "netns", "add", probe])
+        _check(["ip", "-n", probe, "link", "add", "name", "pa", "type", "veth", "peer", "name", "pb"])
+        _tbf(probe, "pa", 20)
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", None) or exc
+        return f"cannot build a link lab here (tc tbf): {' '.join(str(detail).split())}"
+    finally:
+        kill_netns(probe)
+    return None
+
+
+class LinkLab:
+    """Hosts on shaped lines onto one bridge; use as a context manager (teardown on exit)."""
+
+    def __init__(self) -> None:
+        self.prefix = f"{NAME_PREFIX}{os.getpid()}{letters(next(_lab_counter))}"
+        self.namespaces: list[str] = []
+        self.processes: list[subprocess.Popen] = []
+        self.hosts: list[LinkHost] = []
+        self._core = ""
+
+    def __enter__(self) -> Self:
+        try:
+            self._core = self._namespace("c", 0)
+            _check(["ip", "-n", self._core, "link", "add", BRIDGE, "type", "bridge"])
+            _check(["ip", "-n", self._core, "link", "set", BRIDGE, "up"])
+        except BaseException:
+            self._teardown()
+            raise
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._teardown()
+
+    def _namespace(self, role: str, index: int) -> str:
+        name = f"{self.prefix}{role}{index}"
+        if len(name) > MAX_NS_NAME:
+            raise ValueError(f"namespace name {name!r} is longer than {MAX_NS_NAME} characters")
+        _check(["ip", "netns", "add", name])
+        self.namespaces.append(name)
+        _check(["ip", "netns", "exec", name, "sh", "-c",
+                "sysctl -q -w " + " ".join(IPV6_OFF) + " 2>/dev/null; ip link set lo up"])
+        return name
+
+    def host(self, label: str, up_mbit: float | None = None, down_mbit: float | None = None) -> LinkHost:
+        """A new host on its own line: UP_MBIT out of it, DOWN_MBIT into it (None: unshaped)."""
+        index = len(self.hosts) + 1
+        if index > MAX_HOSTS:
+            raise ValueError(f"at most {MAX_HOSTS} hosts per link lab")
+        ns, port, ip = self._namespace("h", index), f"p{index}", f"{SUBNET}.{HOST_OCTET_BASE + index}"
+        _check(["ip", "link", "add", "name", HOST_IF, "netns", ns, "type", "veth", "peer", "name", port,
+                "netns", self._core])
+        _check(["ip", "-n", self._core, "link", "set", port, "master", BRIDGE])
+        for namespace, ifname in ((ns, HOST_IF), (self._core, port)):
+            _check(["ip", "-n", namespace, "link", "set", ifname, "up"])
+        _check(["ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", HOST_IF])
+        if up_mbit is not None:
+            _tbf(ns, HOST_IF, up_mbit)
+        if down_mbit is not None:
+            _tbf(self._core, port, down_mbit)
+        host = LinkHost(ns, ip, label, port, up_mbit, down_mbit)
+        self.hosts.append(host)
+        return host
+
+    # -- running --
+    def _argv(self, host: LinkHost, argv: list[str], timeout: float) -> list[str]:
+        if host not in self.hosts:
+            raise ValueError(f"{host.name} is not a host of this lab")
+        return ["ip", "netns", "exec", host.name, "timeout", f"--kill-after={KILL_AFTER}", f"{timeout:g}", *argv]
+
+    def run(self, host: LinkHost, argv: list[str], *, log_path: str | Path | None = None,
+            timeout: float) -> subprocess.Popen:
+        """Start ARGV in HOST, killed after TIMEOUT s; stdout is a text pipe, stderr goes to LOG_PATH."""
+        command = self._argv(host, argv, timeout)
+        stderr = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115 - closed below
+        try:
+            process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, stdin=subprocess.DEVNULL,
+                                       text=True)
+        finally:
+            if log_path:
+                stderr.close()
+        self.processes.append(process)
+        return process
+
+    def exec(self, host: LinkHost, argv: list[str], timeout: float = CMD_TIMEOUT) -> subprocess.CompletedProcess:
+        """Run a short command in HOST and wait; CalledProcessError if it fails."""
+        return subprocess.run(self._argv(host, argv, timeout), capture_output=True, text=True,
+                              stdin=subprocess.DEVNULL, timeout=timeout + KILL_AFTER + 1, check=True)
+
+    def get(self, host: LinkHost, api: str, path: str, timeout: float = 2.0) -> dict | None:
+        """GET PATH of the node whose API is API on HOST's own loopback: its JSON (``http_status``
+        added on an HTTP error), or None when nothing answers."""
+        argv = [sys.executable, "-c", GET_JSON, f"http://{api}{path}", str(timeout)]
+        return json.loads(self.exec(host, argv, timeout=timeout + 5).stdout)
+
+    # -- teardown --
+    def _teardown(self) -> None:
+        """SIGTERM started processes by pid, SIGKILL what each namespace still holds, delete the namespaces."""
+        for process in self.processes:
+            if process.poll() is None:
+                try:
+                    process.send_signal(signal.SIGTERM)  # `timeout` passes it on to its command
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + TERM_GRACE
+        for process in self.processes:
+            try:
+                process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for _ in range(3):  # never leave a namespace behind
+            try:
+                existing = set(netns_names())
+                leftover = [name for name in reversed(self.namespaces) if name in existing]
+                if not leftover:
+                    break
+                for name in leftover:  # hosts first, the core (with the bridge) last
+                    kill_netns(name)
+            except Exception:  # noqa: BLE001 - teardown goes on; the next pass retries
+                time.sleep(0.2)
+        for process in self.processes:
+            try:
+                process.wait(timeout=TERM_GRACE)
+            except subprocess.TimeoutExpired:
+                process.kill()  # the pid we started (its namespace is gone already, so a zombie at most)
+                process.wait()
+            if process.stdout:
+                process.stdout.close()
+        self.namespaces.clear()

@@ -1,0 +1,192 @@
+"""The demo's swarm on shaped links (``LinkLab``) or through a relay (``NatLab``), with its figures.
+
+``run_link_arm`` starts one ``p2pswarm bootstrap`` on an unshaped host and a 2 stages x 2 replicas
+``tiny-lm/2`` swarm of ``p2pswarm join`` peers, each on its own host shaped by a ``LinkProfile``
+and with the flags ``p2pswarm demo`` gives its joins. ``run_relayed_arm`` starts two peers, stage 0
+and stage 1, behind symmetric NATs (no hole punch can work), so every micro-batch crosses a relay.
+
+Both wait until training runs (stage-0 tokens move), train for ``seconds``, and read each peer's
+``GET /api/swarm`` at the start and the end of that window. Counters of ``delivery`` and
+``counts`` are read generically (every numeric key, so new ones appear without a change here) and
+summed per stage over the window; keys with ``_ms`` in their name are latencies, reported at the
+window's end as the worst (max) of the stage's peers. Every process is stopped by pid at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from p2pswarm.demo import DEMO_GATHER_S, DEMO_INNER_STEPS, DEMO_OUTER_MOMENTUM, DEMO_SNAPSHOT_PERIOD, stop_all
+from p2pswarm.model.catalog import ModelSpec, get_model
+from p2pswarm.testing.labswarm import API, LabSwarm
+from p2pswarm.testing.linklab import PROFILES, LinkLab, LinkProfile
+from p2pswarm.testing.natlab import NatKind, NatLab
+
+MODEL = "tiny-lm/2"
+REPLICAS = 2  # per stage: 2 x 2 peers, as in the demo
+FLOAT32_BYTES = 4  # activations and gradients travel as float32 (swarm.engine.ACTIVATION_DTYPE)
+WIRE_OVERHEAD = 1514 / 1448  # Ethernet + IP + TCP (timestamps) headers per full segment, what tbf counts
+TRAIN_TIMEOUT = 180.0  # seconds from start-up until stage-0 tokens move (torch imports on 2 cores)
+RELAY_TIMEOUT = 120.0  # PRIVATE verdict (~25 s) and a reservation round
+POLL = 2.0  # each look starts one small python per peer: keep it light on 2 cores
+API_TIMEOUT = 5.0  # a peer busy computing on a loaded 2-core machine answers late
+COUNTER_SECTIONS = ("delivery", "counts")
+
+Doc = dict  # one peer's GET /api/swarm
+DocGetter = Callable[[str], Doc]  # peer name -> its /api/swarm JSON ({} when it does not answer)
+
+
+def join_args(spec: ModelSpec, stage: int, boot_addr: str, peers: int) -> list[str]:
+    """``p2pswarm join`` arguments as ``p2pswarm demo`` gives them (listen, API, data dir aside)."""
+    start, end = spec.stage_range(stage)
+    return ["join", "--bootstrap", boot_addr, "--model", spec.name, "--layers", f"{start}:{end}",
+            "--threads", str(max(1, (os.cpu_count() or 1) // peers)),  # the demo's share of the cores
+            "--inner-steps", str(DEMO_INNER_STEPS), "--outer-momentum", str(DEMO_OUTER_MOMENTUM),
+            "--gather", str(DEMO_GATHER_S), "--snapshot-period", str(DEMO_SNAPSHOT_PERIOD)]
+
+
+def boundary_bytes(spec: ModelSpec) -> tuple[int, int]:
+    """Payload bytes of one training micro-batch crossing a stage boundary: (forward, backward).
+
+    A forward carries float32 hidden states [rows, context, width] plus one target byte per token;
+    the gradient coming back is the same tensor without targets."""
+    from p2pswarm.swarm.service import BATCH_ROWS  # imports torch: only when figures are computed
+
+    tokens = BATCH_ROWS * spec.context
+    tensor = tokens * spec.width * FLOAT32_BYTES
+    return tensor + tokens, tensor
+
+
+def link_bound_tok_s(spec: ModelSpec, profile: LinkProfile, replicas: int = REPLICAS) -> float | None:
+    """Tokens/s the links alone could carry for a two-stage swarm of REPLICAS peers per stage.
+
+    A stage-0 peer sends forwards on its uplink and receives gradients on its downlink; a stage-1
+    peer the opposite. Each side's limit is the slower of its two directions, times its peers;
+    the swarm's is the lower side. None when the profile is unshaped."""
+    if profile.up_mbit is None and profile.down_mbit is None:
+        return None
+    forward, backward = boundary_bytes(spec)
+    tokens = forward - backward  # one target byte per token
+
+    def rate(mbit: float | None, nbytes: int) -> float:
+        return float("inf") if mbit is None else mbit * 1e6 / 8 / (nbytes * WIRE_OVERHEAD) * tokens
+
+    first = min(rate(profile.up_mbit, forward), rate(profile.down_mbit, backward))
+    last = min(rate(profile.down_mbit, forward), rate(profile.up_mbit, backward))
+    return replicas * min(first, last)
+
+
+def stage_sums(docs: dict[str, Doc], stages: dict[str, int], section: str) -> dict[int, dict[str, float]]:
+    """Per stage, every numeric key of SECTION summed over its peers (``_ms`` keys: their max)."""
+    out: dict[int, dict[str, float]] = {}
+    for name, doc in docs.items():
+        sums = out.setdefault(stages[name], {})
+        for key, value in (doc.get(section) or {}).items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue  # nested (per-peer links, recent lists) and flags
+            sums[key] = max(sums.get(key, value), value) if "_ms" in key else sums.get(key, 0) + value
+    return out
+
+
+def window(start: dict[str, Doc], end: dict[str, Doc], stages: dict[str, int], seconds: float) -> dict:
+    """The figures of one window between two rounds of /api/swarm documents."""
+    first = [name for name, stage in stages.items() if stage == 0]
+    tokens = sum(end[n].get("tokens", 0) - start[n].get("tokens", 0) for n in first if n in start and n in end)
+    figures: dict = {"seconds": round(seconds, 1), "tokens": tokens, "tokens_per_s": tokens / seconds}
+    for section in COUNTER_SECTIONS:
+        before, after = stage_sums(start, stages, section), stage_sums(end, stages, section)
+        figures[section] = {
+            stage: {k: v if "_ms" in k else v - before.get(stage, {}).get(k, 0) for k, v in sums.items()}
+            for stage, sums in after.items()}
+    figures["totals"] = {section: stage_sums(end, stages, section) for section in COUNTER_SECTIONS}  # since start
+    figures["busy"] = {n: (d.get("engine") or {}).get("busy_fraction") for n, d in end.items()}  # since start
+    return figures
+
+
+def _check_alive(swarm: LabSwarm) -> None:
+    for name, node in swarm.nodes.items():
+        if node.process.poll() is not None:
+            raise RuntimeError(f"{name} exited with code {node.process.returncode}: {swarm.log_tail(name, 800)}")
+
+
+def snapshot(stages: dict[str, int], get_doc: DocGetter) -> tuple[float, dict[str, Doc]]:
+    """Every peer's /api/swarm, asked at once: (the round's mid time, the docs of those that answered)."""
+    began = time.monotonic()
+    with ThreadPoolExecutor(len(stages)) as pool:
+        docs = dict(zip(stages, pool.map(get_doc, stages)))
+    return (began + time.monotonic()) / 2, {name: doc for name, doc in docs.items() if doc}
+
+
+def measure(swarm: LabSwarm, stages: dict[str, int], get_doc: DocGetter, seconds: float) -> dict:
+    """Wait (bounded) until stage-0 tokens move, then train SECONDS; the window's figures."""
+    began = time.monotonic()
+    first = [name for name, stage in stages.items() if stage == 0]
+    while True:
+        _check_alive(swarm)
+        t0, start = snapshot(stages, get_doc)
+        started = len(start) == len(stages) and sum(start[n].get("tokens", 0) for n in first) > 0
+        if started or t0 - began > TRAIN_TIMEOUT:  # never started: the window still runs and reports zeros
+            break
+        time.sleep(POLL)
+    while time.monotonic() - t0 < seconds:
+        _check_alive(swarm)
+        time.sleep(min(POLL, max(0.0, seconds - (time.monotonic() - t0))))
+    t1, end = snapshot(stages, get_doc)
+    return {**window(start, end, stages, t1 - t0), "training_started": started, "wait_s": round(t0 - began, 1)}
+
+
+def run_link_arm(profile: LinkProfile | str, seconds: float, workdir: Path) -> dict:
+    """The demo's 2 x 2 swarm with every join on a PROFILE line; figures of SECONDS of training."""
+    profile = PROFILES[profile] if isinstance(profile, str) else profile
+    spec, began = get_model(MODEL), time.monotonic()
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    peers = spec.n_stages * REPLICAS
+    with LinkLab() as lab:
+        swarm = LabSwarm(lab, workdir, proc_timeout=TRAIN_TIMEOUT + seconds + 120)  # needs only lab.run: NatLab's
+        try:
+            boot = swarm.start_public("boot", lab.host("boot"), ["bootstrap"])
+            stages = {f"s{i % spec.n_stages}r{i // spec.n_stages}": i % spec.n_stages for i in range(peers)}
+            for name, stage in stages.items():
+                host = lab.host(name, profile.up_mbit, profile.down_mbit)
+                swarm.start(name, host, join_args(spec, stage, boot.addr, peers))
+            hosts = {name: swarm.nodes[name].host for name in stages}
+
+            def get_doc(name: str) -> Doc:
+                return lab.get(hosts[name], API, "/api/swarm", timeout=API_TIMEOUT) or {}
+
+            result = measure(swarm, stages, get_doc, seconds)
+        finally:
+            stop_all([node.process for node in swarm.nodes.values()])
+    return {"arm": profile.name, "up_mbit": profile.up_mbit, "down_mbit": profile.down_mbit,
+            "link_bound_tok_s": link_bound_tok_s(spec, profile), **result,
+            "total_s": round(time.monotonic() - began, 1)}
+
+
+def run_relayed_arm(seconds: float, workdir: Path) -> dict:
+    """Stage 0 and stage 1 of tiny-lm/2, each behind a symmetric NAT: every byte goes through a relay
+    (default relay limits); figures of SECONDS of training."""
+    spec, began = get_model(MODEL), time.monotonic()
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    stages = {"sym0": 0, "sym1": 1}
+    with NatLab() as lab:
+        swarm = LabSwarm(lab, workdir, proc_timeout=RELAY_TIMEOUT + TRAIN_TIMEOUT + seconds + 120)
+        try:
+            boot = swarm.start_public("boot", lab.public_host("boot"), ["bootstrap"])
+            relay = swarm.start_public("relay", lab.public_host("relay"), ["relay", "--bootstrap", boot.addr])
+            for name, stage in stages.items():
+                args = [*join_args(spec, stage, boot.addr, len(stages)), "--relay", relay.addr]
+                swarm.start(name, lab.nat_host(name, NatKind.SYMMETRIC), args)
+            ready = swarm.wait_relayed(list(stages), RELAY_TIMEOUT)
+            relayed = all(d.get("circuit_addrs") for d in ready.values())
+            result = measure(swarm, stages, lambda n: swarm.get(n, "/api/swarm", timeout=API_TIMEOUT), seconds)
+            relay_doc = swarm.stats("relay").get("relay", {})
+        finally:
+            stop_all([node.process for node in swarm.nodes.values()])
+    return {"arm": "relayed", "up_mbit": None, "down_mbit": None, "link_bound_tok_s": None,
+            "relay_reserved": relayed, "relay": relay_doc, **result, "total_s": round(time.monotonic() - began, 1)}
