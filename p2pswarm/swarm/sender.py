@@ -8,8 +8,8 @@ duplicate's ack) or a ``Busy``, and it fails only when the peer makes no progres
 
 - while the frame is written, its bytes must keep moving: no WRITE_CHUNK for one deadline
   (``Link.deadline`` of the frame's size: measured throughput plus RFC 6298 slack) is a stall;
-- once written, the ack must come by the end of that deadline counted from the first byte, and
-  never sooner than the link's slack deadline after the last byte;
+- once written (the last write is progress too: the bytes may still wait in socket and router
+  buffers behind other frames), the ack must come within one more deadline;
 - a stream error is a failure at once (a crashed peer is found in milliseconds).
 
 A failure backs the peer off, halves its window, resets the attempt's stream (the first attempt
@@ -44,9 +44,10 @@ from p2pswarm.swarm.router import Failure, Router
 log = logging.getLogger(__name__)
 
 LEASE_TIMEOUT = 5.0  # a stream to a warm candidate is immediate; a cold one needs a connection
-NO_CANDIDATE_WAIT = 5.0  # seconds a forward waits for a live candidate of the next stage before it is lost
+NO_CANDIDATE_WAIT = 15.0  # seconds a forward waits for a live candidate (a backed-off one, a fresh relay
+#                          circuit) of the next stage before it is lost: the router's staleness bound
 ROOM_WAIT = 30.0  # seconds a forward waits for room in a live candidate's window before it is lost
-BACKWARD_TRIES = 4  # Busy replies a gradient waits out before it is lost
+BACKWARD_TRIES = 6  # Busy replies, timeouts or full circuits a gradient waits out before it is lost
 BUSY_WAIT_CAP = 1.0  # seconds: the longest a sender sleeps on a Busy's retry-after hint
 IDLE_POLL = 0.05  # seconds between looks for a candidate when there is none
 ACK_READ_GRACE = 1.0  # seconds past the ack deadline the read itself may run (the watch cancels it first)
@@ -135,10 +136,13 @@ class Deliverer:
                 await trio.sleep(min(BUSY_WAIT_CAP, reply.message.retry_after_ms / 1000))
                 continue
             self._failed(send.to, reply.failure)
-            if reply.failure is not Failure.TIMEOUT:  # the peer is gone: its graph with it
+            if reply.failure is Failure.ERROR:  # the peer is gone: its graph with it
                 break
-            # no progress within the deadline: the one peer that can take it may be slow; the
-            # receiver drops a copy it already took, so trying again never trains it twice
+            # no progress within the deadline (the one peer that can take it may be slow), or a
+            # full relay circuit (a fresh one is on its way): the receiver drops a copy it
+            # already took, so trying again never trains it twice
+            if reply.failure is Failure.CIRCUIT:
+                await trio.sleep(BUSY_WAIT_CAP)
         self._lost(send, "the peer holding its graph did not take it")
 
     # --- attempts -------------------------------------------------------------------------------
@@ -176,7 +180,8 @@ class Deliverer:
             async with self._pool.lease(peer, PROTOCOL_ID, timeout=LEASE_TIMEOUT) as lease:
                 started = trio.current_time()  # the deadline runs from the first byte, not from a dial
                 await lease.write_frame(send.message, send.payload, stall=deadline)
-                wait = max(started + deadline - trio.current_time(), self._router.deadline(peer, 0))
+                wait = deadline  # the last byte written is progress too: it may still sit in buffers ahead
+
                 with trio.move_on_after(wait):
                     message, _ = await lease.read_frame(max_payload=0, timeout=wait + ACK_READ_GRACE)
                     ok = isinstance(message, (Ack, Busy)) and message.micro_batch == send.message.micro_batch
