@@ -44,8 +44,9 @@ class CircuitExhausted(DialError):
     """A frame would not fit the remaining bytes or time of the relay circuit it would travel on."""
 
 
-class WriteStalled(DialError):
-    """A frame's bytes stopped moving for longer than its stall deadline: the peer is not reading."""
+class Stalled(DialError):
+    """A peer made no progress within a deadline: no stream to it in time, or a frame's bytes
+    stopped moving (it is not reading)."""
 
 
 class NoCandidates(P2PSwarmError):

@@ -44,7 +44,7 @@ from dataclasses import asdict, dataclass, field
 import trio
 
 from p2pswarm import wire
-from p2pswarm.errors import CircuitExhausted, DialError, LocalProtocolError, WriteStalled
+from p2pswarm.errors import CircuitExhausted, DialError, LocalProtocolError, Stalled
 from p2pswarm.net import pool_inbound
 from p2pswarm.net.budget import BudgetConfig, CircuitLedger, CircuitLimit, InboundBudget, frame_deadline
 from p2pswarm.net.connect import Connector, as_peer_id, has_direct, is_relayed
@@ -136,8 +136,8 @@ class Lease:
                           stall: float | None = None) -> None:
         """Write one frame whole within ``timeout`` (default ``frame_deadline``), or with ``stall``
         only while its bytes keep moving (no WRITE_CHUNK goes out for ``stall`` seconds: stalled);
-        else retire the stream. DialError (``WriteStalled`` for no progress) if the write fails or
-        stalls; CircuitExhausted, before any byte, if the stream's relay circuit could not carry it."""
+        else retire the stream. DialError if the write fails (``Stalled`` if it stops moving);
+        CircuitExhausted, before any byte, if the stream's relay circuit could not carry it."""
         self._check()
         await self._pool.send_frame(self._stream, message, payload, timeout=timeout, stall=stall)
 
@@ -203,7 +203,8 @@ class StreamPool:
     @asynccontextmanager
     async def lease(self, peer, protocol: str, *, via_relay: bool = True,
                     timeout: float = LEASE_TIMEOUT) -> AsyncIterator[Lease]:
-        """Exclusive use of a warm stream to ``peer`` for ``protocol``; DialError if none in time."""
+        """Exclusive use of a warm stream to ``peer`` for ``protocol``; DialError if it cannot be had
+        (``Stalled`` if none came in time)."""
         key = (str(peer), protocol)
         slot, stream = await self._acquire(key, via_relay, timeout)
         lease = Lease(self, stream, key[0], protocol)
@@ -246,7 +247,7 @@ class StreamPool:
                 if slot.count < self._streams_per_key:
                     return slot, await self._open_counted(slot, via_relay)
                 await slot.changed.wait()
-        raise DialError(f"no {key[1]} stream to {key[0]} within {timeout:.1f} s")
+        raise Stalled(f"no {key[1]} stream to {key[0]} within {timeout:.1f} s")
 
     async def _open_counted(self, slot: _Slot, via_relay: bool) -> PoolStream:
         peer, protocol = slot.key
@@ -341,7 +342,7 @@ class StreamPool:
                     stream.watch = None
             if scope.cancelled_caught:
                 stream.broken = True
-                raise WriteStalled(f"{message.TYPE} to {stream.remote_peer}: write stalled for {deadline:.1f} s")
+                raise Stalled(f"{message.TYPE} to {stream.remote_peer}: write stalled for {deadline:.1f} s")
         self.stats.frames_sent += 1
 
     def _connection_opened(self, conn) -> None:

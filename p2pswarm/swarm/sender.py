@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import trio
 
 from p2pswarm import wire
-from p2pswarm.errors import CircuitExhausted, NoCandidates, P2PSwarmError, WriteStalled, first_error
+from p2pswarm.errors import CircuitExhausted, NoCandidates, P2PSwarmError, Stalled, first_error
 from p2pswarm.swarm.activation import PROTOCOL_ID, Ack, Backward, Busy, Forward
 from p2pswarm.swarm.buffers import Priority
 from p2pswarm.swarm.router import Failure, Router
@@ -177,7 +177,7 @@ class Deliverer:
         try:
             if LINK_DELAY:  # a benchmark's simulated link latency (bench/swarm_train.py)
                 await trio.sleep(LINK_DELAY)
-            async with self._pool.lease(peer, PROTOCOL_ID, timeout=LEASE_TIMEOUT) as lease:
+            async with self._pool.lease(peer, PROTOCOL_ID, timeout=min(LEASE_TIMEOUT, deadline)) as lease:
                 started = trio.current_time()  # the deadline runs from the first byte, not from a dial
                 await lease.write_frame(send.message, send.payload, stall=deadline)
                 wait = deadline  # the last byte written is progress too: it may still sit in buffers ahead
@@ -191,7 +191,7 @@ class Deliverer:
         except CircuitExhausted as exc:  # refused before a byte: the peer is fine, this relayed path is full
             log.info("%s to %s re-routed: %s", send.message.TYPE, peer, exc)
             return Reply(None, Failure.CIRCUIT, trio.current_time() - started)
-        except WriteStalled as exc:
+        except Stalled as exc:
             log.debug("%s to %s: %s", send.message.TYPE, peer, exc)
             return Reply(None, Failure.TIMEOUT, trio.current_time() - started)
         except Exception as exc:  # whatever a peer or its connection does, it is that peer's failure

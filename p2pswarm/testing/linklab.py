@@ -23,28 +23,12 @@ still lists) and deletes the namespaces, even after an error. Namespace names ar
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import shutil
-import signal
 import subprocess
-import sys
-import time
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Self
 
-from p2pswarm.testing.natlab import (
-    CMD_TIMEOUT,
-    GET_JSON,
-    IPV6_OFF,
-    KILL_AFTER,
-    MAX_NS_NAME,
-    TERM_GRACE,
-    kill_netns,
-    letters,
-    netns_names,
-)
+from p2pswarm.testing.natlab import CMD_TIMEOUT, NamespaceLab, kill_netns, letters
 
 NAME_PREFIX = "p2k"  # every link-lab namespace starts with this, then the pid of the process that made it
 SUBNET = "10.98.0"  # the lab's /24 (the NAT lab uses 10.99)
@@ -114,38 +98,15 @@ def link_lab_available() -> str | None:
     return None
 
 
-class LinkLab:
+class LinkLab(NamespaceLab):
     """Hosts on shaped lines onto one bridge; use as a context manager (teardown on exit)."""
 
+    name_prefix = NAME_PREFIX
+    core_role = "c"
+
     def __init__(self) -> None:
-        self.prefix = f"{NAME_PREFIX}{os.getpid()}{letters(next(_lab_counter))}"
-        self.namespaces: list[str] = []
-        self.processes: list[subprocess.Popen] = []
+        super().__init__()
         self.hosts: list[LinkHost] = []
-        self._core = ""
-
-    def __enter__(self) -> Self:
-        try:
-            self._core = self._namespace("c", 0)
-            _check(["ip", "-n", self._core, "link", "add", BRIDGE, "type", "bridge"])
-            _check(["ip", "-n", self._core, "link", "set", BRIDGE, "up"])
-        except BaseException:
-            self._teardown()
-            raise
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self._teardown()
-
-    def _namespace(self, role: str, index: int) -> str:
-        name = f"{self.prefix}{role}{index}"
-        if len(name) > MAX_NS_NAME:
-            raise ValueError(f"namespace name {name!r} is longer than {MAX_NS_NAME} characters")
-        _check(["ip", "netns", "add", name])
-        self.namespaces.append(name)
-        _check(["ip", "netns", "exec", name, "sh", "-c",
-                "sysctl -q -w " + " ".join(IPV6_OFF) + " 2>/dev/null; ip link set lo up"])
-        return name
 
     def host(self, label: str, up_mbit: float | None = None, down_mbit: float | None = None) -> LinkHost:
         """A new host on its own line: UP_MBIT out of it, DOWN_MBIT into it (None: unshaped)."""
@@ -167,68 +128,6 @@ class LinkLab:
         self.hosts.append(host)
         return host
 
-    # -- running --
-    def _argv(self, host: LinkHost, argv: list[str], timeout: float) -> list[str]:
-        if host not in self.hosts:
-            raise ValueError(f"{host.name} is not a host of this lab")
-        return ["ip", "netns", "exec", host.name, "timeout", f"--kill-after={KILL_AFTER}", f"{timeout:g}", *argv]
-
-    def run(self, host: LinkHost, argv: list[str], *, log_path: str | Path | None = None,
-            timeout: float) -> subprocess.Popen:
-        """Start ARGV in HOST, killed after TIMEOUT s; stdout is a text pipe, stderr goes to LOG_PATH."""
-        command = self._argv(host, argv, timeout)
-        stderr = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115 - closed below
-        try:
-            process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, stdin=subprocess.DEVNULL,
-                                       text=True)
-        finally:
-            if log_path:
-                stderr.close()
-        self.processes.append(process)
-        return process
-
-    def exec(self, host: LinkHost, argv: list[str], timeout: float = CMD_TIMEOUT) -> subprocess.CompletedProcess:
-        """Run a short command in HOST and wait; CalledProcessError if it fails."""
-        return subprocess.run(self._argv(host, argv, timeout), capture_output=True, text=True,
-                              stdin=subprocess.DEVNULL, timeout=timeout + KILL_AFTER + 1, check=True)
-
     def get(self, host: LinkHost, api: str, path: str, timeout: float = 2.0) -> dict | None:
-        """GET PATH of the node whose API is API on HOST's own loopback: its JSON (``http_status``
-        added on an HTTP error), or None when nothing answers."""
-        argv = [sys.executable, "-c", GET_JSON, f"http://{api}{path}", str(timeout)]
-        return json.loads(self.exec(host, argv, timeout=timeout + 5).stdout)
-
-    # -- teardown --
-    def _teardown(self) -> None:
-        """SIGTERM started processes by pid, SIGKILL what each namespace still holds, delete the namespaces."""
-        for process in self.processes:
-            if process.poll() is None:
-                try:
-                    process.send_signal(signal.SIGTERM)  # `timeout` passes it on to its command
-                except ProcessLookupError:
-                    pass
-        deadline = time.monotonic() + TERM_GRACE
-        for process in self.processes:
-            try:
-                process.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        for _ in range(3):  # never leave a namespace behind
-            try:
-                existing = set(netns_names())
-                leftover = [name for name in reversed(self.namespaces) if name in existing]
-                if not leftover:
-                    break
-                for name in leftover:  # hosts first, the core (with the bridge) last
-                    kill_netns(name)
-            except Exception:  # noqa: BLE001 - teardown goes on; the next pass retries
-                time.sleep(0.2)
-        for process in self.processes:
-            try:
-                process.wait(timeout=TERM_GRACE)
-            except subprocess.TimeoutExpired:
-                process.kill()  # the pid we started (its namespace is gone already, so a zombie at most)
-                process.wait()
-            if process.stdout:
-                process.stdout.close()
-        self.namespaces.clear()
+        """GET PATH of the node whose API is API on HOST's own loopback (``NamespaceLab.node_get``)."""
+        return self.node_get(host, api, path, timeout)

@@ -176,26 +176,25 @@ def read_line(process: subprocess.Popen, timeout: float) -> str:
     return result[0]
 
 
-class NatLab:
-    """A throwaway internet with public hosts, a STUN host and NATed homes; use as a context manager."""
+class NamespaceLab:
+    """Namespaces of one lab around a bridge in a core namespace: building blocks, processes run
+    inside them under a time bound, and a teardown that always leaves nothing behind. ``NatLab``
+    and ``linklab.LinkLab`` are both; use either as a context manager."""
+
+    name_prefix = NAME_PREFIX  # namespace names: this, the pid, the lab's letters, a role, an index
+    core_role = "i"  # the role letter of the namespace that holds the bridge
 
     def __init__(self) -> None:
-        self.prefix = f"{NAME_PREFIX}{os.getpid()}{letters(next(_lab_counter))}"
+        self.prefix = f"{self.name_prefix}{os.getpid()}{letters(next(_lab_counter))}"
         self.namespaces: list[str] = []
         self.processes: list[subprocess.Popen] = []
-        self.labels: dict[str, str] = {}  # namespace -> the label it was created with, for messages
-        self._routers: dict[str, _Router] = {}  # by home and by router namespace
-        self._public = iter(PUBLIC_OCTETS)
-        self._links = itertools.count()
-        self._nat_count = 0
-        self._internet = ""
+        self._core = ""
 
-    # -- building --
     def __enter__(self) -> Self:
         try:
-            self._internet = self._namespace("i", 0)
-            _check(["ip", "-n", self._internet, "link", "add", BRIDGE, "type", "bridge"])
-            _check(["ip", "-n", self._internet, "link", "set", BRIDGE, "up"])
+            self._core = self._namespace(self.core_role, 0)
+            _check(["ip", "-n", self._core, "link", "add", BRIDGE, "type", "bridge"])
+            _check(["ip", "-n", self._core, "link", "set", BRIDGE, "up"])
         except BaseException:
             self._teardown()
             raise
@@ -214,6 +213,88 @@ class NatLab:
                 "sysctl -q -w " + " ".join(IPV6_OFF) + " 2>/dev/null; ip link set lo up"])
         return name
 
+    # -- running --
+    def _argv(self, host, argv: list[str], timeout: float) -> list[str]:
+        if host.name not in self.namespaces:
+            raise ValueError(f"{host.name} is not a namespace of this lab")
+        return ["ip", "netns", "exec", host.name, "timeout", f"--kill-after={KILL_AFTER}", f"{timeout:g}", *argv]
+
+    def run(self, host, argv: list[str], *, log_path: str | Path | None = None, timeout: float) -> subprocess.Popen:
+        """Start ARGV in HOST, killed after TIMEOUT s; stdout is a text pipe, stderr goes to LOG_PATH."""
+        command = self._argv(host, argv, timeout)
+        stderr = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115 - closed below
+        try:
+            process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, stdin=subprocess.DEVNULL,
+                                       text=True)
+        finally:
+            if log_path:
+                stderr.close()
+        self.processes.append(process)
+        return process
+
+    def exec(self, host, argv: list[str], timeout: float = CMD_TIMEOUT) -> subprocess.CompletedProcess:
+        """Run a short command in HOST and wait; CalledProcessError if it fails."""
+        return subprocess.run(self._argv(host, argv, timeout), capture_output=True, text=True,
+                              stdin=subprocess.DEVNULL, timeout=timeout + KILL_AFTER + 1, check=True)
+
+    def node_get(self, host, api: str, path: str, timeout: float = 2.0) -> dict | None:
+        """GET ``path`` of the node's API (on ``host``'s loopback): its JSON, with ``http_status``
+        added when the answer is an error, or None when nothing answers."""
+        argv = [sys.executable, "-c", GET_JSON, f"http://{api}{path}", str(timeout)]
+        return json.loads(self.exec(host, argv, timeout=timeout + 5).stdout)
+
+    # -- teardown --
+    def _teardown(self) -> None:
+        """Stop started processes by pid, kill what is left in each namespace, delete the namespaces."""
+        for process in self.processes:
+            if process.poll() is None:
+                try:
+                    process.send_signal(signal.SIGTERM)  # `timeout` passes it on to its command
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + TERM_GRACE
+        for process in self.processes:
+            try:
+                process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for name in reversed(self.namespaces):
+            try:
+                kill_netns(name)
+            except Exception:  # noqa: BLE001, S110 - teardown goes on; the retry below deletes it
+                pass
+        for process in self.processes:
+            try:
+                process.wait(timeout=TERM_GRACE)
+            except subprocess.TimeoutExpired:
+                process.kill()  # the pid we started (killed in its namespace already, so a zombie at most)
+                process.wait()
+            if process.stdout:
+                process.stdout.close()
+        for _ in range(3):  # never leave a namespace behind
+            try:
+                leftover = [name for name in netns_names() if name in self.namespaces]
+                if not leftover:
+                    break
+                for name in leftover:
+                    kill_netns(name)
+            except Exception:  # noqa: BLE001
+                time.sleep(0.2)
+        self.namespaces.clear()
+
+
+class NatLab(NamespaceLab):
+    """A throwaway internet with public hosts, a STUN host and NATed homes; use as a context manager."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.labels: dict[str, str] = {}  # namespace -> the label it was created with, for messages
+        self._routers: dict[str, _Router] = {}  # by home and by router namespace
+        self._public = iter(PUBLIC_OCTETS)
+        self._links = itertools.count()
+        self._nat_count = 0
+
+    # -- building --
     def _link(self, ns_a: str, if_a: str, ns_b: str, if_b: str) -> None:
         _check(["ip", "link", "add", "name", if_a, "netns", ns_a, "type", "veth", "peer", "name", if_b, "netns", ns_b])
         for ns, ifname in ((ns_a, if_a), (ns_b, if_b)):
@@ -222,8 +303,8 @@ class NatLab:
     def _attach(self, ns: str, ifname: str, ips: list[str], prefix_len: int = 24) -> None:
         """Link NS's IFNAME to the internet bridge with addresses IPS."""
         port = f"v{next(self._links)}"
-        self._link(ns, ifname, self._internet, port)
-        _check(["ip", "-n", self._internet, "link", "set", port, "master", BRIDGE])
+        self._link(ns, ifname, self._core, port)
+        _check(["ip", "-n", self._core, "link", "set", port, "master", BRIDGE])
         for ip in ips:
             _check(["ip", "-n", ns, "addr", "add", f"{ip}/{prefix_len}", "dev", ifname])
 
@@ -277,77 +358,6 @@ class NatLab:
         _check(["ip", "netns", "exec", router.host.name, "conntrack", "-F"])
 
     # -- running --
-    def run(self, host: Host, argv: list[str], *, log_path: str | Path | None = None,
-            timeout: float) -> subprocess.Popen:
-        """Start ARGV in HOST, killed after TIMEOUT s; stdout is a text pipe, stderr goes to LOG_PATH."""
-        self._check_own(host)
-        stderr = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115 - closed below
-        try:
-            process = subprocess.Popen(
-                ["ip", "netns", "exec", host.name, "timeout", f"--kill-after={KILL_AFTER}", f"{timeout:g}", *argv],
-                stdout=subprocess.PIPE, stderr=stderr, stdin=subprocess.DEVNULL, text=True)
-        finally:
-            if log_path:
-                stderr.close()
-        self.processes.append(process)
-        return process
-
-    def exec(self, host: Host, argv: list[str], timeout: float = CMD_TIMEOUT) -> subprocess.CompletedProcess:
-        """Run a short command in HOST and wait; CalledProcessError if it fails."""
-        self._check_own(host)
-        return subprocess.run(
-            ["ip", "netns", "exec", host.name, "timeout", f"--kill-after={KILL_AFTER}", f"{timeout:g}", *argv],
-            capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=timeout + KILL_AFTER + 1, check=True)
-
     def node_stats(self, host: Host, api: str) -> dict | None:
         """GET /api/stats of the p2pswarm node whose API is ``api`` on ``host``'s own loopback."""
         return self.node_get(host, api, "/api/stats")
-
-    def node_get(self, host: Host, api: str, path: str, timeout: float = 2.0) -> dict | None:
-        """GET ``path`` of the node's API (on ``host``'s loopback): its JSON, with ``http_status``
-        added when the answer is an error, or None when nothing answers."""
-        argv = [sys.executable, "-c", GET_JSON, f"http://{api}{path}", str(timeout)]
-        return json.loads(self.exec(host, argv, timeout=timeout + 5).stdout)
-
-    def _check_own(self, host: Host) -> None:
-        if host.name not in self.namespaces:
-            raise ValueError(f"{host.name} is not a namespace of this lab")
-
-    # -- teardown --
-    def _teardown(self) -> None:
-        """Stop started processes by pid, kill what is left in each namespace, delete the namespaces."""
-        for process in self.processes:
-            if process.poll() is None:
-                try:
-                    process.send_signal(signal.SIGTERM)  # `timeout` passes it on to its command
-                except ProcessLookupError:
-                    pass
-        deadline = time.monotonic() + TERM_GRACE
-        for process in self.processes:
-            try:
-                process.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        for name in reversed(self.namespaces):
-            try:
-                kill_netns(name)
-            except Exception:  # noqa: BLE001, S110 - teardown goes on; the retry below deletes it
-                pass
-        for process in self.processes:
-            try:
-                process.wait(timeout=TERM_GRACE)
-            except subprocess.TimeoutExpired:
-                process.kill()  # the pid we started (killed in its namespace already, so a zombie at most)
-                process.wait()
-            if process.stdout:
-                process.stdout.close()
-        for _ in range(3):  # never leave a namespace behind
-            try:
-                leftover = [name for name in netns_names() if name in self.namespaces]
-                if not leftover:
-                    break
-                for name in leftover:
-                    kill_netns(name)
-            except Exception:  # noqa: BLE001
-                time.sleep(0.2)
-        self.namespaces.clear()
