@@ -80,10 +80,10 @@ class Reply:
 class Deliverer:
     """Sends forwards with failover and gradients to their one destination (module docstring)."""
 
-    def __init__(self, pool, router: Router, nursery: trio.Nursery, *,
+    def __init__(self, pool, router: Router, *,
                  on_acked: Callable[[Key, str], None], on_lost: Callable[[Send, str], None],
                  on_peer_error: Callable[[str], None]) -> None:
-        self._pool, self._router, self._nursery = pool, router, nursery
+        self._pool, self._router = pool, router
         self._on_acked, self._on_lost, self._on_peer_error = on_acked, on_lost, on_peer_error
         self.counts: Counter = Counter()  # sent, acked, busy, timeouts, errors, rerouted, lost, duplicates
         self.failover_ms: list[float] = []  # failure -> ack of the re-routed micro-batch, recent ones
@@ -180,10 +180,9 @@ class Deliverer:
             async with self._pool.lease(peer, PROTOCOL_ID, timeout=min(LEASE_TIMEOUT, deadline)) as lease:
                 started = trio.current_time()  # the deadline runs from the first byte, not from a dial
                 await lease.write_frame(send.message, send.payload, stall=deadline)
-                wait = deadline  # the last byte written is progress too: it may still sit in buffers ahead
-
-                with trio.move_on_after(wait):
-                    message, _ = await lease.read_frame(max_payload=0, timeout=wait + ACK_READ_GRACE)
+                # the last byte written is progress too: it may still sit in buffers ahead, so one more deadline
+                with trio.move_on_after(deadline):
+                    message, _ = await lease.read_frame(max_payload=0, timeout=deadline + ACK_READ_GRACE)
                     ok = isinstance(message, (Ack, Busy)) and message.micro_batch == send.message.micro_batch
                     return Reply(message if ok else None, None if ok else Failure.ERROR,
                                  trio.current_time() - started)

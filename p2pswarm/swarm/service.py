@@ -123,7 +123,7 @@ class SwarmService:
         async with trio.open_nursery() as nursery:
             for extension in self.extensions:
                 nursery.start_soon(extension.run, self)
-            self.deliverer = Deliverer(self._pool, self.router, nursery, on_acked=self._sent,
+            self.deliverer = Deliverer(self._pool, self.router, on_acked=self._sent,
                                        on_lost=self._send_lost, on_peer_error=self._downstream_failed)
             self._pool.serve(PROTOCOL_ID, self._on_frame, max_payload=self._max_payload())
             nursery.start_soon(self._compute_worker)
