@@ -47,13 +47,21 @@ ACTIVATION_DTYPE = "float32"  # what hidden states and their gradients travel as
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """How a stage trains; the defaults are the named constants above."""
+    """How a stage trains; the defaults are the named constants above. A run file
+    (``p2pswarm.model.run``) fills every field, so that all peers of a swarm agree on them."""
 
-    lr: float = LEARNING_RATE
-    weight_decay: float = WEIGHT_DECAY
+    lr: float = LEARNING_RATE  # peak AdamW learning rate
+    weight_decay: float = WEIGHT_DECAY  # on matrices only (embeddings, norms and biases get none)
     accumulate: int = ACCUMULATE
     grad_clip: float = GRAD_CLIP
     seed: int = 0  # initial weights are a pure function of (model, seed)
+    betas: tuple[float, float] = BETAS
+    warmup_steps: int = 0  # linear warm-up from 0 to lr over this many optimizer steps
+    decay_steps: int = 0  # cosine decay from lr to min_lr_ratio x lr after warm-up; 0: constant lr
+    min_lr_ratio: float = 0.1  # the floor of the cosine decay, as a fraction of lr
+    rows: int = 8  # sequences per training micro-batch
+    seq: int | None = None  # tokens per sequence; None: the model's context
+    activation_dtype: str = ACTIVATION_DTYPE  # what hidden states and their gradients travel as
 
 
 @dataclass(frozen=True)
