@@ -3,10 +3,11 @@
 Micro-batches cross stage boundaries as tensors: activations forward, gradients backward. Each
 travels as one frame whose header says where it belongs (session, micro-batch, stage, priority,
 step) and what the payload is (dtype and shape); the payload is the tensor's raw bytes, as in
-``wire.TensorFrame``, followed on a forward by the micro-batch's target bytes (``targets`` of
-them: tokens are bytes), which ride along to the last stage for its loss. The receiver answers every tensor frame with an ``Ack`` (it took the
-micro-batch, and here is its queue depth, which the router reads for free) or a ``Busy`` (its
-queue is full: explicit backpressure, so a sender never mistakes a full peer for a dead one).
+``wire.TensorFrame``, followed on a forward by the micro-batch's target tokens (``targets`` bytes
+of them, ``target_bytes_per_token(vocab)`` bytes a token), which ride along to the last stage for
+its loss. The receiver answers every tensor frame with an ``Ack`` (it took the micro-batch, and
+here is its queue depth, which the router reads for free) or a ``Busy`` (its queue is full:
+explicit backpressure, so a sender never mistakes a full peer for a dead one).
 
 This module only defines and validates the messages; it imports neither trio nor torch. Every
 field is bounded, and a header that does not match its payload is a ``RemoteProtocolError``.
@@ -28,10 +29,20 @@ MAX_MICRO_BATCH = wire.INT_MAX  # micro-batch ids count up for a whole run: any 
 MAX_STEP = wire.INT_MAX  # training steps count up for a whole run: any u63 is fine
 MAX_QUEUE_DEPTH = 1 << 20  # far beyond any real buffer; bounds what a peer can claim
 MAX_RETRY_AFTER_MS = 10_000  # a hint beyond 10 s means "dead" to a router: fail over instead
-MAX_TARGETS = 1 << 20  # target bytes a forward may carry: batch x context of any catalog model fits
+MAX_TARGETS = 1 << 22  # target bytes a forward may carry: 256 rows x 4096 tokens x 4 bytes fits
+BYTE_TOKEN_VOCAB = 1 << 8  # vocabularies up to here send a target as one byte (uint8)
+SHORT_TOKEN_VOCAB = 1 << 16  # up to here as two (little-endian uint16); beyond, four (little-endian int32)
 
 
 _PRIORITIES = frozenset(int(p) for p in Priority)
+
+
+def target_bytes_per_token(vocab: int) -> int:
+    """How many bytes one target token takes on the wire for a run of this vocabulary: 1 (uint8) up to
+    256, 2 (uint16) up to 65,536, else 4 (int32: torch has no arithmetic on uint32; ids < 2^31 fit)."""
+    if vocab < 1:
+        raise ValueError(f"a vocabulary has at least one token, not {vocab}")
+    return 1 if vocab <= BYTE_TOKEN_VOCAB else 2 if vocab <= SHORT_TOKEN_VOCAB else 4
 
 
 def _check_int(kind: str, name: str, value: int, low: int, high: int) -> None:
@@ -55,7 +66,7 @@ class _TensorMessage(wire.Message):
     step: int  # the sender's training step, 0 <= step <= MAX_STEP
     dtype: str  # a wire.DTYPE_SIZES key
     shape: tuple[int, ...]  # at most wire.MAX_TENSOR_DIMS non-negative dims
-    targets: int  # target bytes (byte tokens, uint8) after the tensor in the payload; 0 if none
+    targets: int  # target *bytes* after the tensor in the payload (rows x seq x target_bytes_per_token); 0 if none
 
     def check(self, payload_len: int) -> None:
         kind = self.TYPE

@@ -1,7 +1,7 @@
 """The compute of one stage: forward, backward, loss and optimizer steps on the stage's weights.
 
 ``StageEngine.compute`` takes one unit of work and returns what must be sent on; it runs in the
-node's single compute worker thread (``trio.to_thread``), never on the trio loop, and only that
+node's single compute thread (``swarm/compute_thread.py``), never on the trio loop, and only that
 thread touches the engine's tensors. What one call does:
 
 - a training forward runs the stage and keeps the graph for the backward; the last stage instead
@@ -19,13 +19,23 @@ weight stashing): the gradient is the true gradient at the weights that made the
 and no in-place optimizer update can invalidate a kept graph. The gradients are then added to
 the live parameters, which AdamW steps every ``accumulate`` micro-batches.
 
+**Devices and precision.** The engine lives on ``placement.device`` (``swarm/device.py``): the
+weights and AdamW's states are fp32 there (the master copy); with ``bf16`` each forward runs under
+``torch.autocast`` (the matrix products in bf16) and its backward follows the recorded dtypes.
+Hidden states and their gradients cross the wire in ``TrainConfig.activation_dtype`` and come in
+as fp32; ``wire_out`` and ``on_device`` move them through ``swarm/staging.py``'s host buffers. On
+the CPU in fp32 nothing is cast or staged: the numerics are exactly those of a plain module. The
+engine is made and called on one thread for its whole life (``swarm/compute_thread.py``): a CUDA
+device's current device, stream and autocast state are per thread.
+
 The optimizer state, the weights and the step counter are in ``state_dict`` (DiLoCo and snapshots
-build on it). Initial weights are ``build_stage(spec, stage, seed)``: identical on every replica.
+build on it; ``host_state_dict`` is a copy of it on the host, safe to encode on another thread). Initial weights are ``build_stage(spec, stage, seed)``: identical on every replica.
 This module imports torch (with ``model/``, the only place that does).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -33,9 +43,13 @@ import torch
 from torch.func import functional_call
 
 from p2pswarm import wire
-from p2pswarm.errors import RemoteProtocolError
-from p2pswarm.model.catalog import ModelSpec
+from p2pswarm.errors import ConfigError, RemoteProtocolError
+from p2pswarm.model.catalog import BYTE_VOCAB, ModelSpec
 from p2pswarm.model.transformer import build_stage
+from p2pswarm.swarm.schedule import lr_at
+from p2pswarm.swarm.activation import target_bytes_per_token
+from p2pswarm.swarm.device import Placement
+from p2pswarm.swarm.staging import Staging
 
 LEARNING_RATE = 3e-3  # AdamW's lr: the tiny-lm sweep's best for a 3-minute run (docs/benchmarks.md)
 WEIGHT_DECAY = 0.01
@@ -43,6 +57,7 @@ BETAS = (0.9, 0.95)  # GPT-style second moment: steadier with small batches
 GRAD_CLIP = 1.0  # global norm of a stage's gradient before a step
 ACCUMULATE = 1  # micro-batches per optimizer step
 ACTIVATION_DTYPE = "float32"  # what hidden states and their gradients travel as
+EPS = 1e-8  # AdamW's usual epsilon
 
 
 @dataclass(frozen=True)
@@ -56,6 +71,7 @@ class TrainConfig:
     grad_clip: float = GRAD_CLIP
     seed: int = 0  # initial weights are a pure function of (model, seed)
     betas: tuple[float, float] = BETAS
+    eps: float = EPS
     warmup_steps: int = 0  # linear warm-up from 0 to lr over this many optimizer steps
     decay_steps: int = 0  # cosine decay from lr to min_lr_ratio x lr after warm-up; 0: constant lr
     min_lr_ratio: float = 0.1  # the floor of the cosine decay, as a fraction of lr
@@ -88,13 +104,19 @@ class Output:
 class StageEngine:
     """A stage's module, optimizer and kept graphs (module docstring)."""
 
-    def __init__(self, spec: ModelSpec, stage: int, config: TrainConfig = TrainConfig()) -> None:
-        self.spec, self.stage, self.config = spec, stage, config
-        self.module = build_stage(spec, stage, config.seed)
-        self.is_first, self.is_last = self.module.is_first, self.module.is_last
+    def __init__(self, spec: ModelSpec, stage: int, config: TrainConfig = TrainConfig(),
+                 placement: Placement = Placement()) -> None:
+        self.spec, self.stage, self.config, self.placement = spec, stage, config, placement
+        self.device = torch.device(placement.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # this (the compute) thread's current device, for good
+        self.wire_dtype = wire_dtype(config.activation_dtype)
+        self._staging = Staging(self.device)
+        self.module = build_stage(spec, stage, config.seed).to(self.device)  # built on the CPU: the same
+        self.is_first, self.is_last = self.module.is_first, self.module.is_last  # weights on any device
         self.params = dict(self.module.named_parameters())
-        self.optimizer = torch.optim.AdamW(self.params.values(), lr=config.lr, betas=BETAS,
-                                           weight_decay=config.weight_decay)
+        self.optimizer = torch.optim.AdamW(param_groups(self.module, config.weight_decay), lr=config.lr,
+                                           betas=config.betas, eps=config.eps)
         self.step = 0  # optimizer steps taken
         self.micro_batches = 0  # micro-batches whose gradients reached our parameters
         self.tokens = 0  # tokens in those micro-batches
@@ -125,12 +147,14 @@ class StageEngine:
 
     def _forward(self, work: Work) -> Output:
         weights = self._current_version()
-        x = work.tensor if self.is_first else work.tensor.detach().requires_grad_(True)
-        y = functional_call(self.module, weights, (x,))
-        if not self.is_last:
-            self._kept[work.key] = (x, y, weights)
-            return Output(forward=y.detach())
-        loss = self.module.loss(y, work.targets)
+        x = self._input(work.tensor)
+        x = x if self.is_first else x.requires_grad_(True)
+        with self._autocast():
+            y = functional_call(self.module, weights, (x,))
+            if not self.is_last:
+                self._kept[work.key] = (x, y, weights)
+                return Output(forward=y.detach())
+            loss = self.module.loss(y, work.targets.to(self.device))
         loss.backward()
         self._absorb(weights, work.targets.numel())
         return Output(backward=None if self.is_first else x.grad,
@@ -144,18 +168,37 @@ class StageEngine:
         if work.tensor.shape != y.shape:
             raise RemoteProtocolError(f"gradient of shape {tuple(work.tensor.shape)} for an output of "
                                       f"{tuple(y.shape)}")
-        y.backward(work.tensor)
+        y.backward(self._staging.to_device(work.tensor, y.dtype))
         self._absorb(weights, y.shape[0] * y.shape[1])
         return Output(backward=None if self.is_first else x.grad)
 
     def _evaluate(self, work: Work) -> Output:
-        with torch.no_grad():
-            y = self.module(work.tensor)
+        with torch.no_grad(), self._autocast():
+            y = self.module(self._input(work.tensor))
             if not self.is_last:
                 return Output(forward=y)
-            loss = torch.nn.functional.cross_entropy(y.reshape(-1, self.spec.vocab), work.targets.reshape(-1),
-                                                     reduction="sum")
+            loss = torch.nn.functional.cross_entropy(y.reshape(-1, self.spec.vocab).float(),
+                                                     work.targets.to(self.device).reshape(-1), reduction="sum")
         return Output(loss_nats=float(loss), tokens=work.targets.numel())
+
+    # --- devices, precision and the wire ----------------------------------------------------------
+
+    def _input(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A job's input on our device: token ids as they are, hidden states as fp32 (a new leaf)."""
+        if self.is_first:
+            return tensor.to(self.device)
+        return self._staging.to_device(tensor.detach(), torch.float32)
+
+    def _autocast(self):
+        """bf16 autocast for a forward, or nothing (fp32)."""
+        dtype = self.placement.autocast_dtype
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=getattr(torch, dtype))
+
+    def wire_out(self, tensor: torch.Tensor) -> tuple[str, tuple[int, ...], bytes]:
+        """(dtype, shape, bytes) of an output (activations or a gradient) in the run's activation dtype."""
+        return to_wire(self._staging.to_host(tensor, self.wire_dtype))
 
     # --- weights and optimizer -----------------------------------------------------------------
 
@@ -185,6 +228,9 @@ class StageEngine:
             for g in grads:
                 g.div_(self._pending_grads)
         norm = torch.nn.utils.clip_grad_norm_(self.params.values(), self.config.grad_clip)
+        c = self.config
+        for group in self.optimizer.param_groups:  # the schedule follows self.step, which snapshots keep
+            group["lr"] = lr_at(self.step, c.lr, c.warmup_steps, c.decay_steps, c.min_lr_ratio)
         if math.isfinite(float(norm)):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -198,18 +244,59 @@ class StageEngine:
         self._version = None
 
     def state_dict(self) -> dict:
-        """Weights, optimizer state and counters: what a snapshot or an outer step needs."""
+        """Weights, optimizer state and counters: what a snapshot or an outer step needs (the
+        tensors are the engine's own, on its device: ``host_state_dict`` for a copy to keep)."""
         return {"module": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "step": self.step, "micro_batches": self.micro_batches, "tokens": self.tokens}
 
+    def host_state_dict(self) -> dict:
+        """``state_dict`` with every tensor copied to the host: what a snapshot encodes, off this
+        thread, while training goes on."""
+        return _to_host(self.state_dict())
+
     def load_state_dict(self, state: dict) -> None:
+        """Take a state (host or device tensors): the weights are copied into ours on our device,
+        and the optimizer moves its states to their parameters' device (``torch.optim``'s rule)."""
         self.module.load_state_dict(state["module"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.step, self.micro_batches, self.tokens = state["step"], state["micro_batches"], state["tokens"]
         self._version = None
 
 
+def param_groups(module: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW's two groups: weight decay on matrices (attention and MLP projections, the LM head: it is
+    untied from the embedding, a projection like the others), none on embeddings (a row is updated only
+    when its token occurs; decay would shrink rare tokens towards 0), norms and biases (scales and
+    offsets, not capacity)."""
+    embeddings = {id(m.weight) for m in module.modules() if isinstance(m, torch.nn.Embedding)}
+    decay, plain = [], []
+    for param in module.parameters():
+        (decay if param.ndim >= 2 and id(param) not in embeddings else plain).append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": plain, "weight_decay": 0.0}]
+
+
 # --- tensors on the wire ------------------------------------------------------------------------
+
+
+WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # activation dtypes
+
+
+def wire_dtype(name: str) -> torch.dtype:
+    """The torch dtype of an activation dtype name; ConfigError for one that cannot carry activations."""
+    if name not in WIRE_DTYPES:
+        raise ConfigError(f"activation dtype must be one of {', '.join(WIRE_DTYPES)}, not {name!r}")
+    return WIRE_DTYPES[name]
+
+
+def _to_host(node):
+    """A copy of a state tree with every tensor a new host tensor (the rest as it is)."""
+    if isinstance(node, torch.Tensor):
+        return node.detach().to("cpu", copy=True)
+    if isinstance(node, dict):
+        return {k: _to_host(v) for k, v in node.items()}
+    if isinstance(node, (list, tuple)):
+        return type(node)(_to_host(v) for v in node)
+    return node
 
 
 def to_wire(tensor: torch.Tensor) -> tuple[str, tuple[int, ...], bytes]:
@@ -223,21 +310,39 @@ def from_wire(dtype: str, shape: tuple[int, ...], payload: bytes) -> torch.Tenso
     return wire.frame_to_tensor(wire.TensorFrame("", dtype, shape), payload)
 
 
+_TARGET_DTYPES = {1: "u1", 2: "<u2", 4: "<i4"}  # target bytes per token -> its little-endian numpy dtype
+
+
 def ids_tensor(rows) -> torch.Tensor:
-    """Byte rows of equal length as an int64 [batch, seq] tensor."""
+    """Rows of equal length as an int64 [batch, seq] tensor: byte rows (the byte tokenizer) or
+    integer arrays of token ids (a tokenized corpus)."""
+    if rows and not isinstance(rows[0], (bytes, bytearray)):
+        import numpy as np
+
+        return torch.from_numpy(np.stack(rows).astype(np.int64))
     flat = torch.frombuffer(bytearray(b"".join(rows)), dtype=torch.uint8)
     return flat.reshape(len(rows), -1).to(torch.int64)
 
 
-def targets_from_bytes(data: bytes, batch: int, seq: int) -> torch.Tensor:
-    """Target bytes that travelled with a forward, as int64 [batch, seq]."""
-    if len(data) != batch * seq:
-        raise RemoteProtocolError(f"{len(data)} target bytes for a [{batch}, {seq}] micro-batch")
-    return ids_tensor([data]).reshape(batch, seq)
+def targets_from_bytes(data: bytes, batch: int, seq: int, vocab: int = BYTE_VOCAB) -> torch.Tensor:
+    """Target tokens that travelled with a forward (``target_bytes_per_token(vocab)`` bytes each,
+    little-endian), as int64 [batch, seq]; RemoteProtocolError if the count or an id is wrong."""
+    import numpy as np
+
+    width = target_bytes_per_token(vocab)
+    if len(data) != batch * seq * width:
+        raise RemoteProtocolError(f"{len(data)} target bytes for a [{batch}, {seq}] micro-batch "
+                                  f"of {width}-byte tokens")
+    ids = np.frombuffer(data, dtype=_TARGET_DTYPES[width]).astype(np.int64).reshape(batch, seq)
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab):
+        raise RemoteProtocolError(f"a target token outside the vocabulary of {vocab}")
+    return torch.from_numpy(ids)
 
 
-def targets_to_bytes(targets: torch.Tensor) -> bytes:
-    return targets.to(torch.uint8).contiguous().numpy().tobytes()
+def targets_to_bytes(targets: torch.Tensor, vocab: int = BYTE_VOCAB) -> bytes:
+    """Targets as the forward frame carries them: ``target_bytes_per_token(vocab)`` bytes a token."""
+    dtype = _TARGET_DTYPES[target_bytes_per_token(vocab)]
+    return targets.detach().cpu().contiguous().numpy().astype(dtype).tobytes()
 
 
 def set_threads(threads: int | None) -> None:

@@ -192,7 +192,7 @@ class SwarmService:
             raise RemoteProtocolError(f"a forward with priority {message.priority} for stage {self.stage}")
         if self.is_last and not target_bytes:
             raise RemoteProtocolError("a forward for the last stage without its targets")
-        targets = eng.targets_from_bytes(target_bytes, shape[0], shape[1]) if target_bytes else None
+        targets = eng.targets_from_bytes(target_bytes, shape[0], shape[1], self.spec.vocab) if target_bytes else None
         kind = "forward" if message.priority == Priority.TRAINING_FORWARD else "eval"
         work = eng.Work(kind, key, eng.from_wire(message.dtype, shape, tensor_bytes), targets, message.step)
         return Job(work, peer), Priority(message.priority)
@@ -245,7 +245,7 @@ class SwarmService:
         if out.forward is not None:
             priority = Priority.TRAINING_FORWARD if work.kind == "forward" else Priority.INFERENCE
             dtype, shape, data = eng.to_wire(out.forward)
-            targets = eng.targets_to_bytes(work.targets)
+            targets = eng.targets_to_bytes(work.targets, self.spec.vocab)
             message = Forward(work.key[0], work.key[1], self.stage + 1, int(priority),
                               work.step if work.kind == "eval" else engine.step, dtype, shape, len(targets))
             sends.append(Send(message, data + targets, work.key))
