@@ -10,9 +10,10 @@ of these in ``trio.to_thread.run_sync`` and keeps only O(1) bookkeeping on the l
 - ``assemble``: a member decodes the owners' results, checks them against its own shards, carries
   what it cannot apply into the error-feedback residual, and measures the norms it reports.
 
-The others run in the engine's worker thread already (``SwarmService.with_engine``): taking and
-encoding the pseudo-gradient, the outer step, making and loading a snapshot. Here nothing touches
-the engine or the driver's attributes: each function works on what it is given and returns what the
+The others run on the engine's compute thread (``SwarmService.with_engine``): taking and encoding
+the pseudo-gradient, the outer step, the host copy of a snapshot and loading one (the parameters
+may be on a GPU: those steps move them slice by slice, ``outer.flatten``/``shift_flat``). Here
+everything is on the host, nothing touches the engine or the driver's attributes: each function works on what it is given and returns what the
 driver then records on the loop (so a peer's strike is counted on the trio side, never in a thread).
 """
 
@@ -76,7 +77,7 @@ def assemble(outcome, pseudo: torch.Tensor, bounds, *, me: str, codec: str,
             if index in outcome.missing:
                 residual = _carry(pseudo, residual, a, b)
             continue  # (a group of one: our own part is the aggregate)
-        check = verify if outcome.group[index] != me else None  # (our own shard's result is ours)
+        check = verify if outcome.owner(index) != me else None  # (our own shard's result is ours)
         reason = _judge_result(data, pseudo[a:b], scratch[:b - a], codec, check)
         if reason is not None:
             refused[index] = reason

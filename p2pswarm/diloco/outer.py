@@ -20,7 +20,10 @@ start weights stay, ``due`` stays true, and the next attempt's pseudo-gradient s
 inner steps. Both are sound; neither needs a third operation.
 
 Pure torch, no I/O. Everything is float32 on the CPU, in the order of the parameter dict (the
-engine's ``dict(module.named_parameters())``, the same order on every replica).
+engine's ``dict(module.named_parameters())``, the same order on every replica), even when the
+engine's parameters are on a GPU: the start weights, the momentum and the error feedback stay on
+the host, and ``flatten``/``shift_flat`` move one parameter's slice at a time (no stage-sized
+vector on the device).
 """
 
 from __future__ import annotations
@@ -70,10 +73,11 @@ def _is_real(value: object) -> bool:
 
 
 def flatten(params: dict[str, torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
-    """One 1-D float32 tensor holding every parameter, in the dict's order: a new one, or ``out``
-    (a float32 vector of the right length, reused round after round: no page faults)."""
+    """One 1-D float32 host tensor holding every parameter, in the dict's order: a new one, or
+    ``out`` (a float32 vector of the right length, reused round after round: no page faults).
+    Parameters on a device are copied to the host one at a time, straight into their slice."""
     if out is None:
-        out = torch.empty(_numel(params), dtype=torch.float32)
+        out = torch.empty(_numel(params), dtype=torch.float32, device="cpu")
     _check_flat(params, out)
     if out.dtype != torch.float32:
         raise ValueError("out must be float32")
@@ -97,15 +101,22 @@ def _check_flat(params: dict[str, torch.Tensor], flat: torch.Tensor) -> None:
 
 def shift_flat(params: dict[str, torch.Tensor], old: torch.Tensor, new: torch.Tensor) -> None:
     """``params += new - old``, in place and without a temporary vector (``params - old`` first:
-    for close values that difference is exact); ValueError if the sizes differ."""
+    for close values that difference is exact); ValueError if the sizes differ. ``old`` and
+    ``new`` are host vectors, the params may be on a device: each slice moves to its parameter's
+    device on its own (a parameter-sized temporary there, never a stage-sized one)."""
     _check_flat(params, old)
     _check_flat(params, new)
     offset = 0
     with torch.no_grad():
         for p in params.values():
             n = p.numel()
-            p.sub_(old[offset:offset + n].view(p.shape)).add_(new[offset:offset + n].view(p.shape))
+            p.sub_(_slice_on(old, offset, p)).add_(_slice_on(new, offset, p))
             offset += n
+
+
+def _slice_on(flat: torch.Tensor, offset: int, p: torch.Tensor) -> torch.Tensor:
+    """The slice of ``flat`` that matches parameter ``p``, shaped and on its device (a view on the CPU)."""
+    return flat[offset:offset + p.numel()].view(p.shape).to(p.device)
 
 
 # --- the outer optimizer -------------------------------------------------------------------

@@ -19,8 +19,11 @@
 
 Only this module, ``offload``, ``compression``, ``aggregation`` and ``outer`` touch torch; the
 engine's tensors are touched only through ``SwarmService.with_engine`` (between two compute jobs,
-in the worker thread), and the error-feedback residual only under ``_state_lock`` or the engine's
-lock (snapshots hold both). ``doc()`` is ``GET /api/diloco``.
+on the engine's compute thread), and the error-feedback residual only under ``_state_lock`` or the
+engine's lock (a snapshot holds both while it copies). The outer state, the residual and the
+snapshots live on the host even when the engine is on a GPU: a snapshot is made of host copies
+(``StageEngine.host_state_dict``) and encoded in a worker thread, and a loaded one is moved to the
+engine's device by ``StageEngine.load_state_dict``. ``doc()`` is ``GET /api/diloco``.
 """
 
 from __future__ import annotations
@@ -106,7 +109,7 @@ class DilocoService:
         return OuterConfig(inner_steps=s.inner_steps, lr=s.outer_lr, momentum=s.momentum, nesterov=s.momentum > 0)
 
     def _max_payload(self) -> int:
-        return min(wire.MAX_PAYLOAD_BYTES, compression.encoded_size("float32", self.outer.numel))
+        return min(wire.MAX_PAYLOAD_BYTES, msgs.expected_bytes("float32", self.outer.numel))  # a piece fits a frame
 
     async def run(self, swarm) -> None:
         async with trio.open_nursery() as nursery:
@@ -265,7 +268,7 @@ class DilocoService:
         combine = functools.partial(offload.combine_shard, action.parts, self.me, action.numel, codec=s.codec,
                                     aggregator=s.aggregator, verify=s.verify)
         result, refused = await trio.to_thread.run_sync(combine)
-        self._do(round_, round_.combined(result, refused, trio.current_time()))
+        self._do(round_, round_.combined(result, refused, trio.current_time(), action.shard))
 
     async def _finish(self, round_: OuterRound, outcome) -> None:
         if outcome.left_out:
@@ -333,7 +336,7 @@ class DilocoService:
             done = await trio.to_thread.run_sync(assemble)
             self.residual = done.residual
         for index, reason in done.refused.items():  # an owner's aggregate far from our own: a lying owner
-            self._rejected(outcome.group[index], f"aggregate of shard {index}: {reason}")
+            self._rejected(outcome.owner(index), f"aggregate of piece {index}: {reason}")
         return done
 
     # --- inbound -----------------------------------------------------------------------------------
@@ -434,15 +437,16 @@ class DilocoService:
             await self.swarm.with_engine(load)
 
     async def _make_snapshot(self) -> snapshots.Snapshot:
-        def make(engine):
-            state = {"format": STATE_FORMAT, "model": self.spec.name, "stage": self.stage,
-                     "engine": engine.state_dict(), "diloco": self.outer.state_dict(),
-                     "feedback": {"residual": self.residual} if self.residual is not None else {}}
-            return checkpoint.encode_state(state), engine.step
+        def take(engine):  # on the compute thread: host copies (of device tensors on a GPU), nothing more
+            residual = self.residual.clone() if self.residual is not None else None
+            return engine.host_state_dict(), self.outer.state_dict(), residual
 
         async with self._state_lock:  # (not while _finish's thread writes the residual)
-            data, step = await self.swarm.with_engine(make)
-        return snapshots.Snapshot(data, self.outer.rounds, step, trio.current_time())
+            engine_state, outer_state, residual = await self.swarm.with_engine(take)
+        state = {"format": STATE_FORMAT, "model": self.spec.name, "stage": self.stage, "engine": engine_state,
+                 "diloco": outer_state, "feedback": {"residual": residual} if residual is not None else {}}
+        data = await trio.to_thread.run_sync(checkpoint.encode_state, state)  # O(snapshot), off the engine
+        return snapshots.Snapshot(data, outer_state["rounds"], engine_state["step"], trio.current_time())
 
     async def _snapshot_loop(self) -> None:
         if self.store is None:

@@ -6,9 +6,10 @@
   dtype, targets where the last stage needs them; a peer that sends anything else has its stream
   reset and is refused for ``BAN_PERIOD``), queued in the bounded priority buffer and acked with
   our queue depth, or refused with ``Busy`` when the buffer is full;
-- **compute**: one worker takes the most urgent micro-batch and runs it in a thread
-  (``engine.StageEngine``), so the trio loop never waits on torch; results go to the outbound
-  queue, and when that is full the step counts as local-only and the worker goes on;
+- **compute**: one worker takes the most urgent micro-batch and runs it (``engine.StageEngine``) on
+  the engine's one long-lived thread (``compute_thread``), so the trio loop never waits on torch;
+  results go to the outbound queue, and when that is full the step counts as local-only and the
+  worker goes on;
 - **outbound**: ``SENDERS`` tasks deliver forwards to the next stage with failover and
   gradients back to the peer each micro-batch came from (``swarm/sender.py``);
 - **stage 0** cuts micro-batches from its own offset of the corpus, keeps ``MAX_IN_FLIGHT`` of
@@ -43,6 +44,8 @@ from p2pswarm.model import corpus as corpora
 from p2pswarm.model.catalog import ModelSpec
 from p2pswarm.swarm import engine as eng
 from p2pswarm.swarm.activation import MAX_RETRY_AFTER_MS, PROTOCOL_ID, SESSION_BYTES, Ack, Backward, Busy, Forward
+from p2pswarm.swarm.compute_thread import ComputeThread, open_compute_thread
+from p2pswarm.swarm.device import Placement
 from p2pswarm.swarm.buffers import EngineLedger, Outcome, Priority, hand_on, inbound_buffer, outbound_queue
 from p2pswarm.swarm.evaluation import EVAL_BATCHES, EVAL_ROWS, EvalBook
 from p2pswarm.swarm.inflight import InFlight, RecentKeys
@@ -79,10 +82,13 @@ class SwarmService:
 
     def __init__(self, *, spec: ModelSpec, stage: int, me: str, pool, stage_map, host,
                  config: eng.TrainConfig = eng.TrainConfig(), data: str | None = None,
-                 threads: int | None = None, rng: random.Random | None = None, extensions=()) -> None:
+                 threads: int | None = None, rng: random.Random | None = None, extensions=(),
+                 placement: Placement = Placement()) -> None:
         self.spec, self.stage, self.me = spec, stage, me
         self._pool, self._stage_map, self._host = pool, stage_map, host
         self.config, self._data, self._threads = config, data, threads
+        self.placement = placement  # the engine's device and precision (swarm/device.py)
+        self.compute: ComputeThread | None = None  # the engine's one thread, while run() runs
         self.rng = rng or random.Random()
         self.is_first, self.is_last = stage == 0, stage == spec.last_stage
         now = trio.current_time()
@@ -114,12 +120,16 @@ class SwarmService:
     # --- running --------------------------------------------------------------------------------
 
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        async with open_compute_thread(f"p2pswarm-stage{self.stage}") as self.compute:
+            await self._train(task_status)
+
+    async def _train(self, task_status) -> None:
         eng.set_threads(self._threads)
-        self.engine = await trio.to_thread.run_sync(eng.StageEngine, self.spec, self.stage, self.config)
+        self.engine = await self.compute.run(eng.StageEngine, self.spec, self.stage, self.config, self.placement)
         for extension in self.extensions:
             await extension.prepare(self)  # e.g. load our stage's current weights from a neighbour
-        log.info("training stage %d of %s: %d parameters, lr %g", self.stage, self.spec.name,
-                 self.engine.module.param_count(), self.config.lr)
+        log.info("training stage %d of %s: %d parameters, lr %g, on %s in %s", self.stage, self.spec.name,
+                 self.engine.module.param_count(), self.config.lr, self.placement.device, self.placement.precision)
         async with trio.open_nursery() as nursery:
             for extension in self.extensions:
                 nursery.start_soon(extension.run, self)
@@ -175,10 +185,10 @@ class SwarmService:
             raise RemoteProtocolError(f"a {message.TYPE} for stage {message.stage}; we serve {self.stage}")
         tensor_bytes, target_bytes = message.split(payload)
         shape = message.shape
-        if message.dtype != eng.ACTIVATION_DTYPE or len(shape) != 3 or shape[2] != self.spec.width \
+        if message.dtype != self.config.activation_dtype or len(shape) != 3 or shape[2] != self.spec.width \
                 or not 0 < shape[0] <= MAX_ROWS or not 0 < shape[1] <= self.spec.context:
             raise RemoteProtocolError(f"{message.dtype} {shape} is not a [rows, seq, {self.spec.width}] "
-                                      f"{eng.ACTIVATION_DTYPE} micro-batch")
+                                      f"{self.config.activation_dtype} micro-batch")
         key = (message.session, message.micro_batch)
         if isinstance(message, Backward):
             if message.priority != Priority.TRAINING_BACKWARD:
@@ -216,7 +226,7 @@ class SwarmService:
             started = trio.current_time()
             try:
                 async with self.engine_lock:
-                    sends, out = await trio.to_thread.run_sync(self._compute, job)
+                    sends, out = await self.compute.run(self._compute, job)
             except Exception as exc:  # a bad tensor from a peer, or a bug: one micro-batch lost, never the node
                 log.warning("micro-batch %d of %s failed on stage %d: %r", job.work.key[1],
                             job.upstream or "us", self.stage, exc)
@@ -232,25 +242,25 @@ class SwarmService:
             self._progress.set()
 
     async def with_engine(self, fn):
-        """``fn(engine)`` in a worker thread, between two jobs of the compute worker."""
+        """``fn(engine)`` on the engine's compute thread, between two jobs of the compute worker."""
         async with self.engine_lock:
-            return await trio.to_thread.run_sync(fn, self.engine)
+            return await self.compute.run(fn, self.engine)
 
     def _compute(self, job: Job) -> tuple[list[Send], eng.Output]:
-        """Worker thread: run the job, turn its output into frames (tensor bytes made off the loop).
+        """Compute thread: run the job, turn its output into frames (tensor bytes made off the loop).
         Only the engine is touched here; the service's own state changes on the trio side."""
         work, engine = job.work, self.engine
         out = engine.compute(work)
         sends = []
         if out.forward is not None:
             priority = Priority.TRAINING_FORWARD if work.kind == "forward" else Priority.INFERENCE
-            dtype, shape, data = eng.to_wire(out.forward)
+            dtype, shape, data = engine.wire_out(out.forward)
             targets = eng.targets_to_bytes(work.targets, self.spec.vocab)
             message = Forward(work.key[0], work.key[1], self.stage + 1, int(priority),
                               work.step if work.kind == "eval" else engine.step, dtype, shape, len(targets))
             sends.append(Send(message, data + targets, work.key))
         if out.backward is not None:
-            dtype, shape, data = eng.to_wire(out.backward)
+            dtype, shape, data = engine.wire_out(out.backward)
             message = Backward(work.key[0], work.key[1], self.stage - 1, int(Priority.TRAINING_BACKWARD),
                                engine.step, dtype, shape, 0)
             sends.append(Send(message, data, work.key, to=job.upstream))  # a backward job: set in _hand_on
