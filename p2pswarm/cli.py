@@ -128,7 +128,25 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--inner-steps", type=int, default=DEMO_INNER_STEPS, metavar="H",
                       help="local steps between DiLoCo outer rounds (default 40: a round every ~10-15 s)")
     demo.add_argument("--dir", type=Path, default=None, help="where peers keep keys and logs (default: a temp dir)")
+    _tokenizer_parser(sub)
     return parser
+
+
+def _tokenizer_parser(sub) -> None:
+    from p2pswarm.model.tokenizer import MAX_BPE_VOCAB, MIN_BPE_VOCAB
+
+    tokenizer = sub.add_parser("tokenizer", help="make a tokenizer for a run file ('tokenizer = PATH')")
+    actions = tokenizer.add_subparsers(dest="tokenizer_command", required=True, metavar="ACTION")
+    train = actions.add_parser(
+        "train", help="train a byte-level BPE tokenizer on local text",
+        description="Train a byte-level BPE tokenizer (Hugging Face tokenizers) on the training part of "
+                    "--data (the files --data would train on, the held-out part left unseen) and write it "
+                    "to OUT.json atomically. Name OUT.json in a run file ('tokenizer = \"OUT.json\"'); "
+                    "the first stage-0 start tokenizes the corpus once into shards beside --data.")
+    train.add_argument("--data", required=True, metavar="PATH", help="a text file, or a folder of text files")
+    train.add_argument("--vocab", required=True, type=int, metavar="N",
+                       help=f"vocabulary size, {MIN_BPE_VOCAB}..{MAX_BPE_VOCAB} (the 256 byte symbols, then merges)")
+    train.add_argument("out", type=Path, metavar="OUT.json", help="where to write the tokenizer (its folder must exist)")
 
 
 def _diloco_options(parser: argparse.ArgumentParser) -> None:
@@ -367,6 +385,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_status(args)
         if args.command == "ping":
             return cmd_ping(args)
+        if args.command == "tokenizer":
+            from p2pswarm.model.tokenizer import cmd_train
+
+            return cmd_train(args.data, args.vocab, args.out)
         if args.command == "demo":
             from p2pswarm.demo import run_demo
 

@@ -150,7 +150,7 @@ def _texts(chunks: Iterator[bytes], progress: Callable[[int], None]) -> Iterator
 
 
 def _log_progress(done: int) -> None:
-    log.info("tokenizer: read %.1f MB of text", done / 1e6)
+    log.info("tokenizer: read %.2f MB of text", done / 1e6)
 
 
 def train_bpe(data: str | os.PathLike[str], vocab: int, out: str | os.PathLike[str],
@@ -166,6 +166,8 @@ def train_bpe(data: str | os.PathLike[str], vocab: int, out: str | os.PathLike[s
     if not out.parent.is_dir():
         raise ConfigError(f"{out}: the folder {out.parent} does not exist")
     corpus = data_corpus(data, TRAIN_CHUNK)
+    log.info("training a %d-token byte-level BPE on %s (%.2f MB, its held-out part left out)",
+             vocab, corpus.name, corpus.train_bytes / 1e6)
     hf = HFTokenizer(models.BPE())
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     hf.decoder = decoders.ByteLevel()
@@ -185,3 +187,10 @@ def _save_atomic(hf: Any, out: Path) -> None:
     except BaseException:
         os.unlink(tmp)
         raise
+
+
+def cmd_train(data: str, vocab: int, out: str | os.PathLike[str]) -> int:
+    """``p2pswarm tokenizer train``: train, write, and print what was written."""
+    tok = train_bpe(data, vocab, out)
+    print(f"{tok.path}: byte-level BPE, {tok.vocab_size} tokens, sha256 {tok.sha256}")
+    return 0
