@@ -110,7 +110,8 @@ GOOD_HELLO = dict(stage=0, round=0, numel=10, codec="int8", ready=True, closed=T
 GOOD_PART = dict(stage=0, round=0, group=b"g" * DIGEST_BYTES, shard=1, shards=2, codec="float32", numel=3)
 BAD_HELLOS = {
     "negative stage": dict(stage=-1), "stage too large": dict(stage=MAX_STAGES),
-    "negative round": dict(round=-1), "zero numel": dict(numel=0), "numel too large": dict(numel=MAX_NUMEL + 1),
+    "negative round": dict(round=-1), "zero numel": dict(numel=0),
+    "numel too large": dict(numel=m.MAX_STAGE_NUMEL + 1),  # a stage's numel: pieces stay within MAX_NUMEL
     "codec": dict(codec="float64"), "codec case": dict(codec="INT8"),
     "unsorted members": dict(members=("b", "a")), "duplicate members": dict(members=("a", "a")),
     "empty member": dict(members=("",)), "long member": dict(members=("x" * 65,)),
@@ -123,6 +124,7 @@ BAD_SHARDS = {
     "one shard": dict(shards=1, shard=0), "too many shards": dict(shards=MAX_MEMBERS + 1),
     "negative shard": dict(shard=-1), "shard past shards": dict(shard=2), "codec": dict(codec="fp8"),
     "negative numel": dict(numel=-1), "numel too large": dict(numel=MAX_NUMEL + 1),
+    "negative piece": dict(piece=-1), "piece too large": dict(piece=m.MAX_PIECES),
 }
 
 

@@ -17,7 +17,9 @@ of four codecs and back:
 
 Everything on the wire is little-endian, whatever the host. ``decode`` is total: a peer's bytes
 and header values decode to a finite float32 vector or raise ``RemoteProtocolError``, and the
-size is checked against ``MAX_ELEMENTS`` before anything is allocated. ``ErrorFeedback`` keeps
+size is checked against ``MAX_ELEMENTS`` (or a lower ``max_elements``) before anything is
+allocated. A stage bigger than that travels as several pieces (``messages.shard_plan``), each
+encoded and decoded on its own. ``ErrorFeedback`` keeps
 what quantisation lost in one round and adds it to the next round's vector, so over rounds
 nothing is lost, only delayed. The module is pure torch: no I/O, no trio, no pickle.
 """
@@ -34,7 +36,7 @@ from p2pswarm.errors import RemoteProtocolError
 CODECS = ("float32", "float16", "bfloat16", "int8")
 DEFAULT_CODEC = "int8"  # 4x fewer bytes than fp32 with no measurable loss in DiLoCo (INTELLECT-1)
 INT8_CHUNK = 1024  # elements per int8 scale: 0.4 % overhead, and one outlier coarsens only 1024 values
-MAX_ELEMENTS = 64 * 1024 * 1024  # the most elements one encoded vector may claim: 256 MiB decoded
+MAX_ELEMENTS = 64 * 1024 * 1024  # the most elements one encoded vector (a piece) may claim: 256 MiB decoded
 INT8_LEVELS = 127  # symmetric int8 range [-127, 127]: -128 would make the grid lopsided
 FLOAT16_MAX = 65504.0  # largest finite fp16: larger values saturate here rather than become inf
 BFLOAT16_MAX = torch.finfo(torch.bfloat16).max  # largest finite bf16 (fp32 values above round to inf)
@@ -43,33 +45,34 @@ SCALE_BYTES = 4  # one float32 per int8 chunk
 BYTES_PER_ELEMENT = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}  # payload bytes per element
 
 
-def encoded_size(codec: str, numel: int) -> int:
+def encoded_size(codec: str, numel: int, *, max_elements: int = MAX_ELEMENTS) -> int:
     """The number of bytes ``encode`` produces for ``numel`` elements with ``codec``.
 
-    Raises ValueError on an unknown codec or a ``numel`` outside [0, MAX_ELEMENTS].
+    Raises ValueError on an unknown codec or a ``numel`` outside [0, max_elements].
     """
     if codec not in CODECS:
         raise ValueError(f"unknown codec {codec!r}, expected one of {CODECS}")
-    if isinstance(numel, bool) or not isinstance(numel, int) or not 0 <= numel <= MAX_ELEMENTS:
-        raise ValueError(f"numel must be an int in [0, {MAX_ELEMENTS}], got {numel!r}")
+    if isinstance(numel, bool) or not isinstance(numel, int) or not 0 <= numel <= _limit(max_elements):
+        raise ValueError(f"numel must be an int in [0, {max_elements}], got {numel!r}")
     size = numel * BYTES_PER_ELEMENT[codec]
     if codec == "int8":
         size += _chunks(numel) * SCALE_BYTES
     return size
 
 
-def encode(vector: torch.Tensor, codec: str, error_out: torch.Tensor | None = None) -> bytes:
+def encode(vector: torch.Tensor, codec: str, error_out: torch.Tensor | None = None, *,
+           max_elements: int = MAX_ELEMENTS) -> bytes:
     """The bytes of a 1-D float32 ``vector`` (any layout) under ``codec``.
 
     ``error_out``, a float32 tensor of the same length, receives what the codec left out:
     ``vector - decode(result)``, exactly (the decoder's arithmetic, without decoding the bytes
     again). Raises ValueError on an unknown codec, a tensor that is not 1-D float32, one longer
-    than MAX_ELEMENTS, non-finite values (they would not decode: a local fault, not a message) or
+    than ``max_elements`` (at most MAX_ELEMENTS), non-finite values (they would not decode: a local fault, not a message) or
     an ``error_out`` that does not fit.
     """
     if codec not in CODECS:
         raise ValueError(f"unknown codec {codec!r}, expected one of {CODECS}")
-    flat = _check_vector(vector)
+    flat = _check_vector(vector, max_elements)
     if error_out is not None and (not isinstance(error_out, torch.Tensor) or error_out.dtype != torch.float32
                                   or error_out.shape != flat.shape or not error_out.is_contiguous()):
         raise ValueError(f"error_out must be a contiguous float32 tensor of shape {tuple(flat.shape)}")
@@ -94,13 +97,15 @@ def encode(vector: torch.Tensor, codec: str, error_out: torch.Tensor | None = No
     return bytes(out)
 
 
-def decode(data: bytes, codec: str, numel: int, out: torch.Tensor | None = None) -> torch.Tensor:
+def decode(data: bytes, codec: str, numel: int, out: torch.Tensor | None = None, *,
+           max_elements: int = MAX_ELEMENTS) -> torch.Tensor:
     """A new, writable 1-D float32 tensor of ``numel`` finite elements from a peer's ``data``,
     or ``out`` (a contiguous float32 vector of ``numel`` elements) holding them.
 
     Total: any ``data``, ``codec`` and ``numel`` either decode or raise RemoteProtocolError;
-    the size is checked before anything is allocated, and ``out`` is not written unless the
-    data decodes. ValueError for an ``out`` that does not fit (a local fault).
+    the size is checked against ``max_elements`` (at most MAX_ELEMENTS) before anything is
+    allocated, and ``out`` is not written unless the data decodes. ValueError for an ``out``
+    that does not fit (a local fault).
     """
     if out is not None and (not isinstance(out, torch.Tensor) or out.dtype != torch.float32
                             or out.dim() != 1 or not out.is_contiguous()
@@ -108,15 +113,15 @@ def decode(data: bytes, codec: str, numel: int, out: torch.Tensor | None = None)
         raise ValueError(f"out must be a contiguous float32 vector of {numel!r} elements")
     if not isinstance(codec, str) or codec not in CODECS:
         raise RemoteProtocolError(f"unknown codec {codec!r}")
-    if isinstance(numel, bool) or not isinstance(numel, int) or not 0 <= numel <= MAX_ELEMENTS:
-        raise RemoteProtocolError(f"element count {numel!r} outside [0, {MAX_ELEMENTS}]")
+    if isinstance(numel, bool) or not isinstance(numel, int) or not 0 <= numel <= _limit(max_elements):
+        raise RemoteProtocolError(f"element count {numel!r} outside [0, {max_elements}]")
     if isinstance(data, memoryview) and data.c_contiguous:
         length = data.nbytes
     elif isinstance(data, (bytes, bytearray)):
         length = len(data)
     else:
         raise RemoteProtocolError(f"encoded data must be bytes, got {type(data).__name__}")
-    expected = encoded_size(codec, numel)
+    expected = encoded_size(codec, numel, max_elements=max_elements)
     if length != expected:
         raise RemoteProtocolError(f"{codec} of {numel} elements is {expected} bytes, got {length}")
     if numel == 0:
@@ -188,12 +193,19 @@ def all_finite(tensor: torch.Tensor) -> bool:
     return math.isfinite(float(tensor.sum())) or bool(torch.isfinite(tensor).all())
 
 
-def _check_vector(vector: torch.Tensor) -> torch.Tensor:
+def _limit(max_elements: int) -> int:
+    """``max_elements`` if it is a valid limit (an int within MAX_ELEMENTS); ValueError otherwise."""
+    if isinstance(max_elements, bool) or not isinstance(max_elements, int) or not 0 <= max_elements <= MAX_ELEMENTS:
+        raise ValueError(f"max_elements must be an int in [0, {MAX_ELEMENTS}], got {max_elements!r}")
+    return max_elements
+
+
+def _check_vector(vector: torch.Tensor, max_elements: int = MAX_ELEMENTS) -> torch.Tensor:
     """``vector`` as a contiguous 1-D float32 CPU tensor; ValueError if it is not one."""
     if not isinstance(vector, torch.Tensor) or vector.dim() != 1 or vector.dtype != torch.float32:
         raise ValueError("expected a 1-D float32 tensor")
-    if vector.numel() > MAX_ELEMENTS:
-        raise ValueError(f"vector has {vector.numel()} elements, more than {MAX_ELEMENTS}")
+    if vector.numel() > _limit(max_elements):
+        raise ValueError(f"vector has {vector.numel()} elements, more than {max_elements}")
     return vector.detach().to("cpu").contiguous()
 
 

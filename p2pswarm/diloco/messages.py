@@ -14,7 +14,10 @@ one reply frame on the same pooled stream:
   computed for one group can never be mixed into another. Each is answered with a ``Reply``.
 
 Shards are contiguous slices of the flat pseudo-gradient (``shard_bounds``); member i of the
-sorted group owns shard i. A shard travels encoded by a codec (``CODECS``); ``expected_bytes``
+sorted group owns shard i. A shard too big for one frame is cut into ``pieces`` equal pieces
+(``shard_plan``: each within ``MAX_NUMEL`` elements and ``wire.MAX_PAYLOAD_BYTES`` encoded), and
+each piece travels as its own Part and Result (``piece``); a small stage has one piece a shard,
+exactly the shards of before. A piece travels encoded by a codec (``CODECS``); ``expected_bytes``
 is the encoded size, the same formula as ``p2pswarm.diloco.compression``, so that a header
 whose payload does not match is refused before any decoding.
 
@@ -35,7 +38,9 @@ from p2pswarm.errors import RemoteProtocolError
 PROTOCOL_ID = "/p2pswarm/diloco/1.0.0"  # the libp2p protocol these frames travel on
 MAX_ROUND = wire.INT_MAX  # outer rounds count up for a whole run: any u63 is fine
 MAX_MEMBERS = 64  # members of one group: the butterfly sends each member |G|-1 parts and results
-MAX_NUMEL = 2**26  # elements of one stage's flat pseudo-gradient (64M): the largest stage we split
+MAX_NUMEL = 2**26  # elements of one piece (64M): what one decoder may allocate (256 MiB of float32)
+MAX_STAGE_NUMEL = 2**36  # elements of one stage's flat pseudo-gradient: 14x the xl tier's ~5e9 stage
+MAX_PIECES = 4096  # pieces of one shard: a MAX_STAGE_NUMEL stage in 2 shards of 2**24-element fp32 pieces
 CODECS = ("float32", "float16", "bfloat16", "int8")  # must equal p2pswarm.diloco.compression.CODECS
 INT8_CHUNK = 1024  # int8 elements per float32 scale; must equal p2pswarm.diloco.compression.INT8_CHUNK
 DIGEST_BYTES = 32  # a group digest is a SHA-256
@@ -74,6 +79,56 @@ def shard_bounds(numel: int, n: int) -> list[tuple[int, int]]:
         bounds.append((start, stop))
         start = stop
     return bounds
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardPlan:
+    """How a round cuts ``numel`` elements: ``shards`` owners' shards of ``pieces`` pieces each.
+
+    ``bounds[shard * pieces + piece]`` is the (start, stop) of that piece in the flat vector;
+    with one piece a shard, ``bounds`` is ``shard_bounds(numel, shards)``."""
+
+    numel: int
+    shards: int
+    pieces: int
+    bounds: tuple[tuple[int, int], ...]
+
+    def owner(self, index: int) -> int:
+        """The shard (owner's index in the sorted group) of ``bounds[index]``."""
+        return index // self.pieces
+
+    def index(self, shard: int, piece: int) -> int:
+        """The position in ``bounds`` of ``piece`` of ``shard``."""
+        return shard * self.pieces + piece
+
+
+def piece_elements(codec: str, *, max_elements: int = MAX_NUMEL, max_bytes: int = wire.MAX_PAYLOAD_BYTES,
+                   size=None) -> int:
+    """The most elements one piece may hold: within ``max_elements`` and, encoded under ``codec``
+    (``size``: ``expected_bytes`` unless given), within ``max_bytes``. ValueError if not even one fits."""
+    size = size or expected_bytes
+    low, high = 0, max_elements  # the largest n with size(codec, n) <= max_bytes, by bisection (sizes grow with n)
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if size(codec, mid) <= max_bytes else (low, mid - 1)
+    if low < 1:
+        raise ValueError(f"not one {codec} element fits in {max_bytes} bytes")
+    return low
+
+
+def shard_plan(numel: int, shards: int, codec: str, *, max_elements: int = MAX_NUMEL,
+               max_bytes: int = wire.MAX_PAYLOAD_BYTES, size=None) -> ShardPlan:
+    """``shard_bounds(numel, shards)``, each shard cut into the same number of pieces, as few as
+    keep every piece within ``piece_elements``; ValueError past MAX_STAGE_NUMEL or MAX_PIECES."""
+    if type(numel) is not int or not 0 <= numel <= MAX_STAGE_NUMEL:
+        raise ValueError(f"a stage of {numel!r} elements is outside [0, {MAX_STAGE_NUMEL}]")
+    owners = shard_bounds(numel, shards)
+    largest = max(stop - start for start, stop in owners)
+    pieces = max(1, -(-largest // piece_elements(codec, max_elements=max_elements, max_bytes=max_bytes, size=size)))
+    if pieces > MAX_PIECES:
+        raise ValueError(f"{numel} elements in {shards} shards need {pieces} pieces a shard, more than {MAX_PIECES}")
+    bounds = tuple((start + a, start + b) for start, stop in owners for a, b in shard_bounds(stop - start, pieces))
+    return ShardPlan(numel, shards, pieces, bounds)
 
 
 def group_digest(stage: int, round: int, members: Iterable[str]) -> bytes:
@@ -118,7 +173,7 @@ class Hello(wire.Message):
 
     stage: int  # 0 <= stage < MAX_STAGES
     round: int  # outer rounds the sender has completed, 0 <= round <= MAX_ROUND
-    numel: int  # elements of the stage's flat pseudo-gradient, 1 <= numel <= MAX_NUMEL
+    numel: int  # elements of the stage's flat pseudo-gradient, 1 <= numel <= MAX_STAGE_NUMEL
     codec: str  # one of CODECS: the encoding of every Part and Result of the round
     ready: bool
     closed: bool
@@ -129,7 +184,7 @@ class Hello(wire.Message):
         _check_no_payload(kind, payload_len)
         _check_int(kind, "stage", self.stage, 0, MAX_STAGES - 1)
         _check_int(kind, "round", self.round, 0, MAX_ROUND)
-        _check_int(kind, "numel", self.numel, 1, MAX_NUMEL)
+        _check_int(kind, "numel", self.numel, 1, MAX_STAGE_NUMEL)
         _check_codec(kind, self.codec)
         if len(self.members) > MAX_MEMBERS:
             raise RemoteProtocolError(f"{kind}: {len(self.members)} members exceeds {MAX_MEMBERS}")
@@ -149,10 +204,11 @@ class _ShardMessage(wire.Message):
     shard: int  # 0 <= shard < shards: the index of the owner in the sorted group
     shards: int  # 2 <= shards <= MAX_MEMBERS: the group's size (a group of one exchanges nothing)
     codec: str  # one of CODECS
-    numel: int  # elements in this shard, 0 <= numel <= MAX_NUMEL; the payload is their encoding
+    numel: int  # elements in this piece, 0 <= numel <= MAX_NUMEL; the payload is their encoding
 
     def check(self, payload_len: int) -> None:
         kind = self.TYPE
+        _check_int(kind, "piece", self.piece, 0, MAX_PIECES - 1)
         _check_int(kind, "stage", self.stage, 0, MAX_STAGES - 1)
         _check_int(kind, "round", self.round, 0, MAX_ROUND)
         if len(self.group) != DIGEST_BYTES:
@@ -169,14 +225,17 @@ class _ShardMessage(wire.Message):
 
 @wire.message("diloco.part")
 class Part(_ShardMessage):
-    """A member's contribution to shard ``shard``, sent to that shard's owner."""
+    """A member's contribution to piece ``piece`` of shard ``shard``, sent to that shard's owner."""
+
+    piece: int = 0  # 0 <= piece < MAX_PIECES: which piece of the shard (``shard_plan``)
 
 
 @wire.message("diloco.result")
 class Result(_ShardMessage):
-    """The owner's aggregate of its shard, sent to every member; ``contributors`` parts were combined."""
+    """The owner's aggregate of one piece of its shard, sent to every member; ``contributors`` parts were combined."""
 
     contributors: int  # 1 <= contributors <= shards
+    piece: int = 0  # 0 <= piece < MAX_PIECES: which piece of the shard (``shard_plan``)
 
     def check(self, payload_len: int) -> None:
         super().check(payload_len)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from p2pswarm.diloco.group import Membership
 from p2pswarm.diloco.messages import (
-    CODECS, MAX_MEMBERS, MAX_NUMEL, MAX_ROUND, Hello, Part, Reply, Result, is_peer_id,
+    CODECS, MAX_MEMBERS, MAX_ROUND, MAX_STAGE_NUMEL, Hello, Part, Reply, Result, is_peer_id,
 )
 from p2pswarm.diloco.round_actions import (
     Action, CatchUp, CombineShard, Finished, NeedShards, Outcome, Rejected, SendHello, SendPart, SendResult,
@@ -82,15 +82,17 @@ class OuterRound:
     """One replica's outer round ``round`` of ``stage`` (module docstring)."""
 
     def __init__(self, *, me: str, stage: int, round: int, numel: int, codec: str, expected: frozenset[str],
-                 now: float, timing: RoundTiming = RoundTiming(), expected_bytes: ExpectedBytes) -> None:
+                 now: float, timing: RoundTiming = RoundTiming(), expected_bytes: ExpectedBytes,
+                 piece_elements: int | None = None) -> None:
         if not is_peer_id(me) or not all(is_peer_id(p) for p in expected):
             raise ValueError("me and every expected peer must be valid peer ids")
-        if not (0 <= stage < MAX_STAGES and 0 <= round <= MAX_ROUND and 1 <= numel <= MAX_NUMEL and codec in CODECS):
+        if not (0 <= stage < MAX_STAGES and 0 <= round <= MAX_ROUND and 1 <= numel <= MAX_STAGE_NUMEL and codec in CODECS):
             raise ValueError(f"invalid round: stage {stage}, round {round}, numel {numel}, codec {codec!r}")
         self.me, self.stage, self.round, self.numel, self.codec = me, stage, round, numel, codec
         self.expected = frozenset(expected) - {me}
         self.timing, self.created = timing, now
         self._expected_bytes = expected_bytes
+        self._piece_elements = piece_elements  # None: as many as fit a frame (tests lower it)
         self.phase = Phase.IDLE
         self.book = Membership(me)
         self.counts: dict[str, int] = dict.fromkeys(COUNT_KEYS, 0)
@@ -98,7 +100,7 @@ class OuterRound:
         self.outcome: Outcome | None = None
         self._deadline: float | None = None  # end of GATHER or AGREE
         self._reduction: Reduction | None = None
-        self._early: dict[tuple[str, str], tuple[Part | Result, bytes]] = {}  # (kind, peer) -> held message
+        self._early: dict[tuple[str, str, int, int], tuple[Part | Result, bytes]] = {}  # (kind, peer, shard, piece)
         self._early_budget = EARLY_BUFFER_MODELS * expected_bytes(codec, numel) + MAX_MEMBERS * EARLY_SLACK_BYTES
         self._rejected_hellos: set[str] = set()
         self._caught_up = round  # the latest round a CatchUp was emitted for
@@ -157,15 +159,16 @@ class OuterRound:
             raise ValueError(f"provide_shards() in phase {self.phase.name}, before NeedShards")
         return self._after_reduce(self._reduction.provide(shards, now), now)
 
-    def combined(self, result: bytes, rejected: dict[str, str], now: float) -> list[Action]:
-        """The driver's answer to ``CombineShard``: our shard's aggregate (encoded, of the round's
-        codec) and the contributors its verification refused (peer -> reason, never us); the
-        Results go out ([] if the round is over). ValueError on misuse."""
+    def combined(self, result: bytes, rejected: dict[str, str], now: float, shard: int | None = None) -> list[Action]:
+        """The driver's answer to ``CombineShard`` number ``shard`` (None: the only one out): that
+        piece's aggregate (encoded, of the round's codec) and the contributors its verification
+        refused (peer -> reason, never us); the Results go out ([] if the round is over).
+        ValueError on misuse."""
         if self.phase in _OVER:
             return []
         if self.phase is not Phase.REDUCE:
             raise ValueError(f"combined() in phase {self.phase.name}, before CombineShard")
-        return self._after_reduce(self._reduction.on_combined(result, rejected), now)
+        return self._after_reduce(self._reduction.on_combined(result, rejected, shard), now)
 
     def on_send_failed(self, peer: str, now: float) -> list[Action]:
         """The driver could not deliver to ``peer``: treat it as gone for this round."""
@@ -262,7 +265,8 @@ class OuterRound:
         self.phase = Phase.REDUCE
         self._reduction = Reduction(
             me=self.me, stage=self.stage, round=self.round, numel=self.numel, codec=self.codec, group=self.group,
-            now=now, reduce_s=self.timing.reduce_s, expected_bytes=self._expected_bytes, counts=self.counts)
+            now=now, reduce_s=self.timing.reduce_s, expected_bytes=self._expected_bytes, counts=self.counts,
+            piece_elements=self._piece_elements)
         actions: list[Action] = [NeedShards(self.group, tuple(self._reduction.bounds))]
         for peer in sorted(self.book.withdrawn | self.book.failed):
             actions += self._reduction.peer_gone(peer, now)  # they will not send, and need not be sent to
@@ -278,7 +282,8 @@ class OuterRound:
         self.counts["missing_shards"] += len(outcome.missing)
         self._early.clear()
         if self._reduction is not None:
-            self._reduction.parts.clear()
+            for held in self._reduction.parts.values():
+                held.clear()
         return [Finished(outcome)]
 
     # --- reduce ----------------------------------------------------------------------------
@@ -311,21 +316,22 @@ class OuterRound:
         return self._hold(kind, peer, msg, data)
 
     def _hold(self, kind: str, peer: str, msg: Part | Result, data: bytes) -> tuple[Reply, list[Action]]:
-        """Before our group is known: keep one message per kind and peer of our view, within the budget."""
-        if (kind, peer) in self._early:
+        """Before our group is known: keep one message per kind, peer and piece of our view, within the budget."""
+        key = (kind, peer, msg.shard, msg.piece)
+        if key in self._early:
             self.counts["duplicates"] += 1
             return reply_to(msg, True, "duplicate"), []
         self.counts["early"] += 1
         if self.phase is not Phase.AGREE or peer not in self.book.view or len(data) > self._early_budget:
             return reply_to(msg, False, "too early"), []
         self._early_budget -= len(data)
-        self._early[kind, peer] = (msg, data)
+        self._early[key] = (msg, data)
         return reply_to(msg, True, "early"), []
 
     def _replay_early(self, now: float) -> list[Action]:
         """Judge the held parts and results now that the group is known (their replies were sent)."""
         actions: list[Action] = []
-        for (kind, peer), (msg, data) in sorted(self._early.items(), key=lambda item: item[0]):
+        for (kind, peer, _, _), (msg, data) in sorted(self._early.items(), key=lambda item: item[0]):
             handle = self._reduction.on_part if kind == "part" else self._reduction.on_result
             actions += handle(peer, msg, data, now)[1]
         self._early.clear()

@@ -26,17 +26,18 @@ class NeedShards:
     """The group is agreed: take the pseudo-gradient now, encode one shard per bound, call ``provide_shards``."""
 
     group: tuple[str, ...]  # the sorted group; member i owns bounds[i]
-    bounds: tuple[tuple[int, int], ...]  # (start, stop) of each shard in the flat pseudo-gradient
+    bounds: tuple[tuple[int, int], ...]  # (start, stop) of each piece of each shard (``messages.shard_plan``)
 
 
 @dataclass(frozen=True)
 class CombineShard:
-    """Our shard's parts are in (or its owner deadline passed): combine and verify ``parts``
-    (member -> encoded part of ``numel`` elements, ours included) and call ``combined`` with the
-    aggregate's bytes and the refused contributors. The work is O(shard): the driver does it off
-    its event loop, and the round waits for the answer (no later deadline ends it before)."""
+    """One piece of our shard has its parts in (or its owner deadline passed): combine and verify
+    ``parts`` (member -> encoded part of ``numel`` elements, ours included) and call ``combined``
+    with the aggregate's bytes, the refused contributors and ``shard``. The work is O(piece): the
+    driver does it off its event loop, and the round waits for the answer (no later deadline ends
+    it before)."""
 
-    shard: int
+    shard: int  # the piece's position in ``NeedShards.bounds`` (our member index when a shard is one piece)
     numel: int
     parts: dict[str, bytes]
 
@@ -81,9 +82,9 @@ class Outcome:
 
     ``left_out``: the group went on without us (or we abandoned the round): apply nothing from
     it. A group of one (``group == (me,)``, no results): apply our own pseudo-gradient. Otherwise
-    ``results[i]`` is the encoded aggregate of shard i (``NeedShards.bounds[i]``), ours included;
-    for the shards in ``missing`` no aggregate came: apply nothing there (the driver carries its
-    own data to the next round).
+    ``results[i]`` is the encoded aggregate of piece i (``NeedShards.bounds[i]``), ours included;
+    for the pieces in ``missing`` no aggregate came: apply nothing there (the driver carries its
+    own data to the next round). ``owner(i)`` is the member that sent piece i's aggregate.
     """
 
     group: tuple[str, ...]
@@ -91,6 +92,11 @@ class Outcome:
     missing: tuple[int, ...] = ()
     contributors: dict[int, int] = field(default_factory=dict)  # shard -> parts its owner combined
     left_out: bool = False
+    pieces: int = 1  # pieces a shard (``messages.ShardPlan.pieces``): piece i belongs to shard i // pieces
+
+    def owner(self, index: int) -> str:
+        """The member that owns piece ``index``."""
+        return self.group[index // self.pieces]
 
 
 @dataclass(frozen=True)

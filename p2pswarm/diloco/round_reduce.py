@@ -1,7 +1,9 @@
 """The butterfly all-reduce of one agreed DiLoCo group: the pure second half of an outer round.
 
 Once the group G is agreed (``round.py``), the flat pseudo-gradient is cut into |G| shards
-(``messages.shard_bounds``) and member i of sorted(G) owns shard i:
+(``messages.shard_bounds``) and member i of sorted(G) owns shard i. A shard too big for one frame
+is cut into pieces (``messages.shard_plan``); everything below happens piece by piece, and a
+small stage has one piece a shard:
 
 - every member sends each other owner its own slice of that owner's shard (a ``Part``);
 - an owner accepts one Part per member of G that names exactly this group, shard, size and
@@ -27,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from p2pswarm.diloco.messages import MAX_MEMBERS, MAX_ROUND, Part, Reply, Result, group_digest, shard_bounds
+from p2pswarm.diloco.messages import MAX_MEMBERS, MAX_ROUND, Part, Reply, Result, group_digest, shard_plan
 from p2pswarm.diloco.round_actions import Action, CombineShard, Outcome, Rejected, SendPart, SendResult
 
 ExpectedBytes = Callable[[str, int], int]
@@ -42,64 +44,73 @@ class Reduction:
     """One member's side of the butterfly all-reduce for an agreed group (module docstring)."""
 
     def __init__(self, *, me: str, stage: int, round: int, numel: int, codec: str, group: tuple[str, ...],
-                 now: float, reduce_s: float, expected_bytes: ExpectedBytes, counts: dict[str, int]) -> None:
+                 now: float, reduce_s: float, expected_bytes: ExpectedBytes, counts: dict[str, int],
+                 piece_elements: int | None = None) -> None:
         self.me, self.stage, self.round, self.codec, self.group = me, stage, round, codec, group
         self.digest = group_digest(stage, round, group)
-        self.bounds = shard_bounds(numel, len(group))
+        limit = {} if piece_elements is None else {"max_elements": piece_elements}
+        self.plan = shard_plan(numel, len(group), codec, size=expected_bytes, **limit)
+        self.bounds = self.plan.bounds  # every piece of every shard, in order: what NeedShards asks for
         self.index = group.index(me)
+        self.mine = range(self.plan.index(self.index, 0), self.plan.index(self.index + 1, 0))  # our pieces
         self.owner_deadline = now + reduce_s  # an owner combines what it has by then
         self.results_deadline = now + 2 * reduce_s  # a member stops waiting for results then
         self._expected_bytes, self.counts = expected_bytes, counts
-        self.own: list[bytes] | None = None  # our encoded shards, once the driver provided them
-        self.parts: dict[str, bytes] = {}  # contributions to our shard, ours included
-        self.combined = False  # our shard's parts are closed (CombineShard was emitted): later ones are late
-        self.combining: tuple[str, ...] | None = None  # the members whose parts the driver is combining
+        self.own: list[bytes] | None = None  # our encoded pieces, once the driver provided them
+        self.parts: dict[int, dict[str, bytes]] = {i: {} for i in self.mine}  # contributions to our pieces
+        self.combined: set[int] = set()  # our pieces whose parts are closed (CombineShard emitted)
+        self.combining: dict[int, tuple[str, ...]] = {}  # our pieces out with the driver -> their members
         self.results: dict[int, bytes] = {}
         self.contributors: dict[int, int] = {}
         self.gone: set[str] = set()  # members that cannot be reached: not waited for
-        self.bad_parts: set[str] = set()  # members whose part we refused: their part is not waited for
+        self.bad_parts: set[str] = set()  # members whose part we refused: their parts are not waited for
         self.bad_owners: set[str] = set()  # owners whose result we refused: their shard is not waited for
 
-    def _numel(self, shard: int) -> int:
-        start, stop = self.bounds[shard]
+    def _numel(self, index: int) -> int:
+        start, stop = self.bounds[index]
         return stop - start
 
-    def _shard_msg(self, cls: type, shard: int, *extra: int) -> Part | Result:
-        return cls(self.stage, self.round, self.digest, shard, len(self.group), self.codec, self._numel(shard), *extra)
+    def _shard_msg(self, cls: type, index: int, *extra: int) -> Part | Result:
+        shard, piece = divmod(index, self.plan.pieces)
+        return cls(self.stage, self.round, self.digest, shard, len(self.group), self.codec, self._numel(index),
+                   *extra, piece=piece)
 
     # --- our data ------------------------------------------------------------------------
 
     def provide(self, shards: list[bytes], now: float) -> list[Action]:
-        """Our encoded shards (one per bound): send each owner its part; ValueError on misuse."""
+        """Our encoded pieces (one per bound): send each owner its parts; ValueError on misuse."""
         if self.own is not None:
             raise ValueError("the shards were already provided")
         if len(shards) != len(self.bounds):
-            raise ValueError(f"{len(shards)} shards provided for a group of {len(self.bounds)}")
-        for shard, data in enumerate(shards):
-            size = self._expected_bytes(self.codec, self._numel(shard))
+            raise ValueError(f"{len(shards)} shards provided for {len(self.bounds)} pieces")
+        for index, data in enumerate(shards):
+            size = self._expected_bytes(self.codec, self._numel(index))
             if type(data) is not bytes or len(data) != size:
-                raise ValueError(f"shard {shard} must be {size} bytes of {self.codec}")
+                raise ValueError(f"piece {index} must be {size} bytes of {self.codec}")
         self.own = list(shards)
-        self.parts[self.me] = shards[self.index]
+        for index in self.mine:
+            self.parts[index][self.me] = shards[index]
         actions: list[Action] = [
-            SendPart(owner, self._shard_msg(Part, shard), shards[shard])
-            for shard, owner in enumerate(self.group) if owner != self.me and owner not in self.gone
+            SendPart(self.group[self.plan.owner(index)], self._shard_msg(Part, index), data)
+            for index, data in enumerate(shards)
+            if self.plan.owner(index) != self.index and self.group[self.plan.owner(index)] not in self.gone
         ]
         return actions + self._maybe_combine(now)
 
     # --- judging what arrives ------------------------------------------------------------
 
     def _judge(self, peer: str, msg: Part | Result, data: bytes, shard: int) -> tuple[str, bool] | None:
-        """None if ``msg`` is a valid message for shard ``shard`` of this group, else (reason, fault)."""
+        """None if ``msg`` is a valid message for a piece of shard ``shard`` of this group, else (reason, fault)."""
         if (msg.stage, msg.round, msg.group) != (self.stage, self.round, self.digest):
             return "another group", False
         if peer not in self.group:
             return "not a member of the group", True
-        if msg.shards != len(self.group) or msg.shard != shard:
+        if msg.shards != len(self.group) or msg.shard != shard or msg.piece >= self.plan.pieces:
             return "wrong shard", True
         if msg.codec != self.codec:
             return "wrong codec", True
-        if msg.numel != self._numel(shard) or len(data) != self._expected_bytes(self.codec, msg.numel):
+        index = self.plan.index(shard, msg.piece)
+        if msg.numel != self._numel(index) or len(data) != self._expected_bytes(self.codec, msg.numel):
             return "wrong size", True
         return None
 
@@ -114,37 +125,39 @@ class Reduction:
         return reply_to(msg, False, reason), [Rejected(peer, reason)]
 
     def on_part(self, peer: str, part: Part, data: bytes, now: float) -> tuple[Reply, list[Action]]:
-        """A contribution to our shard: keep the first valid one per member (module docstring)."""
+        """A contribution to one of our pieces: keep the first valid one per member (module docstring)."""
         verdict = self._judge(peer, part, data, self.index)
         if verdict is not None:
             reply, actions = self._refuse(peer, part, *verdict)
             return reply, actions + self._maybe_combine(now)  # perhaps it was the last one we waited for
-        if peer in self.parts or peer in self.bad_parts:
+        index = self.plan.index(self.index, part.piece)
+        if peer in self.parts[index] or peer in self.bad_parts:
             self.counts["duplicates"] += 1
-            return reply_to(part, peer in self.parts, "duplicate"), []
-        if self.combined:
+            return reply_to(part, peer in self.parts[index], "duplicate"), []
+        if index in self.combined:
             self.counts["late"] += 1
             return reply_to(part, False, "late"), []
-        self.parts[peer] = data
+        self.parts[index][peer] = data
         return reply_to(part, True, ""), self._maybe_combine(now)
 
     def on_result(self, peer: str, result: Result, data: bytes, now: float) -> tuple[Reply, list[Action]]:
-        """An owner's aggregate of its shard: keep the first valid one."""
+        """An owner's aggregate of one piece of its shard: keep the first valid one."""
         shard = self.group.index(peer) if peer in self.group else -1
         verdict = self._judge(peer, result, data, shard)
         if verdict is None and (shard == self.index or not 1 <= result.contributors <= len(self.group)):
             verdict = "wrong shard" if shard == self.index else "wrong contributors", True
         if verdict is not None:
             return self._refuse(peer, result, *verdict)
-        if shard in self.results or peer in self.bad_owners:
+        index = self.plan.index(shard, result.piece)
+        if index in self.results or peer in self.bad_owners:
             self.counts["duplicates"] += 1
-            return reply_to(result, shard in self.results, "duplicate"), []
-        self.results[shard] = data
-        self.contributors[shard] = result.contributors
+            return reply_to(result, index in self.results, "duplicate"), []
+        self.results[index] = data
+        self.contributors[index] = result.contributors
         return reply_to(result, True, ""), []
 
     def peer_gone(self, peer: str, now: float) -> list[Action]:
-        """``peer`` cannot be reached: stop waiting for its part and its result."""
+        """``peer`` cannot be reached: stop waiting for its parts and its results."""
         if peer in self.group and peer != self.me:
             self.gone.add(peer)
         return self._maybe_combine(now)
@@ -155,57 +168,59 @@ class Reduction:
     # --- combining and finishing ---------------------------------------------------------
 
     def _maybe_combine(self, now: float) -> list[Action]:
-        """Combine our shard once our data is in and every reachable member's part is, or at the deadline."""
-        if self.combined or self.own is None:
+        """Combine each of our pieces once our data is in and every reachable member's part is, or at the deadline."""
+        if self.own is None:
             return []
-        waiting = set(self.group) - self.gone - self.bad_parts - set(self.parts)
-        if waiting and now < self.owner_deadline:
-            return []
-        return self._combine_now()
+        expected = set(self.group) - self.gone - self.bad_parts
+        return [self._combine_now(index) for index in self.mine if index not in self.combined
+                and (now >= self.owner_deadline or expected <= set(self.parts[index]))]
 
-    def _combine_now(self) -> list[Action]:
-        self.combined = True
-        self.combining = tuple(sorted(self.parts))
-        action = CombineShard(self.index, self._numel(self.index), dict(self.parts))
-        self.parts.clear()  # the data went with the action; `combined` now refuses late parts
-        return [action]
+    def _combine_now(self, index: int) -> CombineShard:
+        self.combined.add(index)
+        self.combining[index] = tuple(sorted(self.parts[index]))
+        action = CombineShard(index, self._numel(index), dict(self.parts[index]))
+        self.parts[index].clear()  # the data went with the action; `combined` now refuses late parts
+        return action
 
-    def on_combined(self, result: bytes, rejected: dict[str, str]) -> list[Action]:
-        """The driver's answer to ``CombineShard``: send our aggregate; ValueError on misuse."""
-        if self.combining is None:
-            raise ValueError("combined() without a CombineShard to answer")
-        size = self._expected_bytes(self.codec, self._numel(self.index))
+    def on_combined(self, result: bytes, rejected: dict[str, str], shard: int | None = None) -> list[Action]:
+        """The driver's answer to ``CombineShard`` number ``shard`` (None: the only one out): send our
+        aggregate of that piece; ValueError on misuse."""
+        if shard is None and len(self.combining) == 1:
+            shard = next(iter(self.combining))
+        if shard not in self.combining:
+            raise ValueError(f"combined() without a CombineShard {shard} to answer")
+        size = self._expected_bytes(self.codec, self._numel(shard))
         if type(result) is not bytes or len(result) != size:
-            raise ValueError(f"combine must return the {size} bytes of our shard, not {type(result).__name__}")
+            raise ValueError(f"combine must return the {size} bytes of our piece, not {type(result).__name__}")
         if self.me in rejected:
             raise ValueError("combine rejected our own contribution")
-        contributors, self.combining = self.combining, None
+        contributors = self.combining.pop(shard)
         used = [p for p in contributors if p not in rejected]
-        self.results[self.index] = result
-        self.contributors[self.index] = len(used)
+        self.results[shard] = result
+        self.contributors[shard] = len(used)
         actions: list[Action] = []
         for peer in sorted(set(rejected) & set(contributors)):
             self.counts["rejected"] += 1
             actions.append(Rejected(peer, f"contribution refused: {rejected[peer]}"[:200]))
-        msg = self._shard_msg(Result, self.index, len(used))
+        msg = self._shard_msg(Result, shard, len(used))
         actions += [SendResult(peer, msg, result) for peer in self.group if peer != self.me and peer not in self.gone]
         return actions
 
     def complete(self, now: float) -> bool:
-        """Every shard's result is in, or its owner is gone, or the results deadline has passed;
-        never while our own combine is out (it is local work, and its answer always comes)."""
-        if self.combining is not None:
+        """Every piece's result is in, or its owner is gone, or the results deadline has passed;
+        never while a combine of ours is out (it is local work, and its answer always comes)."""
+        if self.combining:
             return False
         if now >= self.results_deadline:
             return True
-        return all(s in self.results or (s != self.index and owner in self.gone | self.bad_owners)
-                   for s, owner in enumerate(self.group))
+        return all(i in self.results or (i not in self.mine and self.group[self.plan.owner(i)] in
+                                         self.gone | self.bad_owners) for i in range(len(self.bounds)))
 
     def next_deadline(self) -> float:
-        if not self.combined and self.own is not None:
+        if len(self.combined) < len(self.mine) and self.own is not None:
             return self.owner_deadline
         return self.results_deadline
 
     def outcome(self) -> Outcome:
-        missing = tuple(s for s in range(len(self.group)) if s not in self.results)
-        return Outcome(self.group, dict(self.results), missing, dict(self.contributors), False)
+        missing = tuple(i for i in range(len(self.bounds)) if i not in self.results)
+        return Outcome(self.group, dict(self.results), missing, dict(self.contributors), False, self.plan.pieces)
