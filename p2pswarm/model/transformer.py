@@ -1,18 +1,26 @@
 """The stage-sliceable transformer: one peer builds and trains only the stage it serves.
 
-A pre-norm decoder-only transformer over bytes (``ModelSpec.vocab`` = 256), cut along its
-blocks into the stages of ``ModelSpec.stage_range``:
+A Llama-style decoder (the math and parameter names of transformers' ``LlamaForCausalLM``),
+cut along its layers into the stages of ``ModelSpec.stage_range``:
 
-- stage 0 = token embedding + learned position embedding + its blocks; it takes token ids
-  (int64, ``[batch, seq]``);
-- a middle stage = its blocks; it takes and returns hidden states ``[batch, seq, width]``;
-- the last stage = its blocks + final LayerNorm + LM head; it returns logits
-  ``[batch, seq, vocab]`` and has ``loss(logits, targets)``;
+- stage 0 = token embedding (``embed_tokens``) + its layers; it takes token ids (int64,
+  ``[batch, seq]``);
+- a middle stage = its layers; it takes and returns hidden states ``[batch, seq, width]``;
+- the last stage = its layers + final RMSNorm (``norm``) + LM head (``lm_head``, untied: the
+  embedding lives on another peer); it returns logits ``[batch, seq, vocab]`` and has
+  ``loss(logits, targets)``;
 - a single-stage model has both ends.
 
-Each block: ``x + attn(ln1(x))`` then ``x + mlp(ln2(x))``; causal self-attention through
-``scaled_dot_product_attention(is_causal=True)``, a GELU MLP. No dropout: the swarm's
-replicas must compute the same function from the same weights.
+Each layer: ``x + self_attn(input_layernorm(x))`` then ``x + mlp(post_attention_layernorm(x))``.
+RMSNorm computes in float32 (epsilon ``spec.norm_eps``); attention rotates q and k by rotary
+position embeddings (HF's default rope: rotate_half, ``inv_freq = 1 / theta^(2i / head_dim)``,
+cos/sin computed in float32 for positions 0..seq-1 on every forward, never stored), runs
+``scaled_dot_product_attention(is_causal=True)``, with ``spec.kv_heads`` key/value heads
+shared by groups of query heads (GQA) when fewer than ``spec.heads``; the MLP is SwiGLU,
+``down_proj(silu(gate_proj(x)) * up_proj(x))``. No biases, no dropout: the swarm's replicas
+must compute the same function from the same weights. A stage's ``state_dict`` holds only
+weights, named as in HF with layers indexed within the stage (``p2pswarm.model.hf_names``
+maps them to the global names).
 
 Initial weights are a pure function of (model family, seed, part), where a part is
 ``"embed"``, ``"block/<global layer index>"`` or ``"head"``: each part draws its weights from
@@ -20,7 +28,9 @@ its own ``torch.Generator`` seeded by sha256 of those. So every replica of a sta
 identical without a transfer, a stage's weights are a pure function of (model, seed, stage),
 and, because the parts do not depend on the stage split, chaining stages 0..S-1 built
 separately computes exactly the same function as the same model built as one stage
-(``dataclasses.replace(spec, stage_size=spec.n_layers)``).
+(``dataclasses.replace(spec, stage_size=spec.n_layers)``). Matrices (embedding and head
+included) start N(0, 0.02), the residual writes (o_proj, down_proj) N(0, 0.02 / sqrt(2 x
+layers)), the norms at 1.
 
 This module imports torch; only ``p2pswarm/model/`` and the compute engine import it.
 """
@@ -38,7 +48,7 @@ from torch import nn
 from p2pswarm.errors import ConfigError
 from p2pswarm.model.catalog import ModelSpec
 
-INIT_STD = 0.02  # GPT-2's weight init scale: keeps the initial logits near uniform (loss ~ ln vocab)
+INIT_STD = 0.02  # GPT-2's and Llama's init scale: keeps the initial logits near uniform (loss ~ ln vocab)
 SEED_BYTES = 8  # bytes of the sha256 digest that seed a generator (torch takes a 64-bit seed)
 
 
@@ -52,42 +62,104 @@ def _generator(model_name: str, seed: int, part: str) -> torch.Generator:
     return torch.Generator(device="cpu").manual_seed(part_seed(model_name, seed, part))
 
 
-class Block(nn.Module):
-    """One pre-norm transformer block: causal self-attention, then a GELU MLP, each residual."""
+class RMSNorm(nn.Module):
+    """Llama's RMSNorm: x / rms(x) in float32, cast back, times a learned weight (no bias)."""
+
+    def __init__(self, width: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotary(spec: ModelSpec, seq: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [seq, head_dim] of HF's default rope for positions 0..seq-1, in float32."""
+    dim = spec.head_dim
+    inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
+    freqs = torch.outer(torch.arange(seq, device=device, dtype=torch.float32), inv_freq)
+    angles = torch.cat((freqs, freqs), dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of x [batch, heads, seq, head_dim] (HF's apply_rotary_pos_emb)."""
+    return x * cos + _rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    """Causal self-attention with rotary positions and grouped key/value heads (HF's names)."""
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
-        self.heads = spec.heads
-        self.ln1 = nn.LayerNorm(spec.width)
-        self.qkv = nn.Linear(spec.width, 3 * spec.width)
-        self.out = nn.Linear(spec.width, spec.width)
-        self.ln2 = nn.LayerNorm(spec.width)
-        self.up = nn.Linear(spec.width, spec.ffn)
-        self.down = nn.Linear(spec.ffn, spec.width)
+        self.heads, self.kv_heads, self.head_dim = spec.heads, spec.kv_heads, spec.head_dim
+        self.q_proj = nn.Linear(spec.width, spec.width, bias=False)
+        self.k_proj = nn.Linear(spec.width, spec.kv_width, bias=False)
+        self.v_proj = nn.Linear(spec.width, spec.kv_width, bias=False)
+        self.o_proj = nn.Linear(spec.width, spec.width, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        batch, seq, width = x.shape
+        q = self.q_proj(x).view(batch, seq, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, seq, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, seq, self.kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = cos.to(q.dtype), sin.to(q.dtype)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.heads)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, width))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down_proj(silu(gate_proj(x)) * up_proj(x))."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(spec.width, spec.ffn, bias=False)
+        self.up_proj = nn.Linear(spec.width, spec.ffn, bias=False)
+        self.down_proj = nn.Linear(spec.ffn, spec.width, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, width = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(width, dim=-1)
-        q, k, v = (t.view(batch, seq, self.heads, width // self.heads).transpose(1, 2) for t in (q, k, v))
-        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.out(attended.transpose(1, 2).reshape(batch, seq, width))
-        return x + self.down(F.gelu(self.up(self.ln2(x))))
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """One pre-norm Llama layer: attention, then the SwiGLU MLP, each a residual write."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.width, spec.norm_eps)
+        self.self_attn = Attention(spec)
+        self.post_attention_layernorm = RMSNorm(spec.width, spec.norm_eps)
+        self.mlp = MLP(spec)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
 
     def reset_parameters(self, generator: torch.Generator, n_layers: int) -> None:
-        """GPT-2 init: N(0, 0.02) weights, zero biases, residual projections scaled by depth."""
+        """N(0, 0.02) matrices, residual writes scaled down by depth, norms at 1."""
         with torch.no_grad():
-            for norm in (self.ln1, self.ln2):
-                norm.weight.fill_(1.0)
-                norm.bias.zero_()
-            residual_std = INIT_STD / math.sqrt(2 * n_layers)  # two residual writes per block
-            for linear, std in ((self.qkv, INIT_STD), (self.out, residual_std),
-                                (self.up, INIT_STD), (self.down, residual_std)):
+            self.input_layernorm.weight.fill_(1.0)
+            self.post_attention_layernorm.weight.fill_(1.0)
+            residual_std = INIT_STD / math.sqrt(2 * n_layers)  # two residual writes per layer
+            attn, mlp = self.self_attn, self.mlp
+            for linear, std in ((attn.q_proj, INIT_STD), (attn.k_proj, INIT_STD), (attn.v_proj, INIT_STD),
+                                (attn.o_proj, residual_std), (mlp.gate_proj, INIT_STD), (mlp.up_proj, INIT_STD),
+                                (mlp.down_proj, residual_std)):
                 linear.weight.normal_(0.0, std, generator=generator)
-                linear.bias.zero_()
 
 
 class StageModule(nn.Module):
-    """The layers of one stage of ``spec``, with the embeddings on stage 0 and the head on the last."""
+    """The layers of one stage of ``spec``, with the embedding on stage 0 and the head on the last."""
 
     def __init__(self, spec: ModelSpec, stage: int) -> None:
         super().__init__()
@@ -98,26 +170,22 @@ class StageModule(nn.Module):
         self.start, self.end = spec.stage_range(stage)
         self.is_first = stage == 0
         self.is_last = stage == spec.last_stage
-        self.embed = nn.Embedding(spec.vocab, spec.width) if self.is_first else None
-        self.pos = nn.Embedding(spec.context, spec.width) if self.is_first else None
-        self.blocks = nn.ModuleList(Block(spec) for _ in range(self.start, self.end))
-        self.norm = nn.LayerNorm(spec.width) if self.is_last else None
-        self.head = nn.Linear(spec.width, spec.vocab, bias=False) if self.is_last else None
+        self.embed_tokens = nn.Embedding(spec.vocab, spec.width) if self.is_first else None
+        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(self.start, self.end))
+        self.norm = RMSNorm(spec.width, spec.norm_eps) if self.is_last else None
+        self.lm_head = nn.Linear(spec.width, spec.vocab, bias=False) if self.is_last else None
 
     def reset_parameters(self, seed: int) -> None:
         """Set every weight from (model name, seed, part): see the module docstring."""
         name = self.spec.family  # the same weights however the model is cut into stages
         with torch.no_grad():
             if self.is_first:
-                generator = _generator(name, seed, "embed")
-                self.embed.weight.normal_(0.0, INIT_STD, generator=generator)
-                self.pos.weight.normal_(0.0, INIT_STD, generator=generator)
-            for layer, block in zip(range(self.start, self.end), self.blocks):
+                self.embed_tokens.weight.normal_(0.0, INIT_STD, generator=_generator(name, seed, "embed"))
+            for layer, block in zip(range(self.start, self.end), self.layers):
                 block.reset_parameters(_generator(name, seed, f"block/{layer}"), self.spec.n_layers)
             if self.is_last:
                 self.norm.weight.fill_(1.0)
-                self.norm.bias.zero_()
-                self.head.weight.normal_(0.0, INIT_STD, generator=_generator(name, seed, "head"))
+                self.lm_head.weight.normal_(0.0, INIT_STD, generator=_generator(name, seed, "head"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Token ids [B, T] (stage 0) or hidden states [B, T, width] → hidden states, or logits (last stage)."""
@@ -126,10 +194,11 @@ class StageModule(nn.Module):
         elif x.dim() != 3 or x.shape[-1] != self.spec.width or not x.is_floating_point():
             raise ValueError(f"stage {self.stage} takes hidden states [batch, seq, {self.spec.width}], "
                              f"not {x.dtype} {tuple(x.shape)}")
-        for block in self.blocks:
-            x = block(x)
+        cos, sin = rotary(self.spec, x.shape[1], x.device)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
         if self.is_last:
-            x = self.head(self.norm(x))
+            x = self.lm_head(self.norm(x))
         return x
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -138,14 +207,16 @@ class StageModule(nn.Module):
         seq = ids.shape[1]
         if not 0 < seq <= self.spec.context:
             raise ValueError(f"sequence length {seq} is outside 1..{self.spec.context} of {self.spec.name}")
-        positions = torch.arange(seq, device=ids.device)
-        return self.embed(ids) + self.pos(positions)
+        return self.embed_tokens(ids)
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy (nats per byte) of the last stage's logits [B, T, vocab] against targets [B, T]."""
+        """Mean cross-entropy (nats per token) of the last stage's logits [B, T, vocab] against targets [B, T].
+
+        Computed in float32 whatever the logits' dtype (as transformers does for Llama).
+        """
         if not self.is_last:
             raise ValueError(f"stage {self.stage} of {self.spec.name} is not the last stage; it has no loss")
-        return F.cross_entropy(logits.reshape(-1, self.spec.vocab), targets.reshape(-1))
+        return F.cross_entropy(logits.reshape(-1, self.spec.vocab).float(), targets.reshape(-1))
 
     def param_count(self) -> int:
         return sum(p.numel() for p in self.parameters())
