@@ -8,8 +8,10 @@ from pathlib import Path
 
 from p2pswarm.diloco.settings import DilocoSettings
 from p2pswarm.model.catalog import DEFAULT_MODEL
+from p2pswarm.model.run import RunSpec, agreed_diloco, default_run
 from p2pswarm.nat.relay_service import RelayConfig
 from p2pswarm.net.host import DEFAULT_LIMITS
+from p2pswarm.swarm.device import DEFAULT_DEVICE, DEFAULT_PRECISION
 
 DEFAULT_LISTEN = "/ip4/0.0.0.0/tcp/0"  # any free port on every interface
 DEFAULT_BOOTSTRAP_LISTEN = "/ip4/0.0.0.0/tcp/4001"  # the conventional libp2p port, easy to firewall
@@ -45,8 +47,19 @@ class NodeConfig:
     relays: tuple[str, ...] = ()  # relays (multiaddrs ending in /p2p/<id>) to reserve on while PRIVATE
     data: str | None = None  # training text (a file or a folder) for stage 0; None: the embedded stdlib corpus
     threads: int | None = None  # torch compute threads; None: torch's default (all cores)
+    device: str = DEFAULT_DEVICE  # a resolved torch device ("cpu", "cuda:0", "mps"): the CLI resolves --device auto
+    precision: str = DEFAULT_PRECISION  # "fp32", or "bf16" (autocast over fp32 master weights)
     diloco: DilocoSettings = DilocoSettings()  # outer rounds between the replicas of our stage
     max_connections: int = DEFAULT_LIMITS.max_connections  # peers connected at once, both directions
+    run: RunSpec | None = None  # what the swarm trains (--run); None: the default run on ``model``
+
+    @property
+    def training_run(self) -> RunSpec:
+        """The run this node trains: ``run``, or the default run's settings on ``model`` with ``diloco``'s
+        agreed values (``--model`` without ``--run``: the default run's identity when nothing differs)."""
+        if self.run is not None:
+            return self.run
+        return default_run().with_values(model=self.model, **agreed_diloco(self.diloco))
 
     @property
     def serves_layers(self) -> bool:

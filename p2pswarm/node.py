@@ -33,7 +33,7 @@ from p2pswarm.dht.discovery import (
     push_identify,
     serve_routing_upkeep,
 )
-from p2pswarm.dht.records import FLAG_SNAPSHOT, Capacity, StageRecord, sign_record
+from p2pswarm.dht.records import FLAG_GPU, FLAG_SNAPSHOT, Capacity, StageRecord, sign_record
 from p2pswarm.dht.stagemap import (
     StageMap,
     control_round_trip,
@@ -45,7 +45,8 @@ from p2pswarm.dht.stagemap import (
 from p2pswarm.dht.store import RecordStore
 from p2pswarm.identity import Identity, load_or_create_key
 from p2pswarm.memory import serve_memory_upkeep
-from p2pswarm.model.catalog import ModelSpec, get_model
+from p2pswarm.model.catalog import ModelSpec
+from p2pswarm.model.run import RunSpec
 from p2pswarm.nat.traversal import NatTraversal
 from p2pswarm.net.connect import Connector
 from p2pswarm.net.control import ControlService
@@ -55,6 +56,7 @@ from p2pswarm.net.host import HostLimits, open_host, peer_info_from_multiaddr
 from p2pswarm.net.swarm_fixes import inbound_stats
 from p2pswarm.net.pool import StreamPool
 from p2pswarm.net.probe_api import PingRoute
+from p2pswarm.swarm.device import Placement, free_device_memory_mb
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +68,7 @@ class NodeState:
     identity: Identity
     config: NodeConfig
     model: ModelSpec
+    run: RunSpec | None = None  # what we train (config.training_run): its identity keys our records
     host: object = None
     kad: object = None
     control: ControlService | None = None
@@ -117,17 +120,20 @@ class NodeState:
         return self.stats()
 
     def capacity(self) -> Capacity:
-        """Our live capacity: free memory, queued work, and flags from role and reachability."""
+        """Our live capacity: free memory (the accelerator's when we compute on one), queued work,
+        and flags from role, reachability and device."""
         private = self.nat is not None and self.nat.private
         flags = capacity_flags(training=self.config.role is Role.JOIN, private=private)
-        return Capacity(free_memory_mb=free_memory_mb(), queue_depth=sum(load() for load in self.load_sources),
-                        flags=flags | (FLAG_SNAPSHOT if self.diloco else 0),
+        on_device = self.config.serves_layers and self.config.device != "cpu"
+        free = free_device_memory_mb(self.config.device) if on_device else free_memory_mb()
+        return Capacity(free_memory_mb=free, queue_depth=sum(load() for load in self.load_sources),
+                        flags=flags | (FLAG_SNAPSHOT if self.diloco else 0) | (FLAG_GPU if on_device else 0),
                         throughput=round(self.swarm.throughput(), 1) if self.swarm else 0.0,
                         outer_round=self.diloco.outer_round() if self.diloco else 0)
 
     def signed_record(self, now: float) -> tuple[StageRecord, bytes]:
         record = stage_record(self.identity.peer_id_text, self.addrs(), tuple(self.nat.public_addrs), self.model,
-                              self.stage, self.capacity(), now, RECORD_TTL)
+                              self.stage, self.capacity(), now, RECORD_TTL, run=self.run.identity)
         return record, sign_record(record, self.identity)
 
 
@@ -149,7 +155,7 @@ async def _join_dht(state: NodeState, nursery: trio.Nursery, rng: random.Random,
     bootstrap_infos = [peer_info_from_multiaddr(a) for a in config.bootstrap]
     state.index = StageIndex(host, state.kad, state.control, RecordStore(), server=config.dht_server)
     state.nat.set_dht_server = state.index.set_server
-    state.stage_map = StageMap(state.index, state.model, nursery)
+    state.stage_map = StageMap(state.index, state.model, nursery, run=state.run.identity)
     reached = await join_network(host, state.kad, bootstrap_infos, BOOTSTRAP_DIAL_TIMEOUT)
     log.info("joined the DHT through %d bootstrap peer(s); routing table holds %d",
              reached, state.kad.get_routing_table_size())
@@ -180,14 +186,18 @@ async def _train(state: NodeState, rng: random.Random, task_status=trio.TASK_STA
     from p2pswarm.diloco.service import DilocoService
     from p2pswarm.swarm.service import SwarmService
 
-    config, me = state.config, state.identity.peer_id_text
-    snapshot_dir = config.data_dir / "snapshots" / f"{state.model.name.replace('/', '-')}-stage{state.stage}" \
-        if config.data_dir else None
-    state.diloco = DilocoService(settings=config.diloco, spec=state.model, stage=state.stage, me=me, pool=state.pool,
+    from p2pswarm.swarm.engine import TrainConfig
+
+    config, me, run = state.config, state.identity.peer_id_text, state.run
+    snapshot_dir = config.data_dir / "snapshots" / f"{state.model.name.replace('/', '-')}-{run.identity}" \
+        f"-stage{state.stage}" if config.data_dir else None  # one run's snapshots never load into another
+    state.diloco = DilocoService(settings=run.diloco(config.diloco), spec=state.model, stage=state.stage, me=me, pool=state.pool,
                                  stage_map=state.stage_map, snapshot_dir=snapshot_dir)
     service = SwarmService(spec=state.model, stage=state.stage, me=me, pool=state.pool,
                            stage_map=state.stage_map, host=state.host, data=config.data,
-                           threads=config.threads, rng=rng, extensions=[state.diloco])
+                           threads=config.threads, rng=rng, extensions=[state.diloco],
+                           placement=Placement(config.device, config.precision),
+                           config=TrainConfig(**run.train_values()), run=run)
     await service.run(task_status=task_status)
 
 
@@ -195,11 +205,15 @@ async def run_node(config: NodeConfig, *, on_listening: Callable[[list[str]], No
                    rng: random.Random | None = None, task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Run a node until cancelled."""
     rng = rng or random.Random()
-    model = get_model(config.model)
+    run = config.training_run
+    model = run.spec()
     for addr in config.bootstrap:
         peer_info_from_multiaddr(addr)  # ConfigError before anything starts
     identity = load_or_create_key(config.resolved_key_path())
-    state = NodeState(identity=identity, config=config, model=model)
+    state = NodeState(identity=identity, config=config, model=model, run=run)
+    if config.serves_layers:
+        log.info("%s: %s, %d x %d tokens per micro-batch, lr %g", run.describe(), model.name, run.rows,
+                 run.context, run.lr)
     api_listeners = await open_api_listeners(config.api) if config.api else []  # fails before we listen
     limits = HostLimits(max_connections=config.max_connections)
     async with open_host(identity, config.listen, limits) as host, trio.open_nursery() as nursery:

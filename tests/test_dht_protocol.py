@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import cbor2
 import pytest
 from hypothesis import given, settings
@@ -14,7 +16,7 @@ from p2pswarm.dht.records import Capacity, StageRecord, sign_record, verify_reco
 from p2pswarm.dht.store import RecordStore
 from p2pswarm.errors import RemoteProtocolError
 from p2pswarm.identity import generate_identity
-from p2pswarm.testing.strategies import frames, register_frames
+from p2pswarm.testing.strategies import frames, register_frames, run_ids
 
 ALICE, BOB = generate_identity(), generate_identity()
 NOW = 1_000_000.0
@@ -91,6 +93,7 @@ register_frames(FetchRecords, st.builds(
     model=st.text(st.characters(min_codepoint=0x21, max_codepoint=0x7E), min_size=1, max_size=64),
     stage=st.integers(0, 4095),
     limit=st.integers(0, 1000),
+    run=run_ids,
 ).map(lambda message: (message, b"")))
 
 DHT_MESSAGES = [StoreRecord, StoreReply, FetchRecords, FetchReply]
@@ -110,3 +113,22 @@ def test_truncated_dht_frames_are_remote_errors(frame, data):
     cut = data.draw(st.integers(0, len(encoded) - 1))
     with pytest.raises(RemoteProtocolError):
         wire.decode_frame(encoded[:cut])
+
+
+def test_each_run_has_its_own_key():
+    """Peers of another run store and fetch under another key: a fetch never returns their records."""
+    store, ours, theirs = RecordStore(), "fdd1f91421b0282a", "22c34b20d1f30067"
+    assert store_own(store, ALICE, dataclasses.replace(record(ALICE), run=ours)).accepted
+    assert store_own(store, BOB, dataclasses.replace(record(BOB), run=theirs)).accepted
+    for run, identity in ((ours, ALICE), (theirs, BOB)):
+        reply = handle_fetch(store, FetchRecords(model="tiny-lm", stage=0, limit=8, run=run), NOW)
+        assert [verify_record(r).peer_id for r in reply.records] == [identity.peer_id_text]
+    assert handle_fetch(store, FetchRecords(model="tiny-lm", stage=0, limit=8), NOW).records == ()
+
+
+@pytest.mark.parametrize("run", ["", "0" * 15, "ABCDEF0123456789"])
+def test_fetch_for_a_run_that_is_no_identity_is_a_remote_error(run):
+    header = {"t": "stage.fetch", "v": 1, "n": 0, "f": {"model": "tiny-lm", "stage": 0, "limit": 1, "run": run}}
+    encoded = cbor2.dumps(header, canonical=True)
+    with pytest.raises(RemoteProtocolError):
+        wire.decode_frame(len(encoded).to_bytes(4, "big") + encoded)

@@ -36,6 +36,7 @@ from p2pswarm.dht.records import (
     PLAUSIBLE_THROUGHPUT,
     RECORD_VERSION,
     SIGNATURE_DOMAIN,
+    UNNAMED_RUN,
     Capacity,
     StageRecord,
     best_first,
@@ -46,6 +47,7 @@ from p2pswarm.dht.records import (
 )
 from p2pswarm.errors import LocalProtocolError, RemoteProtocolError
 from p2pswarm.identity import generate_identity
+from p2pswarm.testing.strategies import run_ids
 
 IDENTITIES = [generate_identity() for _ in range(3)]  # key generation is slow-ish: once per module
 ALICE, BOB = IDENTITIES[0], IDENTITIES[1]
@@ -78,11 +80,11 @@ ttls_st = st.one_of(st.floats(MIN_TTL, MAX_TTL), st.integers(int(MIN_TTL), int(M
 
 def records(peer_ids=st.sampled_from(sorted(BY_PEER))):
     return st.builds(
-        lambda peer, addrs, model, stage, layers, cap, ts, ttl: StageRecord(
-            peer, addrs, model, stage, *layers, cap, ts, ttl
+        lambda peer, addrs, model, stage, layers, cap, ts, ttl, run: StageRecord(
+            peer, addrs, model, stage, *layers, cap, ts, ttl, run
         ),
         peer_ids, addrs_st, models_st, st.integers(0, MAX_STAGES - 1), layers_st, capacity_st, timestamps_st,
-        ttls_st,
+        ttls_st, run_ids,
     )
 
 
@@ -92,7 +94,7 @@ def sign(record: StageRecord) -> bytes:
 
 BASE = StageRecord(
     ALICE.peer_id_text, ("/ip4/10.0.0.1/tcp/4001",), "tiny-llama", 1, 3, 7,
-    Capacity(2048, 1, FLAG_TRAINING, 1234.5), 1_700_000_000.25, 60.0,
+    Capacity(2048, 1, FLAG_TRAINING, 1234.5), 1_700_000_000.25, 60.0, "fdd1f91421b0282a",
 )
 
 
@@ -247,7 +249,7 @@ def test_unknown_keys_stay_bounded(extra):
 
 @pytest.mark.parametrize(
     "outer",
-    [{"v": 1}, {"v": 3}, {"v": True}, {"v": 2.0}, {"v": "2"}, {"s": b"\x00" * 63}, {"s": b"\x00" * 64},
+    [{"v": 1}, {"v": 2}, {"v": 4}, {"v": True}, {"v": 3.0}, {"v": "3"}, {"s": b"\x00" * 63}, {"s": b"\x00" * 64},
      {"s": "sig"}, {"s": None}, {"extra": 0}, {"r": None}, {"r": [1, 2]}],
 )
 def test_bad_message_envelope_is_refused(outer):
@@ -409,20 +411,48 @@ def test_record_helpers():
 
 
 def test_stage_key_is_the_documented_hash():
-    expected = hashlib.sha256(b"p2pswarm/stage/tiny-llama/12").digest()
-    assert stage_key("tiny-llama", 12) == expected == stage_key("tiny-llama", 12)
+    expected = hashlib.sha256(b"p2pswarm/stage/fdd1f91421b0282a/tiny-llama/12").digest()
+    assert stage_key("tiny-llama", 12, "fdd1f91421b0282a") == expected == stage_key("tiny-llama", 12, "fdd1f91421b0282a")
+    assert stage_key("tiny-llama", 12) == hashlib.sha256(b"p2pswarm/stage/" + UNNAMED_RUN.encode() + b"/tiny-llama/12").digest()
 
 
-@given(models_st, st.integers(0, MAX_LAYERS - 1), models_st, st.integers(0, MAX_LAYERS - 1))
-def test_stage_key_differs_across_models_and_layers(model_a, layer_a, model_b, layer_b):
-    same = (model_a, layer_a) == (model_b, layer_b)
-    assert (stage_key(model_a, layer_a) == stage_key(model_b, layer_b)) == same
+@given(models_st, st.integers(0, MAX_LAYERS - 1), run_ids, models_st, st.integers(0, MAX_LAYERS - 1), run_ids)
+def test_stage_key_differs_across_runs_models_and_layers(model_a, layer_a, run_a, model_b, layer_b, run_b):
+    same = (model_a, layer_a, run_a) == (model_b, layer_b, run_b)
+    assert (stage_key(model_a, layer_a, run_a) == stage_key(model_b, layer_b, run_b)) == same
 
 
-@pytest.mark.parametrize(("model", "layer"), [("m", -1), ("m", MAX_LAYERS), ("m", True), ("m", "1"), ("", 0)])
-def test_stage_key_refuses_invalid_input(model, layer):
+@pytest.mark.parametrize(("model", "layer", "run"), [("m", -1, UNNAMED_RUN), ("m", MAX_LAYERS, UNNAMED_RUN),
+                                                     ("m", True, UNNAMED_RUN), ("m", "1", UNNAMED_RUN),
+                                                     ("", 0, UNNAMED_RUN), ("m", 0, "0" * 15),
+                                                     ("m", 0, "F" * 16), ("m", 0, b"0" * 16), ("m", 0, "g" * 16)])
+def test_stage_key_refuses_invalid_input(model, layer, run):
     with pytest.raises(LocalProtocolError):
-        stage_key(model, layer)
+        stage_key(model, layer, run)
+
+
+@pytest.mark.parametrize("run", ["", "0" * 15, "0" * 17, "ABCDEF0123456789", "zzzzzzzzzzzzzzzz", 12, None, b"0" * 16])
+def test_a_record_whose_run_is_not_an_identity_is_refused(run):
+    from dataclasses import replace
+
+    with pytest.raises(RemoteProtocolError, match="run"):
+        verify_record(resign({**base_body(), "run": run}))
+    with pytest.raises(LocalProtocolError, match="run"):
+        sign_record(replace(BASE, run=run), ALICE)
+
+
+def test_a_record_without_a_run_is_refused():
+    body = base_body()
+    del body["run"]
+    with pytest.raises(RemoteProtocolError):
+        verify_record(resign(body))
+
+
+def test_the_run_is_signed():
+    signed = cbor2.loads(sign_record(BASE, ALICE))
+    other = {**signed["r"], "run": "0123456789abcdef"}
+    with pytest.raises(RemoteProtocolError, match="not signed"):
+        verify_record(cbor2.dumps({"v": RECORD_VERSION, "r": other, "s": signed["s"]}, canonical=True))
 
 
 @given(st.lists(records(peer_ids=st.sampled_from(["a", "b", "c"])), max_size=8), st.randoms())

@@ -7,7 +7,7 @@ import time
 
 import trio
 
-from p2pswarm.dht.records import Capacity, StageRecord
+from p2pswarm.dht.records import UNNAMED_RUN, Capacity, StageRecord
 from p2pswarm.dht.stagemap import StageMap
 from p2pswarm.model.catalog import get_model
 
@@ -24,12 +24,14 @@ class SlowIndex:
         self.release = trio.Event()
         self.peers = ["first"]
         self.ttl = 60.0
+        self.runs: set[str] = set()  # the runs looked up: a stage map asks for its own only
 
-    async def lookup_stage(self, model: str, stage: int, k: int, standing=None) -> list[StageRecord]:
+    async def lookup_stage(self, model: str, stage: int, k: int, standing=None, run=UNNAMED_RUN) -> list[StageRecord]:
         self.lookups += 1
+        self.runs.add(run)
         await self.release.wait()
         start, end = MODEL.stage_range(stage)
-        return [StageRecord(p, (), model, stage, start, end, Capacity(0, 0), time.time(), self.ttl)
+        return [StageRecord(p, (), model, stage, start, end, Capacity(0, 0), time.time(), self.ttl, run)
                 for p in self.peers]
 
 
@@ -41,7 +43,7 @@ def test_a_slow_rebuild_does_not_hold_the_caller_and_runs_once():
     async def main():
         index = SlowIndex()
         async with trio.open_nursery() as nursery:
-            stage_map = StageMap(index, MODEL, nursery)
+            stage_map = StageMap(index, MODEL, nursery, run="fdd1f91421b0282a")
             assert await stage_map.current(wait=0.05) == {}  # the rebuild is still looking
             assert await stage_map.current(wait=0.05) == {}
             assert index.lookups == MODEL.n_stages  # one rebuild, not one per call
@@ -55,6 +57,7 @@ def test_a_slow_rebuild_does_not_hold_the_caller_and_runs_once():
             doc = await stage_map.stages_json({})
             assert [p["peer_id"] for p in doc["stages"]["0"]["peers"]] == ["second"]
             assert index.lookups == 2 * MODEL.n_stages
+            assert index.runs == {"fdd1f91421b0282a"} and doc["run"] == "fdd1f91421b0282a"  # its own run only
 
     trio.run(main)
 

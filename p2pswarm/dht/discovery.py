@@ -24,7 +24,7 @@ import trio
 from p2pswarm.dht.closest import ClosestPeersCache
 from p2pswarm.dht.protocol import FetchRecords, FetchReply, StoreRecord, StoreReply, handle_fetch, handle_store
 from p2pswarm.dht.ranking import Standing, pool
-from p2pswarm.dht.records import StageRecord, stage_key, verify_record
+from p2pswarm.dht.records import UNNAMED_RUN, StageRecord, stage_key, verify_record
 from p2pswarm.dht.store import RecordStore
 from p2pswarm.errors import DialError, ProtocolError, StartupError
 from p2pswarm.net.connect import as_peer_id, remote_ip
@@ -280,18 +280,19 @@ class StageIndex:
                 log.debug("peer %s did not keep our record for stage %d: %s", peer_id, record.stage, reply)
 
         async with trio.open_nursery() as nursery:
-            for peer_id in await self.store_targets(stage_key(record.model, record.stage)):
+            for peer_id in await self.store_targets(stage_key(record.model, record.stage, record.run)):
                 nursery.start_soon(store_on, peer_id)
         return accepted
 
     async def lookup_stage(self, model: str, stage: int, k: int = DEFAULT_K,
-                           standing: Callable[[str], Standing] | None = None) -> list[StageRecord]:
-        """Up to ``k`` fresh records of peers serving ``stage`` of ``model``, best first by
+                           standing: Callable[[str], Standing] | None = None,
+                           run: str = UNNAMED_RUN) -> list[StageRecord]:
+        """Up to ``k`` fresh records of peers serving ``stage`` of ``model`` in run ``run``, best first by
         ``standing`` (default: our own record, then strangers), crowded strangers last (``dht.ranking``)."""
         started = time.perf_counter()
         self.stats.lookups += 1
         newest: dict[str, StageRecord] = {}
-        request = FetchRecords(model=model, stage=stage, limit=k)
+        request = FetchRecords(model=model, stage=stage, limit=k, run=run)
 
         async def fetch_from(peer_id) -> None:
             if peer_id == self._host.get_id():
@@ -303,23 +304,24 @@ class StageIndex:
                     return self._forget(peer_id, exc)
             self._forget_if_not_a_server(peer_id, reply)
             for raw in reply.records if isinstance(reply, FetchReply) else ():
-                self._merge(newest, raw, model, stage)
+                self._merge(newest, raw, (run, model, stage))
 
         async with trio.open_nursery() as nursery:
-            for peer_id in await self.closest_peers(stage_key(model, stage), READ_WIDTH):
+            for peer_id in await self.closest_peers(stage_key(model, stage, run), READ_WIDTH):
                 nursery.start_soon(fetch_from, peer_id)
         now = self._clock()
         fresh = [r for r in newest.values() if r.is_fresh(now)]
         self.stats.lookup_seconds = (self.stats.lookup_seconds + [time.perf_counter() - started])[-100:]
         return pool(fresh, standing or self.own_first, k)
 
-    def _merge(self, newest: dict[str, StageRecord], raw: bytes, model: str, stage: int) -> None:
+    def _merge(self, newest: dict[str, StageRecord], raw: bytes, asked: tuple[str, str, int]) -> None:
+        """Keep a fetched record if it is valid, of the (run, model, stage) ``asked``, and the newest of its peer."""
         try:
             record = verify_record(raw)
         except ProtocolError:
             self.stats.invalid_records += 1
             return
-        if (record.model, record.stage) != (model, stage):
+        if (record.run, record.model, record.stage) != asked:  # another run's (or stage's) record: not ours
             self.stats.invalid_records += 1
             return
         held = newest.get(record.peer_id)

@@ -16,7 +16,7 @@ clock and the authenticated sender.
 from __future__ import annotations
 
 from p2pswarm import wire
-from p2pswarm.dht.records import stage_key, verify_record
+from p2pswarm.dht.records import UNNAMED_RUN, stage_key, verify_record
 from p2pswarm.dht.store import LOCAL_SOURCE, RecordStore, StoredRecord
 from p2pswarm.errors import LocalProtocolError, RemoteProtocolError
 
@@ -26,7 +26,7 @@ FETCH_REPLY_BUDGET = 12 * 1024  # bytes of records in one reply, well inside wir
 
 @wire.message("stage.store")
 class StoreRecord(wire.Message):
-    """Ask a peer to keep our ``record`` (signed bytes) under the key of its (model, stage)."""
+    """Ask a peer to keep our ``record`` (signed bytes) under the key of its (run, model, stage)."""
 
     record: bytes
 
@@ -39,17 +39,18 @@ class StoreReply(wire.Message):
 
 @wire.message("stage.fetch")
 class FetchRecords(wire.Message):
-    """Ask a peer for the fresh records it holds for (model, stage), best first."""
+    """Ask a peer for the fresh records it holds for (model, stage) of run ``run``, best first."""
 
     model: str
     stage: int
     limit: int
+    run: str = UNNAMED_RUN  # the run identity (p2pswarm.model.run): each run's records live under their own key
 
     def check(self, payload_len: int) -> None:
         if self.limit < 0:
             raise RemoteProtocolError("stage.fetch: negative limit")
         try:
-            stage_key(self.model, self.stage)  # the same model-name and stage rules as records
+            stage_key(self.model, self.stage, self.run)  # the same run, model-name and stage rules as records
         except LocalProtocolError as exc:
             raise RemoteProtocolError(f"stage.fetch: {exc}") from None
 
@@ -65,7 +66,7 @@ def handle_store(store: RecordStore, message: StoreRecord, now: float, sender: s
     record = verify_record(message.record)  # RemoteProtocolError for forged or garbled records
     if record.peer_id != sender:
         raise RemoteProtocolError(f"record of peer {record.peer_id} sent by {sender}: a peer stores only its own")
-    key = stage_key(record.model, record.stage)
+    key = stage_key(record.model, record.stage, record.run)
     if store.put(key, StoredRecord(record, message.record, sender_ip), now):
         return StoreReply(accepted=True, reason="")
     return StoreReply(accepted=False, reason="expired, from the future, older than held, or over a store limit")
@@ -75,7 +76,7 @@ def handle_fetch(store: RecordStore, message: FetchRecords, now: float) -> Fetch
     """The fresh records held for the stage, best first, within the reply budget."""
     chosen: list[bytes] = []
     used = 0
-    for stored in store.get(stage_key(message.model, message.stage), now):
+    for stored in store.get(stage_key(message.model, message.stage, message.run), now):
         if len(chosen) >= min(message.limit, MAX_FETCH_RECORDS) or used + len(stored.raw) > FETCH_REPLY_BUDGET:
             break
         chosen.append(stored.raw)

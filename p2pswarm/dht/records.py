@@ -10,8 +10,8 @@ byte string into a valid record or a ``RemoteProtocolError``, nothing else).
 Wire format, canonical CBOR (RFC 8949 4.2.3 length-first key order; for these short text
 keys it coincides with the core deterministic order of 4.2.1)::
 
-    {"v": 2, "r": body, "s": signature}
-    body = {"peer": str, "addrs": [str, ...], "model": str, "stage": int, "start": int, "end": int,
+    {"v": 3, "r": body, "s": signature}
+    body = {"peer": str, "addrs": [str, ...], "run": str, "model": str, "stage": int, "start": int, "end": int,
             "cap": {"mem": int, "queue": int, "flags": int, ?"tput": float, ?"round": int},
             "ts": float, "ttl": float}
     signature = Ed25519(SIGNATURE_DOMAIN + canonical CBOR of body), by the key in body["peer"]
@@ -29,6 +29,9 @@ Rules ``verify_record`` enforces beyond the field limits below:
 * ``ts`` and ``ttl`` may be CBOR floats or ints (encoders that shorten integral floats to
   ints stay compatible) but never booleans; they are returned as Python floats.
   ``sign_record`` always writes floats.
+* ``run`` is the identity of the run the peer trains (``p2pswarm.model.run``): 16 lowercase hex
+  characters. It is part of the record's DHT key (``stage_key``), so peers of different runs never
+  find each other's records, and a reader drops a record whose run is not the one it asked for.
 * ``peer`` must be the canonical base58 text of an identity-multihash Ed25519 peer id:
   re-deriving the id from the embedded key must give the same bytes, so one key cannot
   sign under several spellings of its id.
@@ -44,8 +47,8 @@ import cbor2
 
 from p2pswarm.errors import LocalProtocolError, RemoteProtocolError
 
-RECORD_VERSION = 2  # bumped on any change an older reader must not ignore (v2: stage-keyed)
-SIGNATURE_DOMAIN = b"p2pswarm/stage-record/v2\n"  # a record signature can't pass as another kind
+RECORD_VERSION = 3  # bumped on any change an older reader must not ignore (v2: stage-keyed, v3: run-keyed)
+SIGNATURE_DOMAIN = b"p2pswarm/stage-record/v3\n"  # a record signature can't pass as another kind
 STAGE_KEY_DOMAIN = b"p2pswarm/stage/"  # so stage keys can't collide with other DHT key kinds
 
 MAX_RECORD_BYTES = 4096  # a record is a few hundred bytes; bound the work done on hostile input
@@ -56,7 +59,9 @@ MAX_MODEL_CHARS = 64  # model names are short identifiers, shown in logs
 MAX_PEER_ID_CHARS = 64  # an Ed25519 peer id is 52 base58 chars; cap before the quadratic decode
 MAX_LAYERS = 4096  # layer indices are below this; no trained model is that deep
 MAX_STAGES = MAX_LAYERS  # a stage holds at least one layer
-MAX_BODY_KEYS = 24  # the 9 known body keys plus room for fields added later; bounds the work
+RUN_CHARS = 16  # a run identity: 64 bits of sha256 as lowercase hex (p2pswarm.model.run)
+UNNAMED_RUN = "0" * RUN_CHARS  # records and keys made without a run (tests, tools); no run file hashes to it
+MAX_BODY_KEYS = 24  # the 10 known body keys plus room for fields added later; bounds the work
 MAX_CAPACITY_KEYS = 12  # the 5 known capacity keys plus room for fields added later
 MAX_EXTRA_KEY_CHARS = 32  # names of fields this version does not know
 MAX_OUTER_ROUND = 2**63 - 1  # outer rounds count up for a whole run: any u63 is fine
@@ -81,7 +86,7 @@ FLAG_GPU = 8  # serves its layers from an accelerator rather than the CPU
 FLAG_SNAPSHOT = 16  # serves hot snapshots of its stage (/p2pswarm/snapshot/1.0.0): a joiner loads from it
 
 _MESSAGE_KEYS = frozenset({"v", "r", "s"})
-_BODY_KEYS = frozenset({"peer", "addrs", "model", "stage", "start", "end", "cap", "ts", "ttl"})
+_BODY_KEYS = frozenset({"peer", "addrs", "run", "model", "stage", "start", "end", "cap", "ts", "ttl"})
 _CAPACITY_KEYS = frozenset({"mem", "queue", "flags"})  # required; "tput" and "round" are optional
 
 
@@ -109,6 +114,7 @@ class StageRecord:
     capacity: Capacity
     timestamp: float  # unix seconds when made
     ttl: float  # seconds the record stays valid after timestamp
+    run: str = UNNAMED_RUN  # the identity of the run trained; the DHT key is stage_key(model, stage, run)
 
     @property
     def expires_at(self) -> float:
@@ -122,11 +128,17 @@ class StageRecord:
         return now < self.expires_at
 
 
-def stage_key(model: str, stage: int) -> bytes:
-    """The DHT key under which the records of peers serving ``stage`` of ``model`` live."""
-    if not _is_model(model) or not _is_int(stage, 0, MAX_STAGES - 1):
-        raise LocalProtocolError(f"no stage key for model {_show(model)} stage {_show(stage)}")
-    return hashlib.sha256(STAGE_KEY_DOMAIN + model.encode() + b"/" + str(stage).encode()).digest()
+def stage_key(model: str, stage: int, run: str = UNNAMED_RUN) -> bytes:
+    """The DHT key under which the records of peers serving ``stage`` of ``model`` in run ``run`` live:
+    another run's peers store and look up under other keys."""
+    if not _is_model(model) or not _is_int(stage, 0, MAX_STAGES - 1) or not is_run(run):
+        raise LocalProtocolError(f"no stage key for run {_show(run)} model {_show(model)} stage {_show(stage)}")
+    return hashlib.sha256(STAGE_KEY_DOMAIN + run.encode() + b"/" + model.encode() + b"/" + str(stage).encode()).digest()
+
+
+def is_run(run: object) -> bool:
+    """A run identity: RUN_CHARS lowercase hex characters."""
+    return type(run) is str and len(run) == RUN_CHARS and all(c in "0123456789abcdef" for c in run)
 
 
 def routing_rank(record: StageRecord) -> tuple:
@@ -137,7 +149,7 @@ def routing_rank(record: StageRecord) -> tuple:
     cap = record.capacity
     relayed = bool(cap.flags & FLAG_RELAYED)  # reachable only through a relay: last (docs/nat.md)
     return (relayed, min(cap.queue_depth, PLAUSIBLE_QUEUE_DEPTH), -min(cap.free_memory_mb, PLAUSIBLE_FREE_MEMORY_MB),
-            -min(cap.throughput, PLAUSIBLE_THROUGHPUT), -record.timestamp, record.peer_id, record.model,
+            -min(cap.throughput, PLAUSIBLE_THROUGHPUT), -record.timestamp, record.peer_id, record.run, record.model,
             record.stage, record.start, record.end, record.addrs, record.ttl, cap.flags, cap.queue_depth,
             cap.free_memory_mb, cap.throughput, cap.outer_round)
 
@@ -249,7 +261,7 @@ def _record_from_body(body: object) -> StageRecord:
     throughput = cap.get("tput", 0.0)
     capacity = Capacity(cap["mem"], cap["queue"], cap["flags"], throughput, cap.get("round", 0))
     record = StageRecord(body["peer"], tuple(addrs), body["model"], body["stage"], body["start"], body["end"],
-                         capacity, body["ts"], body["ttl"])
+                         capacity, body["ts"], body["ttl"], body["run"])
     problem = _record_problem(record)
     if problem is not None:
         raise RemoteProtocolError(f"invalid stage record: {problem}")
@@ -276,6 +288,8 @@ def _record_problem(record: StageRecord) -> str | None:
         return f"addrs must be a tuple of at most {MAX_ADDRS} multiaddrs"
     if not all(_is_addr(addr) for addr in addrs):
         return f"addrs hold a value that is not a multiaddr of 1 to {MAX_ADDR_CHARS} ASCII chars"
+    if not is_run(record.run):
+        return f"run {_show(record.run)} is not {RUN_CHARS} lowercase hex chars"
     if not _is_model(record.model):
         return f"model {_show(record.model)} is not 1 to {MAX_MODEL_CHARS} printable chars"
     if not _is_int(record.stage, 0, MAX_STAGES - 1):
@@ -328,7 +342,7 @@ def _is_model(model: object) -> bool:
 
 def _body(record: StageRecord) -> dict:
     cap = record.capacity
-    return {"peer": record.peer_id, "addrs": list(record.addrs), "model": record.model,
+    return {"peer": record.peer_id, "addrs": list(record.addrs), "run": record.run, "model": record.model,
             "stage": record.stage, "start": record.start, "end": record.end,
             "cap": {"mem": cap.free_memory_mb, "queue": cap.queue_depth, "flags": cap.flags,
                     "tput": float(cap.throughput), **({"round": cap.outer_round} if cap.outer_round else {})},

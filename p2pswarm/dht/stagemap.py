@@ -30,7 +30,7 @@ from p2pswarm.dht.candidates import CHECK_PERIOD, CandidateBook, asks_first
 from p2pswarm.dht.discovery import ANNOUNCE_PERIOD, DEFAULT_K, LOOKUP_TIMEOUT, STAGE_MAP_PERIOD, StageIndex
 from p2pswarm.dht import ranking
 from p2pswarm.dht.ranking import Standing
-from p2pswarm.dht.records import StageRecord
+from p2pswarm.dht.records import PLAUSIBLE_THROUGHPUT, UNNAMED_RUN, StageRecord
 from p2pswarm.errors import DialError
 from p2pswarm.model.catalog import ModelSpec, least_served_stage
 
@@ -45,10 +45,11 @@ CHECK_POOL = 3 * DEFAULT_K  # records kept (and checked) per stage: room for new
 
 
 class StageMap:
-    """The cached stage map of ``model``, rebuilt on demand through ``index``."""
+    """The cached stage map of ``model`` in run ``run``, rebuilt on demand through ``index``; records of
+    other runs live under other keys, and any that come back anyway are dropped by the lookup."""
 
-    def __init__(self, index: StageIndex, model: ModelSpec, nursery: trio.Nursery) -> None:
-        self._index, self.model, self._nursery = index, model, nursery
+    def __init__(self, index: StageIndex, model: ModelSpec, nursery: trio.Nursery, run: str = UNNAMED_RUN) -> None:
+        self._index, self.model, self._nursery, self.run = index, model, nursery, run
         self._pools: dict[int, list[StageRecord]] = {}  # per stage: the last lookup's CHECK_POOL best
         self.updated_at = 0.0
         self._rebuilt: trio.Event | None = None  # while a rebuild runs: set when it ends
@@ -106,7 +107,8 @@ class StageMap:
     async def refresh_stages(self, stages: list[int]) -> None:
         """Look up ``stages`` and update each in the map as its answer comes in (bounded)."""
         async def one(stage: int) -> None:
-            records = await self._index.lookup_stage(self.model.name, stage, k=CHECK_POOL, standing=self.standing)
+            records = await self._index.lookup_stage(self.model.name, stage, k=CHECK_POOL, standing=self.standing,
+                                                     run=self.run)
             self._keep(stage, [r for r in records if (r.start, r.end) == self.model.stage_range(stage)])
 
         with trio.move_on_after(STAGE_MAP_BUILD_TIMEOUT):
@@ -143,9 +145,12 @@ class StageMap:
         return record.addrs if record else ()
 
     async def choose_stage(self, rng: random.Random) -> int:
-        """``--layers auto``: the stage with the fewest live replicas, ties broken at random."""
+        """``--layers auto``: the stage with the least announced throughput (else the fewest live
+        replicas), ties broken at random (``catalog.least_served_stage``)."""
         stages = await self.refresh()
-        chosen = least_served_stage(self.model, {s: len(records) for s, records in stages.items()}, rng)
+        chosen = least_served_stage(self.model, {s: len(records) for s, records in stages.items()}, rng,
+                                    {s: [min(r.capacity.throughput, PLAUSIBLE_THROUGHPUT) for r in records]
+                                     for s, records in stages.items()})
         log.info("--layers auto: chose stage %d, layers [%d, %d): the least served", chosen,
                  *self.model.stage_range(chosen))
         return chosen
@@ -154,6 +159,7 @@ class StageMap:
         now = time.time()
         return {
             "model": self.model.name,
+            "run": self.run,
             "n_layers": self.model.n_layers,
             "n_stages": self.model.n_stages,
             "updated_at": self.updated_at,

@@ -39,7 +39,8 @@ command-line flags: they need not match.
 **Identity.** ``RunSpec.identity`` is 16 hex characters of the sha256 of the run's canonical form:
 canonical JSON of the resolved values (the tokenizer by its sha256, not its path), not the file's
 text, so key order, comments and spelling (``3e-3`` or ``0.003``) do not change it, and any value
-that does changes it. The name is not part of it: the identity decides who trains together. It is
+that does changes it. It also hashes the model's dimensions as the catalog resolves them, so two
+versions of p2pswarm that build a catalog name differently never mix. The name is not part of it: the identity decides who trains together. It is
 part of every stage key and record and travels in activation, DiLoCo and snapshot requests
 (``run_bytes``: its 8 bytes), so peers of different runs never exchange a tensor.
 
@@ -123,6 +124,7 @@ class RunSpec:
         for local in ("name", "tokenizer", "source"):
             del values[local]
         values["betas"] = list(self.betas)
+        values["spec"] = dataclasses.asdict(self.spec())  # the model's dimensions, as this version builds it
         return {"format": RUN_FORMAT, **values}
 
     @functools.cached_property
@@ -144,12 +146,25 @@ class RunSpec:
         return dataclasses.replace(local, inner_steps=self.inner_steps, outer_lr=self.outer_lr,
                                    momentum=self.momentum, codec=self.codec, aggregator=self.aggregator)
 
+    def train_values(self) -> dict:
+        """The keyword arguments of ``swarm.engine.TrainConfig`` (which imports torch; this module does not)."""
+        return dict(lr=self.lr, weight_decay=self.weight_decay, accumulate=self.accumulate, grad_clip=self.grad_clip,
+                    seed=self.seed, betas=self.betas, eps=self.eps, warmup_steps=self.warmup_steps,
+                    decay_steps=self.decay_steps, min_lr_ratio=self.min_lr_ratio, rows=self.rows, seq=self.context,
+                    activation_dtype=self.dtype)
+
     def with_values(self, **values) -> RunSpec:
         """The run with some values replaced and checked again (``--model`` without ``--run``)."""
         return _checked(dataclasses.replace(self, **values), self.source or self.name)
 
     def describe(self) -> str:
         return f"run {self.identity} ({self.name})"
+
+
+def agreed_diloco(settings: dls.DilocoSettings) -> dict:
+    """The DiLoCo values of ``settings`` that a run fixes, as RunSpec fields."""
+    return dict(inner_steps=settings.inner_steps, outer_lr=settings.outer_lr, momentum=settings.momentum,
+                codec=settings.codec, aggregator=settings.aggregator)
 
 
 def load_run(text: str) -> RunSpec:

@@ -29,6 +29,9 @@ _SCALARS = {
     bytes: st.binary(max_size=SMALL_BYTES),
 }
 _CUSTOM_FRAMES: dict[type, st.SearchStrategy] = {}
+RUN_BYTES = 8  # a run identity on the wire (p2pswarm.model.run): 64 bits
+run_bytes = st.binary(min_size=RUN_BYTES, max_size=RUN_BYTES)  # as activation, DiLoCo and snapshot requests carry it
+run_ids = run_bytes.map(bytes.hex)  # as stage records and keys carry it: 16 lowercase hex characters
 
 
 def register_frames(cls: type, strategy: st.SearchStrategy) -> None:
