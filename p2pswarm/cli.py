@@ -31,6 +31,7 @@ from p2pswarm.model.corpus import data_corpus
 from p2pswarm.nat.relay_service import RelayConfig, load_relay_config
 from p2pswarm.nat.stun import parse_stun_server
 from p2pswarm.net.host import DEFAULT_LIMITS, peer_info_from_multiaddr
+from p2pswarm.swarm.device import PRECISIONS, resolve_placement
 
 log = logging.getLogger("p2pswarm")
 
@@ -96,6 +97,13 @@ def build_parser() -> argparse.ArgumentParser:
                            "the Python standard library's sources, embedded, no download)")
     join.add_argument("--threads", type=int, metavar="N",
                       help="torch compute threads (default: all cores; use 1 when several peers share a machine)")
+    join.add_argument("--device", default="auto", metavar="auto|cpu|cuda|cuda:N|mps",
+                      help="where this peer computes (default auto: the first CUDA GPU if torch sees one, else "
+                           "Apple's mps, else the CPU); the weights and optimizer states stay fp32 there")
+    join.add_argument("--precision", default="auto", metavar="|".join(PRECISIONS),
+                      help="auto (default): bf16 autocast on CUDA (fp32 master weights and AdamW states), fp32 "
+                           "on the CPU and mps; bf16 is allowed on the CPU too; fp16 is refused (it needs a "
+                           "pipeline-wide loss scale)")
     _diloco_options(join)
     join.add_argument("--dht-mode", default="auto", choices=[m.value for m in DhtMode],
                       help="Kademlia server or client mode (auto: client until found publicly reachable)")
@@ -197,10 +205,12 @@ def config_from_args(args: argparse.Namespace) -> NodeConfig:
             peer_info_from_multiaddr(relay)  # ConfigError unless it ends in /p2p/<peer id>
         if args.threads is not None and args.threads < 1:
             raise ConfigError(f"--threads must be at least 1, not {args.threads}")
+        placement = resolve_placement(args.device, args.precision)  # ConfigError: a device we lack, fp16
         if args.data is not None:
             data_corpus(args.data)  # ConfigError (one line) for a missing, empty or binary-only path
         kwargs.update(model=model.name, layers=parse_layers(args.layers, model), dht_mode=DhtMode(args.dht_mode),
                       relays=tuple(args.relay), data=args.data, threads=args.threads,
+                      device=placement.device, precision=placement.precision,
                       diloco=_diloco_settings(args))
     return NodeConfig(**kwargs)
 

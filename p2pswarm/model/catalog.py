@@ -173,14 +173,25 @@ def parse_layers(text: str, model: ModelSpec) -> tuple[int, int] | None:
     return start, end
 
 
-def least_served_stage(model: ModelSpec, replicas_per_stage: dict[int, int], rng: random.Random) -> int:
-    """The stage with the fewest live replicas.
+def least_served_stage(model: ModelSpec, replicas_per_stage: dict[int, int], rng: random.Random,
+                       throughputs: dict[int, list[float]] | None = None) -> int:
+    """The stage with the least served throughput, else the fewest live replicas.
 
-    Ties are broken at random so that peers joining at the same moment spread out.
+    ``throughputs`` are the tokens/s each stage's replicas announce (0: not measured yet). Where
+    some are known, a stage is served by the sum of its replicas' throughputs, an unknown one
+    counting as the mean of the known ones (a peer that has not measured yet is taken as a
+    typical one): a fast GPU replica serves a stage as much as several CPU ones, and the stage
+    that bounds the pipeline gets the newcomer. Where none is known, the stage with the fewest
+    replicas. Ties are broken at random so that peers joining at the same moment spread out.
     """
-    counts = [replicas_per_stage.get(stage, 0) for stage in range(model.n_stages)]
-    fewest = min(counts)
-    return rng.choice([stage for stage, count in enumerate(counts) if count == fewest])
+    known = [t for values in (throughputs or {}).values() for t in values if t > 0]
+    if known:
+        nominal = sum(known) / len(known)
+        served = [sum(t if t > 0 else nominal for t in throughputs.get(stage, ())) for stage in range(model.n_stages)]
+    else:
+        served = [replicas_per_stage.get(stage, 0) for stage in range(model.n_stages)]
+    least = min(served)
+    return rng.choice([stage for stage, amount in enumerate(served) if amount == least])
 
 
 def block_param_count(spec: ModelSpec) -> int:

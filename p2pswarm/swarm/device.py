@@ -28,6 +28,7 @@ DEVICE_CHOICES = ("auto", "cpu", "cuda", "cuda:N", "mps")  # what --device accep
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")  # what --precision accepts
 DEFAULT_DEVICE = "cpu"  # a Placement made in code (tests, in-process swarms) computes where every machine can
 DEFAULT_PRECISION = "fp32"  # with the CPU's exact numerics
+MIB = 1024 * 1024  # records announce memory in MiB
 AUTOCAST_DTYPES = {"fp32": None, "bf16": "bfloat16"}  # precision -> autocast dtype (None: no autocast)
 
 _CUDA = re.compile(r"cuda(?::(\d{1,3}))?")
@@ -71,6 +72,23 @@ def accelerators() -> Accelerators:
     mps = getattr(torch.backends, "mps", None)
     return Accelerators(cuda_devices=torch.cuda.device_count() if torch.cuda.is_available() else 0,
                         mps=bool(mps is not None and mps.is_available()))
+
+
+def free_device_memory_mb(device: str) -> int:
+    """Free memory of an accelerator in MiB (imports torch): CUDA's own count of the whole device
+    (other processes included), mps's recommended budget less what it holds; 0 if unknown."""
+    import torch
+
+    try:
+        if device.startswith("cuda"):
+            free, _total = torch.cuda.mem_get_info(torch.device(device))
+            return free // MIB
+        if device == "mps":
+            return max(0, torch.mps.recommended_max_memory() - torch.mps.driver_allocated_memory()) // MIB
+    except (RuntimeError, AssertionError, AttributeError):  # no driver, or one that does not say (a torch
+        # without CUDA asserts): announce no memory rather than fail the announcement
+        pass
+    return 0
 
 
 def resolve_placement(device_text: str, precision_text: str, found: Accelerators | None = None) -> Placement:

@@ -23,13 +23,14 @@ the live parameters, which AdamW steps every ``accumulate`` micro-batches.
 weights and AdamW's states are fp32 there (the master copy); with ``bf16`` each forward runs under
 ``torch.autocast`` (the matrix products in bf16) and its backward follows the recorded dtypes.
 Hidden states and their gradients cross the wire in ``TrainConfig.activation_dtype`` and come in
-as fp32; ``wire_out`` and ``on_device`` move them through ``swarm/staging.py``'s host buffers. On
+as fp32; ``wire_out`` and ``_input`` move them through ``swarm/staging.py``'s host buffers. On
 the CPU in fp32 nothing is cast or staged: the numerics are exactly those of a plain module. The
 engine is made and called on one thread for its whole life (``swarm/compute_thread.py``): a CUDA
 device's current device, stream and autocast state are per thread.
 
 The optimizer state, the weights and the step counter are in ``state_dict`` (DiLoCo and snapshots
-build on it; ``host_state_dict`` is a copy of it on the host, safe to encode on another thread). Initial weights are ``build_stage(spec, stage, seed)``: identical on every replica.
+build on it; ``host_state_dict`` is a copy of it on the host, safe to encode on another thread).
+Initial weights are ``build_stage(spec, stage, seed)``: identical on every replica.
 This module imports torch (with ``model/``, the only place that does).
 """
 
