@@ -12,8 +12,11 @@ held-out bytes on every peer (so that the loss each last stage publishes is comp
 - The split is a stable hash of each file's relative path (about 2 % held out); when that leaves
   one side empty (a corpus of one or a few files) the tail of the byte stream is held out instead.
 - Everything is streamed in chunks of ``chunk_size`` bytes: a corpus larger than RAM works.
+- With a tokenizer other than bytes, ``model/token_shards.py`` tokenizes this corpus (same files,
+  same split) once into memory-mapped shards; ``batches`` and ``heldout_batches`` take either
+  (anything with ``train_windows``, ``heldout_windows`` and ``train_size``).
 
-Pure and torch-free: it yields bytes; the compute engine turns them into tensors.
+Pure and torch-free: it yields bytes (or token arrays); the compute engine turns them into tensors.
 """
 
 from __future__ import annotations
@@ -65,6 +68,8 @@ class Corpus:
     train: tuple[Segment, ...]
     heldout: tuple[Segment, ...]
     chunk_size: int = CHUNK_SIZE
+    root: Path | None = None  # the --data path (None: the embedded corpus); token shards go beside it
+    unit = "bytes"  # what a window's elements are
 
     @property
     def train_bytes(self) -> int:
@@ -74,10 +79,25 @@ class Corpus:
     def heldout_bytes(self) -> int:
         return sum(s.size for s in self.heldout)
 
+    @property
+    def train_size(self) -> int:
+        return self.train_bytes
+
+    def describe(self) -> str:
+        return f"{self.name}: {self.train_bytes / 1e6:.1f} MB to train on, {self.heldout_bytes / 1e6:.1f} MB held out"
+
+    def train_windows(self, length: int, offset: int = 0) -> Iterator[bytes]:
+        """The training part's consecutive windows, starting at training file ``offset`` (mod their count)."""
+        segments = self.train[offset % len(self.train):] + self.train[:offset % len(self.train)]
+        return windows(read_segments(segments, self.chunk_size), length)
+
+    def heldout_windows(self, length: int) -> Iterator[bytes]:
+        return windows(read_segments(self.heldout, self.chunk_size), length)
+
 
 @dataclass(frozen=True)
 class MicroBatch:
-    rows: tuple[bytes, ...]  # each seq_len + 1 bytes: inputs are row[:-1], targets row[1:]
+    rows: tuple  # each seq_len + 1 tokens (bytes, or a numpy id array): inputs row[:-1], targets row[1:]
     epoch: int  # how many times this shard has cycled over the training part before this batch
 
     @property
@@ -112,14 +132,14 @@ def is_text(path: Path) -> bool:
     return True
 
 
-def split(name: str, files: Iterable[CorpusFile], chunk_size: int = CHUNK_SIZE) -> Corpus:
+def split(name: str, files: Iterable[CorpusFile], chunk_size: int = CHUNK_SIZE, root: Path | None = None) -> Corpus:
     """The corpus with its fixed split: by path hash, or by the stream's tail when one side is empty."""
     files = sorted(files, key=lambda f: f.rel)
     train = tuple(Segment(f, 0, f.size) for f in files if not is_heldout(f.rel))
     heldout = tuple(Segment(f, 0, f.size) for f in files if is_heldout(f.rel))
     if not train or not heldout or not sum(s.size for s in heldout):
         train, heldout = _tail_split(files)
-    return Corpus(name=name, train=train, heldout=heldout, chunk_size=chunk_size)
+    return Corpus(name=name, train=train, heldout=heldout, chunk_size=chunk_size, root=root)
 
 
 def _tail_split(files: list[CorpusFile]) -> tuple[tuple[Segment, ...], tuple[Segment, ...]]:
@@ -173,7 +193,7 @@ def data_corpus(path: str | os.PathLike[str], chunk_size: int = CHUNK_SIZE) -> C
         files = _scan(root, None, frozenset())
         if not files:
             raise ConfigError(f"--data {root}: the folder holds no readable, non-empty text file")
-        return split(str(root), files, chunk_size)
+        return split(str(root), files, chunk_size, root)
     try:
         size = root.stat().st_size
     except OSError as exc:
@@ -182,7 +202,7 @@ def data_corpus(path: str | os.PathLike[str], chunk_size: int = CHUNK_SIZE) -> C
         raise ConfigError(f"--data {root}: the file is empty")
     if not is_text(root):
         raise ConfigError(f"--data {root}: not a readable text file (binary or no permission)")
-    return split(str(root), [CorpusFile(root.name, root, size)], chunk_size)
+    return split(str(root), [CorpusFile(root.name, root, size)], chunk_size, root)
 
 
 def load_corpus(data: str | os.PathLike[str] | None = None, chunk_size: int = CHUNK_SIZE) -> Corpus:
@@ -232,9 +252,8 @@ def _check_shape(shard: int, n_shards: int, seq_len: int, batch_size: int) -> No
         raise ValueError(f"seq_len and batch_size must be positive, got {seq_len}, {batch_size}")
 
 
-def _shard_windows(corpus: Corpus, shard: int, n_shards: int, length: int, offset: int = 0) -> Iterator[bytes]:
-    segments = corpus.train[offset % len(corpus.train):] + corpus.train[:offset % len(corpus.train)]
-    for i, w in enumerate(windows(read_segments(segments, corpus.chunk_size), length)):
+def _shard_windows(corpus, shard: int, n_shards: int, length: int, offset: int = 0) -> Iterator[bytes]:
+    for i, w in enumerate(corpus.train_windows(length, offset)):
         if i % n_shards == shard:
             yield w
 
@@ -244,8 +263,8 @@ def _epoch_rng(seed: int, shard: int, epoch: int) -> random.Random:
     return random.Random(int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big"))
 
 
-def _shuffled(items: Iterator[bytes], rng: random.Random, size: int) -> Iterator[bytes]:
-    buf: list[bytes] = []
+def _shuffled(items: Iterator, rng: random.Random, size: int) -> Iterator:
+    buf: list = []
     for item in items:
         if len(buf) < size:
             buf.append(item)
@@ -257,24 +276,25 @@ def _shuffled(items: Iterator[bytes], rng: random.Random, size: int) -> Iterator
     yield from buf
 
 
-def batches(corpus: Corpus, shard: int, n_shards: int, seq_len: int, batch_size: int,
+def batches(corpus, shard: int, n_shards: int, seq_len: int, batch_size: int,
             seed: int = 0, offset: int = 0) -> Iterator[MicroBatch]:
     """Micro-batches of this shard's training windows, cycling forever.
 
-    The training part is cut into consecutive windows of ``seq_len + 1`` bytes; shard ``s`` takes
+    The training part is cut into consecutive windows of ``seq_len + 1`` tokens; shard ``s`` takes
     windows ``s, s + n_shards, s + 2 n_shards, …``, so shards are disjoint and each sees the whole
     corpus. Within an epoch the windows pass through a bounded shuffle buffer seeded by
     (seed, shard, epoch): deterministic, different every epoch. A batch may span two epochs.
     ``offset`` starts the pass at training file ``offset`` (modulo their count) and wraps around:
-    replicas that share a shard but not an offset read different parts of the corpus at a time.
+    replicas that share a shard but not an offset read different parts of the corpus at a time
+    (a tokenized corpus starts at token ``offset`` modulo its training tokens instead).
     """
     _check_shape(shard, n_shards, seq_len, batch_size)
     length = seq_len + 1
-    available = corpus.train_bytes // length
+    available = corpus.train_size // length
     if available < n_shards:
-        raise ConfigError(f"corpus {corpus.name}: its training part ({corpus.train_bytes} bytes) holds "
-                          f"{available} sequences of {length} bytes, fewer than the {n_shards} shards")
-    rows: list[bytes] = []
+        raise ConfigError(f"corpus {corpus.name}: its training part ({corpus.train_size} {corpus.unit}) holds "
+                          f"{available} sequences of {length} {corpus.unit}, fewer than the {n_shards} shards")
+    rows: list = []
     epoch = 0
     while True:
         rng = _epoch_rng(seed, shard, epoch)
@@ -290,7 +310,7 @@ def batches(corpus: Corpus, shard: int, n_shards: int, seq_len: int, batch_size:
         epoch += 1
 
 
-def heldout_batches(corpus: Corpus, seq_len: int, batch_size: int,
+def heldout_batches(corpus, seq_len: int, batch_size: int,
                     max_rows: int | None = None) -> Iterator[MicroBatch]:
     """The fixed evaluation set: the held-out part's consecutive windows, in order, the same on every peer.
 
@@ -298,8 +318,8 @@ def heldout_batches(corpus: Corpus, seq_len: int, batch_size: int,
     rows, so peers with the same cap still evaluate on the same bytes).
     """
     _check_shape(0, 1, seq_len, batch_size)
-    rows: list[bytes] = []
-    for i, w in enumerate(windows(read_segments(corpus.heldout, corpus.chunk_size), seq_len + 1)):
+    rows: list = []
+    for i, w in enumerate(corpus.heldout_windows(seq_len + 1)):
         if max_rows is not None and i >= max_rows:
             break
         rows.append(w)

@@ -22,8 +22,11 @@ import os
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Protocol
+
+import numpy as np
 
 from p2pswarm.errors import ConfigError
 
@@ -113,6 +116,28 @@ class FileTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=False)
+
+    @cached_property
+    def byte_lengths(self) -> np.ndarray:
+        """How many bytes of text each token id stands for (int64 [vocab]): a held-out figure in bits
+        per byte counts its targets' bytes with it. Exact for byte-level BPE (a token's symbols are its
+        bytes); otherwise the UTF-8 length of the token decoded alone."""
+        from tokenizers import pre_tokenizers
+
+        alphabet = set(pre_tokenizers.ByteLevel.alphabet())
+        byte_level = type(self.hf.decoder).__name__ == "ByteLevel"
+        lengths = np.zeros(self.vocab_size, dtype=np.int64)
+        for i in range(self.vocab_size):
+            token = self.hf.id_to_token(i)
+            if token is None:
+                continue
+            lengths[i] = len(token) if byte_level and set(token) <= alphabet else \
+                len(self.hf.decode([i], skip_special_tokens=False).encode("utf-8"))
+        return lengths
+
+    def count_bytes(self, ids) -> int:
+        """The bytes of text the token ids (any integer array) stand for."""
+        return int(self.byte_lengths[np.asarray(ids, dtype=np.int64)].sum())
 
 
 def load_tokenizer(spec: str, base_dir: str | os.PathLike[str] | None = None) -> ByteTokenizer | FileTokenizer:

@@ -4,7 +4,8 @@ Every stage-0 peer periodically sends the fixed held-out set (``corpus.heldout_b
 bytes on every peer) through the swarm as a round of inference-priority micro-batches: ``step``
 is the round's number, the session is the sender's. Only the last stage computes a loss, so it
 is the last stage that adds each micro-batch's summed loss into its round and publishes the
-latest complete round in bits per byte. A round is complete when ``expected`` micro-batches
+latest complete round in bits per byte (and bits per token: the same with the byte tokenizer;
+with another, ``bits_per_byte`` divides by the bytes of text the target tokens stand for). A round is complete when ``expected`` micro-batches
 arrived, or when a later round of the same session starts (a round cut short by a lost
 micro-batch still counts, over the bytes that arrived). A straggler of a round already closed
 (late or duplicated) is ignored.
@@ -29,16 +30,19 @@ class EvalRound:
 
     session: bytes
     round: int
-    bits_per_byte: float
+    bits_per_byte: float  # over the bytes of text the targets stand for
     tokens: int
     batches: int
     at: float  # when it completed
+    bits_per_token: float | None = None  # None: as bits_per_byte (tokens are bytes)
+    bytes: int | None = None  # None: as tokens
 
 
 @dataclass
 class _Open:
     nats: float = 0.0
     tokens: int = 0
+    bytes: int = 0
     batches: int = 0
 
 
@@ -53,8 +57,10 @@ class EvalBook:
         self._closed: dict[bytes, int] = {}  # session -> its latest closed round: stragglers are ignored
         self.history: list[EvalRound] = []
 
-    def record(self, session: bytes, round_: int, nats_sum: float, tokens: int, now: float) -> EvalRound | None:
-        """Add one micro-batch's summed loss (nats over ``tokens`` bytes); the round it completed, if any."""
+    def record(self, session: bytes, round_: int, nats_sum: float, tokens: int, now: float,
+               nbytes: int | None = None) -> EvalRound | None:
+        """Add one micro-batch's summed loss (nats over ``tokens`` targets that stand for ``nbytes`` bytes
+        of text; None: the tokens are bytes); the round it completed, if any."""
         if tokens <= 0 or not math.isfinite(nats_sum) or round_ <= self._closed.get(session, -1):
             return None
         done = None
@@ -68,6 +74,7 @@ class EvalBook:
         entry = self._open[key]
         entry.nats += nats_sum
         entry.tokens += tokens
+        entry.bytes += tokens if nbytes is None else nbytes
         entry.batches += 1
         if entry.batches >= self.expected:
             done = self._close(key, now)
@@ -78,9 +85,14 @@ class EvalBook:
         self._closed[key[0]] = max(key[1], self._closed.get(key[0], -1))
         if len(self._closed) > MAX_OPEN_ROUNDS * 4:  # bounded: forget the sessions closed longest ago
             del self._closed[next(iter(self._closed))]
-        if entry.tokens <= 0:
+        if entry.tokens <= 0 or entry.bytes <= 0:
             return None
-        done = EvalRound(key[0], key[1], entry.nats / entry.tokens / math.log(2), entry.tokens, entry.batches, now)
+        per_token = entry.nats / entry.tokens / math.log(2)
+        if entry.bytes == entry.tokens:  # byte tokens: one figure, the record as it always was
+            done = EvalRound(key[0], key[1], per_token, entry.tokens, entry.batches, now)
+        else:
+            done = EvalRound(key[0], key[1], entry.nats / entry.bytes / math.log(2), entry.tokens, entry.batches,
+                             now, per_token, entry.bytes)
         self.history.append(done)
         del self.history[:-HISTORY]
         return done

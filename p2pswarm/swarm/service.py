@@ -41,6 +41,8 @@ import trio
 
 from p2pswarm.errors import ConfigError, RemoteProtocolError
 from p2pswarm.model import corpus as corpora
+from p2pswarm.model import token_shards
+from p2pswarm.model.tokenizer import ByteTokenizer
 from p2pswarm.model.catalog import ModelSpec
 from p2pswarm.swarm import engine as eng
 from p2pswarm.swarm.activation import MAX_RETRY_AFTER_MS, PROTOCOL_ID, SESSION_BYTES, Ack, Backward, Busy, Forward
@@ -83,8 +85,9 @@ class SwarmService:
     def __init__(self, *, spec: ModelSpec, stage: int, me: str, pool, stage_map, host,
                  config: eng.TrainConfig = eng.TrainConfig(), data: str | None = None,
                  threads: int | None = None, rng: random.Random | None = None, extensions=(),
-                 placement: Placement = Placement()) -> None:
+                 placement: Placement = Placement(), tokenizer=None) -> None:
         self.spec, self.stage, self.me = spec, stage, me
+        self.tokenizer = tokenizer or ByteTokenizer()  # the run's (model/tokenizer.py): what stage 0 feeds
         self._pool, self._stage_map, self._host = pool, stage_map, host
         self.config, self._data, self._threads = config, data, threads
         self.placement = placement  # the engine's device and precision (swarm/device.py)
@@ -142,9 +145,8 @@ class SwarmService:
             nursery.start_soon(self._upkeep)
             task_status.started(self)
             if self.is_first:
-                corpus = await trio.to_thread.run_sync(corpora.load_corpus, self._data)
-                log.info("stage 0 reads %s: %.1f MB to train on, %.1f MB held out", corpus.name,
-                         corpus.train_bytes / 1e6, corpus.heldout_bytes / 1e6)
+                corpus = await trio.to_thread.run_sync(self._load_corpus)
+                log.info("stage 0 reads %s", corpus.describe())
                 nursery.start_soon(self._feed, corpus)
                 nursery.start_soon(self._evaluate, corpus)
 
@@ -268,8 +270,12 @@ class SwarmService:
 
     def _record_loss(self, work: eng.Work, out: eng.Output) -> None:
         if work.kind == "eval":
-            done = self.evals.record(work.key[0], work.step, out.loss_nats, out.tokens, time.time())
-            if done:
+            nbytes = None if self.tokenizer.is_bytes else self.tokenizer.count_bytes(work.targets.cpu().numpy())
+            done = self.evals.record(work.key[0], work.step, out.loss_nats, out.tokens, time.time(), nbytes)
+            if done and done.bits_per_token is not None:
+                log.info("held-out loss %.3f bits/byte, %.3f bits/token (round %d, %d tokens, %d bytes)",
+                         done.bits_per_byte, done.bits_per_token, done.round, done.tokens, done.bytes)
+            elif done:
                 log.info("held-out loss %.3f bits/byte (round %d, %d bytes)", done.bits_per_byte, done.round,
                          done.tokens)
             return
@@ -375,9 +381,15 @@ class SwarmService:
             self._progress = trio.Event()
         await self._progress.wait()
 
+    def _load_corpus(self):
+        """Worker thread: the corpus (--data or the stdlib), tokenized into shards unless tokens are bytes."""
+        corpus = corpora.load_corpus(self._data)
+        return corpus if self.tokenizer.is_bytes else token_shards.tokenize_corpus(corpus, self.tokenizer)
+
     async def _evaluate(self, corpus) -> None:
+        seq = self.config.seq or self.spec.context
         held = await trio.to_thread.run_sync(
-            lambda: list(corpora.heldout_batches(corpus, self.spec.context, EVAL_ROWS, EVAL_BATCHES * EVAL_ROWS)))
+            lambda: list(corpora.heldout_batches(corpus, seq, EVAL_ROWS, EVAL_BATCHES * EVAL_ROWS)))
         if not held:
             log.warning("the corpus has no held-out part: no evaluation")
             return
