@@ -7,6 +7,7 @@ down cleanly (host closed, listeners gone) and exit 0.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import signal
@@ -26,7 +27,9 @@ from p2pswarm.demo import DEMO_INNER_STEPS
 from p2pswarm.diloco import settings as dls
 from p2pswarm.logs import LOG_FORMATS, quiet_libp2p, setup_logging
 from p2pswarm.memory import use_system_malloc
-from p2pswarm.model.catalog import DEFAULT_MODEL, MODELS, get_model, parse_layers
+from p2pswarm.model import catalog
+from p2pswarm.model.catalog import DEFAULT_MODEL, MODELS, parse_layers
+from p2pswarm.model.run import DEFAULT_RUN, RunSpec, format_run, format_runs_table, load_run, packaged_runs, run_for_join
 from p2pswarm.model.corpus import data_corpus
 from p2pswarm.nat.relay_service import RelayConfig, load_relay_config
 from p2pswarm.nat.stun import parse_stun_server
@@ -89,7 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--bootstrap", action="append", required=True, metavar="MULTIADDR",
                       help="a bootstrap peer's multiaddr ending in /p2p/<peer id>; repeatable")
     _node_options(join, DEFAULT_LISTEN)
-    join.add_argument("--model", default=DEFAULT_MODEL, help=f"model to train ({', '.join(MODELS)})")
+    join.add_argument("--run", metavar="NAME|PATH.toml",
+                      help=f"the run to train: a packaged run (p2pswarm models lists them) or a run file; every "
+                           f"peer of a swarm trains the same run (default {DEFAULT_RUN})")
+    join.add_argument("--model", help=f"model to train ({', '.join(MODELS)}) with the default run's settings "
+                                      f"(default {DEFAULT_MODEL}; with --run only its own model)")
     join.add_argument("--layers", default="auto", metavar="START:END|auto",
                       help="layer range to serve; auto picks the least-served stage (default)")
     join.add_argument("--data", metavar="PATH",
@@ -137,6 +144,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="local steps between DiLoCo outer rounds (default 40: a round every ~10-15 s)")
     demo.add_argument("--dir", type=Path, default=None, help="where peers keep keys and logs (default: a temp dir)")
     _tokenizer_parser(sub)
+    models = sub.add_parser("models", help="list the models, their tiers and the packaged runs",
+                            description="List the catalog's models with the tier table and the packaged runs "
+                                        "(name, model, identity, tokenizer, lr, micro-batch, dtype); with --run, "
+                                        "print that one run resolved, with its identity.")
+    models.add_argument("--run", metavar="NAME|PATH.toml", help="print this run resolved instead")
     return parser
 
 
@@ -158,15 +170,16 @@ def _tokenizer_parser(sub) -> None:
 
 
 def _diloco_options(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("DiLoCo between the replicas of a stage")
-    group.add_argument("--inner-steps", type=int, default=dls.INNER_STEPS, metavar="H",
+    group = parser.add_argument_group("DiLoCo between the replicas of a stage",
+                                      "H, outer lr, momentum, codec and aggregator are part of the run: refused "
+                                      "with --run (its [diloco] table fixes them)")
+    group.add_argument("--inner-steps", type=int, metavar="H",
                        help=f"local optimizer steps between outer rounds (default {dls.INNER_STEPS})")
-    group.add_argument("--outer-lr", type=float, default=dls.OUTER_LR, help=f"outer learning rate (default {dls.OUTER_LR})")
-    group.add_argument("--outer-momentum", type=float, default=dls.OUTER_MOMENTUM,
-                       help=f"outer Nesterov momentum (default {dls.OUTER_MOMENTUM})")
-    group.add_argument("--codec", default=dls.CODEC, choices=dls.CODECS,
+    group.add_argument("--outer-lr", type=float, help=f"outer learning rate (default {dls.OUTER_LR})")
+    group.add_argument("--outer-momentum", type=float, help=f"outer Nesterov momentum (default {dls.OUTER_MOMENTUM})")
+    group.add_argument("--codec", choices=dls.CODECS,
                        help=f"pseudo-gradients on the wire (default {dls.CODEC}: per-chunk scales)")
-    group.add_argument("--aggregator", default=dls.AGGREGATOR, choices=dls.AGGREGATORS,
+    group.add_argument("--aggregator", choices=dls.AGGREGATORS,
                        help=f"how the replicas' pseudo-gradients are combined (default {dls.AGGREGATOR})")
     group.add_argument("--no-verify", dest="verify", action="store_false",
                        help="do not check each contribution against the others before combining")
@@ -177,14 +190,16 @@ def _diloco_options(parser: argparse.ArgumentParser) -> None:
                             "the last 5 are kept)")
 
 
-def _diloco_settings(args: argparse.Namespace) -> dls.DilocoSettings:
-    settings = dls.DilocoSettings(inner_steps=args.inner_steps, outer_lr=args.outer_lr, momentum=args.outer_momentum,
-                                  codec=args.codec, aggregator=args.aggregator, verify=args.verify,
-                                  gather_s=args.gather, snapshot_period=args.snapshot_period)
-    problem = settings.problem()
+def _join_run(args: argparse.Namespace) -> tuple[RunSpec, dls.DilocoSettings]:
+    """The run ``join`` trains (``run.run_for_join``) and the DiLoCo settings: its agreed values, our local ones."""
+    agreed = {"inner_steps": args.inner_steps, "outer_lr": args.outer_lr, "momentum": args.outer_momentum,
+              "codec": args.codec, "aggregator": args.aggregator}
+    local = dls.DilocoSettings(verify=args.verify, gather_s=args.gather, snapshot_period=args.snapshot_period)
+    problem = dataclasses.replace(local, **{k: v for k, v in agreed.items() if v is not None}).problem()
     if problem:
         raise ConfigError(problem)
-    return settings
+    run = run_for_join(args.run, args.model, agreed)
+    return run, run.diloco(local)
 
 
 def config_from_args(args: argparse.Namespace) -> NodeConfig:
@@ -200,7 +215,8 @@ def config_from_args(args: argparse.Namespace) -> NodeConfig:
     if role is Role.RELAY:
         kwargs.update(relay=load_relay_config(args.config) if args.config else RelayConfig())
     if role is Role.JOIN:
-        model = get_model(args.model)
+        run, diloco = _join_run(args)
+        model = run.spec()
         for relay in args.relay:
             peer_info_from_multiaddr(relay)  # ConfigError unless it ends in /p2p/<peer id>
         if args.threads is not None and args.threads < 1:
@@ -211,7 +227,7 @@ def config_from_args(args: argparse.Namespace) -> NodeConfig:
         kwargs.update(model=model.name, layers=parse_layers(args.layers, model), dht_mode=DhtMode(args.dht_mode),
                       relays=tuple(args.relay), data=args.data, threads=args.threads,
                       device=placement.device, precision=placement.precision,
-                      diloco=_diloco_settings(args))
+                      diloco=diloco, run=run)
     return NodeConfig(**kwargs)
 
 
@@ -231,6 +247,18 @@ async def _run_until_signalled(config: NodeConfig) -> None:
                 log.info("got %s, shutting down", signal.Signals(signum).name)
                 nursery.cancel_scope.cancel()
                 break
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    if args.run:
+        print(format_run(load_run(args.run)))
+        return 0
+    tiers = getattr(catalog, "format_tier_table", None)
+    print("models: " + ", ".join(MODELS) + "   (NAME/S cuts NAME into S stages)")
+    if tiers is not None:
+        print("\n" + tiers())
+    print("\n" + format_runs_table([load_run(name) for name in packaged_runs()]))
+    return 0
 
 
 def cmd_keygen(args: argparse.Namespace) -> int:
@@ -395,6 +423,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_status(args)
         if args.command == "ping":
             return cmd_ping(args)
+        if args.command == "models":
+            return cmd_models(args)
         if args.command == "tokenizer":
             from p2pswarm.model.tokenizer import cmd_train
 

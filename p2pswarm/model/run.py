@@ -69,6 +69,8 @@ IDENTITY_CHARS = 16  # 64 bits shown and sent: no two runs of one swarm collide 
 RUNS_PACKAGE = "p2pswarm.runs"  # where packaged runs live (package data)
 DTYPES = ("float32", "bfloat16", "float16")  # activation dtypes on the wire
 BYTES_TOKENIZER = "bytes"  # the byte-level default: vocab 256, nothing to ship
+AGREED_FLAGS = {"inner_steps": "--inner-steps", "outer_lr": "--outer-lr", "momentum": "--outer-momentum",
+                "codec": "--codec", "aggregator": "--aggregator"}  # [diloco] keys: the join flags they replace
 
 DEFAULT_SEED = 0  # any seed works; peers must only agree
 DEFAULT_LR = 3e-3  # the tiny-lm sweep's best for a 3-minute run (docs/benchmarks.md)
@@ -165,6 +167,24 @@ def agreed_diloco(settings: dls.DilocoSettings) -> dict:
     """The DiLoCo values of ``settings`` that a run fixes, as RunSpec fields."""
     return dict(inner_steps=settings.inner_steps, outer_lr=settings.outer_lr, momentum=settings.momentum,
                 codec=settings.codec, aggregator=settings.aggregator)
+
+
+def run_for_join(run: str | None, model: str | None, agreed: dict) -> RunSpec:
+    """The run ``join`` trains: ``--run`` as it is (with ``--model`` only if equal, DiLoCo flags that
+    a run fixes refused), or without it the default run on ``--model`` with those flags applied
+    (``agreed``: RunSpec field -> the flag's value, None where not given; the identity follows)."""
+    given = {key: value for key, value in agreed.items() if value is not None}
+    if run is None:
+        base = default_run()
+        return base.with_values(model=get_model(model).name if model else base.model, **given)
+    loaded = load_run(run)
+    if given:
+        flag = AGREED_FLAGS[next(iter(given))]
+        raise ConfigError(f"{flag} is fixed by the run ({loaded.source}: [diloco]); leave it out with --run")
+    if model is not None and get_model(model).name != loaded.model:
+        raise ConfigError(f"--model {model} is not the model of run {loaded.name} ({loaded.model}); "
+                          f"leave --model out with --run")
+    return loaded
 
 
 def load_run(text: str) -> RunSpec:
@@ -309,8 +329,8 @@ def _problem(run: RunSpec, model: ModelSpec) -> tuple[str, str] | None:
             return key, f"{why}, not {getattr(run, key.rpartition('.')[2])!r}"
     problem = run.diloco().problem()  # the DiLoCo settings' own one-line checks, flag names and all
     if problem is not None:
-        flag = problem.split()[0].removeprefix("--").replace("-", "_").replace("outer_momentum", "momentum")
-        return f"diloco.{flag}", problem
+        field = next(f for f, flag in AGREED_FLAGS.items() if problem.startswith(flag + " "))
+        return f"diloco.{field}", problem
     return _plan_problem(run, model)
 
 

@@ -25,6 +25,8 @@ from p2pswarm.swarm.buffers import Priority  # the inbound buffer's classes: one
 
 PROTOCOL_ID = "/p2pswarm/activation/1.0.0"  # the libp2p protocol these frames travel on
 SESSION_BYTES = 16  # a session id is 128 random bits: no two sessions collide by chance
+RUN_BYTES = 8  # a run identity (p2pswarm.model.run): 64 bits of the sha256 of the run's canonical form
+UNNAMED_RUN = bytes(RUN_BYTES)  # frames made without a run (tests, tools): records.UNNAMED_RUN as bytes
 MAX_MICRO_BATCH = wire.INT_MAX  # micro-batch ids count up for a whole run: any u63 is fine
 MAX_STEP = wire.INT_MAX  # training steps count up for a whole run: any u63 is fine
 MAX_QUEUE_DEPTH = 1 << 20  # far beyond any real buffer; bounds what a peer can claim
@@ -67,10 +69,13 @@ class _TensorMessage(wire.Message):
     dtype: str  # a wire.DTYPE_SIZES key
     shape: tuple[int, ...]  # at most wire.MAX_TENSOR_DIMS non-negative dims
     targets: int  # target *bytes* after the tensor in the payload (rows x seq x target_bytes_per_token); 0 if none
+    run: bytes = UNNAMED_RUN  # the sender's run identity: a peer of another run refuses the tensor
 
     def check(self, payload_len: int) -> None:
         kind = self.TYPE
         _check_session(kind, self.session)
+        if len(self.run) != RUN_BYTES:
+            raise RemoteProtocolError(f"{kind}: run identity of {len(self.run)} bytes, not {RUN_BYTES}")
         _check_int(kind, "micro-batch", self.micro_batch, 0, MAX_MICRO_BATCH)
         _check_int(kind, "stage", self.stage, 0, MAX_STAGES - 1)
         if self.priority not in _PRIORITIES:

@@ -45,7 +45,9 @@ from p2pswarm.model import token_shards
 from p2pswarm.model.tokenizer import ByteTokenizer
 from p2pswarm.model.catalog import ModelSpec
 from p2pswarm.swarm import engine as eng
-from p2pswarm.swarm.activation import MAX_RETRY_AFTER_MS, PROTOCOL_ID, SESSION_BYTES, Ack, Backward, Busy, Forward
+from p2pswarm import wire
+from p2pswarm.swarm.activation import (MAX_RETRY_AFTER_MS, PROTOCOL_ID, SESSION_BYTES, UNNAMED_RUN, Ack, Backward, Busy,
+                                       Forward)
 from p2pswarm.swarm.compute_thread import ComputeThread, open_compute_thread
 from p2pswarm.swarm.device import Placement
 from p2pswarm.swarm.buffers import EngineLedger, Outcome, Priority, hand_on, inbound_buffer, outbound_queue
@@ -85,9 +87,12 @@ class SwarmService:
     def __init__(self, *, spec: ModelSpec, stage: int, me: str, pool, stage_map, host,
                  config: eng.TrainConfig = eng.TrainConfig(), data: str | None = None,
                  threads: int | None = None, rng: random.Random | None = None, extensions=(),
-                 placement: Placement = Placement(), tokenizer=None) -> None:
+                 placement: Placement = Placement(), run=None, tokenizer=None) -> None:
         self.spec, self.stage, self.me = spec, stage, me
         self.tokenizer = tokenizer or ByteTokenizer()  # the run's (model/tokenizer.py): what stage 0 feeds
+        self.run = run  # the RunSpec we train (p2pswarm.model.run); None: unnamed (tests)
+        self.run_id = run.run_bytes if run is not None else UNNAMED_RUN  # every frame we send carries it
+        self._other_runs: set[str] = set()  # peers of another run, logged once each
         self._pool, self._stage_map, self._host = pool, stage_map, host
         self.config, self._data, self._threads = config, data, threads
         self.placement = placement  # the engine's device and precision (swarm/device.py)
@@ -158,6 +163,8 @@ class SwarmService:
     async def _on_frame(self, peer: str, message, payload: bytes):
         if self._banned.get(peer, float("-inf")) > trio.current_time():
             raise RemoteProtocolError(f"{peer} is refused for sending garbage")
+        if isinstance(message, (Forward, Backward)) and message.run != self.run_id:
+            return self._refuse_other_run(peer, message.run)
         try:
             job, priority = self._job_from(peer, message, payload)
         except RemoteProtocolError as exc:
@@ -178,6 +185,16 @@ class SwarmService:
             return Busy(message.micro_batch, len(self.inbound), retry_ms)
         self._work_ready.set()
         return Ack(message.micro_batch, len(self.inbound))
+
+    def _refuse_other_run(self, peer: str, run: bytes) -> wire.ErrorReply:
+        """A tensor of another run: never computed, answered with a refusal (not a ban: it is no garbage,
+        only not ours), and logged once per peer."""
+        self.counts["other_run_frames"] += 1
+        ours = f"run {self.run_id.hex()}" + (f" ({self.run.name})" if self.run is not None else "")
+        if peer not in self._other_runs:
+            self._other_runs.add(peer)
+            log.warning("peer %s is training run %s, we train %s: refusing its tensors", peer, run.hex(), ours)
+        return wire.ErrorReply("other-run", f"this peer trains {ours}, not run {run.hex()}")
 
     def _job_from(self, peer: str, message, payload: bytes) -> tuple[Job | None, Priority]:
         """The job a frame asks for; RemoteProtocolError for anything we would not compute."""
@@ -259,12 +276,13 @@ class SwarmService:
             dtype, shape, data = engine.wire_out(out.forward)
             targets = eng.targets_to_bytes(work.targets, self.spec.vocab)
             message = Forward(work.key[0], work.key[1], self.stage + 1, int(priority),
-                              work.step if work.kind == "eval" else engine.step, dtype, shape, len(targets))
+                              work.step if work.kind == "eval" else engine.step, dtype, shape, len(targets),
+                              self.run_id)
             sends.append(Send(message, data + targets, work.key))
         if out.backward is not None:
             dtype, shape, data = engine.wire_out(out.backward)
             message = Backward(work.key[0], work.key[1], self.stage - 1, int(Priority.TRAINING_BACKWARD),
-                               engine.step, dtype, shape, 0)
+                               engine.step, dtype, shape, 0, self.run_id)
             sends.append(Send(message, data, work.key, to=job.upstream))  # a backward job: set in _hand_on
         return sends, out
 
@@ -352,7 +370,8 @@ class SwarmService:
 
     async def _feed(self, corpus) -> None:
         offset = int.from_bytes(hashlib.sha256(self.me.encode()).digest()[:8], "big")
-        batches = corpora.batches(corpus, 0, 1, self.spec.context, BATCH_ROWS, seed=offset, offset=offset)
+        batches = corpora.batches(corpus, 0, 1, self.config.seq or self.spec.context, self.config.rows, seed=offset,
+                                  offset=offset)
         micro_batch = 0
         while True:
             while not self.is_last and not self.router.choose(self.stage + 1, time.time()):
