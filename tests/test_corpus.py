@@ -1,11 +1,14 @@
 """The training corpus: determinism, disjoint shards, a stable split, streaming, and its errors."""
 
+import dataclasses
 import itertools
+import json
 import math
 import string
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -26,6 +29,9 @@ from p2pswarm.model.corpus import (
     stdlib_corpus,
     windows,
 )
+from p2pswarm.model import token_shards
+from p2pswarm.model.token_shards import Shard, TokenCorpus, token_windows, tokenize_corpus
+from tests.test_tokenizer import bpe, write_corpus  # noqa: F401 - bpe is a fixture
 
 
 def write_tree(root: Path, contents: list[bytes]) -> None:
@@ -210,3 +216,130 @@ def test_the_bigram_entropy_of_known_strings():
     assert bigram_entropy([b"aaab"]) == pytest.approx(expected)
     assert bigram_entropy([b"a", b"a", b"", b"ab"]) == pytest.approx(expected)  # pairs span chunks
     assert bigram_entropy([]) == 0.0 and bigram_entropy([b"x"]) == 0.0
+
+
+# --- tokenized corpora: memory-mapped token shards ------------------------------------------------
+
+
+def token_corpus_of(ids: np.ndarray, folder: Path, read_tokens: int) -> TokenCorpus:
+    """A TokenCorpus of one training shard holding ``ids`` (and a one-token held-out shard)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    ids.astype("<u4").tofile(folder / "train-00000.bin")
+    ids[:1].astype("<u4").tofile(folder / "heldout-00000.bin")
+    return TokenCorpus("ids", folder, "uint32", (Shard(folder / "train-00000.bin", len(ids)),),
+                       (Shard(folder / "heldout-00000.bin", 1),), 1, read_tokens)
+
+
+def test_a_shard_larger_than_its_read_buffer_yields_every_window_through_bounded_reads(tmp_path, monkeypatch):
+    total, read_tokens, seq_len = 150_000, 1024, 63  # a 600 KB shard read 4 KB at a time
+    corpus = token_corpus_of(np.arange(total), tmp_path, read_tokens)
+    reads: list[int] = []
+    original = token_shards.read_shards
+
+    def counted(ranges, dtype, size):
+        for chunk in original(ranges, dtype, size):
+            reads.append(chunk.nbytes)
+            yield chunk
+
+    monkeypatch.setattr(token_shards, "read_shards", counted)
+    n_windows = total // (seq_len + 1)
+    rows = [r for b in take(batches(corpus, 0, 1, seq_len, 1, seed=3), n_windows) for r in b.rows]
+    assert all(b.epoch == 0 for b in take(batches(corpus, 0, 1, seq_len, n_windows, seed=3), 1))
+    assert max(reads) == read_tokens * 4 and len(reads) >= total // read_tokens  # never more at a time
+    starts = sorted(int(r[0]) for r in rows)
+    assert len(set(starts)) == n_windows  # every window once, each consecutive ids
+    assert all(np.array_equal(r, np.arange(r[0], r[0] + seq_len + 1)) and r.base is None for r in rows)
+    assert len({s % (seq_len + 1) for s in starts}) == 1  # windows on one alignment: none is lost
+
+
+def test_a_tokenized_corpus_keeps_the_byte_corpus_split_and_text(tmp_path, bpe):
+    data = write_corpus(tmp_path / "data")
+    corpus = data_corpus(data)
+    tokens = tokenize_corpus(corpus, bpe)
+    assert tokens.folder == tmp_path / "data.p2ptok" / bpe.sha256[:16] and tokens.dtype == "uint16"
+    train = np.concatenate([np.fromfile(s.path, "<u2") for s in tokens.train])
+    held = np.concatenate([np.fromfile(s.path, "<u2") for s in tokens.heldout])
+    assert bpe.decode(train.tolist()).encode() == b"".join(read_segments(corpus.train))
+    assert bpe.decode(held.tolist()).encode() == b"".join(read_segments(corpus.heldout))
+    assert tokens.heldout_bytes == corpus.heldout_bytes and len(train) == tokens.train_size
+    manifest = json.loads((tokens.folder / "manifest.json").read_text())
+    assert manifest["tokenizer"] == bpe.sha256 and manifest["dtype"] == "uint16"
+    assert [f[:2] for f in manifest["files"]] == sorted([s.file.rel, s.file.size] for s in corpus.train + corpus.heldout)
+    held_rows = [r for b in heldout_batches(tokens, 15, 4) for r in b.rows]
+    assert np.array_equal(np.concatenate(held_rows), held[:len(held_rows) * 16])
+    assert not [p for p in tokens.folder.iterdir() if p.name.startswith(".")]  # no temporary file left
+
+
+def test_fresh_shards_are_reused_and_stale_ones_rebuilt(tmp_path, bpe):
+    data = write_corpus(tmp_path / "data")
+    first = tokenize_corpus(data_corpus(data), bpe)
+    stamp = first.train[0].path.stat().st_mtime_ns
+    assert tokenize_corpus(data_corpus(data), bpe) == first and first.train[0].path.stat().st_mtime_ns == stamp
+    with open(data / "part01.txt", "a") as f:
+        f.write("\nmore text, so the corpus changed\n")
+    second = tokenize_corpus(data_corpus(data), bpe)
+    assert second.train_size + second.heldout_size > first.train_size + first.heldout_size
+    second.train[0].path.write_bytes(b"\0\0")  # damaged: its size no longer matches the manifest
+    third = tokenize_corpus(data_corpus(data), bpe)
+    assert third == second and third.train[0].path.stat().st_size == third.train[0].tokens * 2
+
+
+def test_a_crash_while_tokenizing_leaves_no_half_written_shard(tmp_path, bpe, monkeypatch):
+    data = write_corpus(tmp_path / "data")
+    calls = []
+
+    def failing(piece: bytes) -> list[int]:
+        calls.append(piece)
+        if len(calls) == 2:
+            raise RuntimeError("killed")
+        return bpe.encode_bytes(piece)
+
+    broken = dataclasses.replace(bpe)
+    object.__setattr__(broken, "encode_bytes", failing)
+    monkeypatch.setattr(token_shards, "PIECE_BYTES", 4096)  # several pieces, so the crash is mid-way
+    with pytest.raises(RuntimeError):
+        tokenize_corpus(data_corpus(data), broken, shard_tokens=1000)
+    folder = tmp_path / "data.p2ptok" / bpe.sha256[:16]
+    assert not (folder / "manifest.json").exists()
+    assert not [p for p in folder.iterdir() if p.name.startswith(".")]  # the unfinished shard is gone
+    assert all(p.stat().st_size == 2000 for p in folder.glob("*.bin"))  # what is named is whole
+    rebuilt = tokenize_corpus(data_corpus(data), bpe, shard_tokens=1000)
+    assert len(rebuilt.train) > 1 and (folder / "manifest.json").exists()
+
+
+def test_a_data_folder_whose_side_cannot_be_written_uses_the_user_cache(tmp_path, bpe, monkeypatch):
+    data = write_corpus(tmp_path / "data")
+    (tmp_path / "data.p2ptok").write_text("not a folder")  # unwritable as a folder, even for root
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    tokens = tokenize_corpus(data_corpus(data), bpe)
+    assert tokens.folder.is_relative_to(tmp_path / "cache" / "p2pswarm" / "tokens")
+    assert tokenize_corpus(data_corpus(data), bpe) == tokens
+
+
+@settings(max_examples=60)
+@given(st.lists(st.integers(0, 999), max_size=300), st.lists(st.integers(1, 40), min_size=1, max_size=20),
+       st.integers(1, 17))
+def test_token_windows_are_the_windows_of_the_concatenation_whatever_the_chunks(ids, cuts, length):
+    data, chunks, pos = np.array(ids, dtype=np.uint16), [], 0
+    for cut in itertools.cycle(cuts):
+        if pos >= len(data):
+            break
+        chunks.append(data[pos:pos + cut])
+        pos += cut
+    got = [w.tolist() for w in token_windows(chunks, length)]
+    assert got == [ids[i:i + length] for i in range(0, len(ids) - length + 1, length)]
+
+
+@settings(max_examples=60)
+@given(st.text(max_size=400), st.integers(1, 64))
+def test_tokenizer_pieces_are_whole_characters_and_lose_nothing(text, chunk):
+    data = text.encode()
+    original = token_shards.PIECE_BYTES
+    token_shards.PIECE_BYTES = 16  # cut long lines often
+    try:
+        pieces = list(token_shards._pieces(data[i:i + chunk] for i in range(0, len(data), chunk)))
+    finally:
+        token_shards.PIECE_BYTES = original
+    assert b"".join(pieces) == data
+    for piece in pieces:
+        piece.decode("utf-8")  # raises if a character was cut
