@@ -40,12 +40,13 @@ import cbor2
 import torch
 
 from p2pswarm.errors import RemoteProtocolError
+from p2pswarm.model import plan
 
 SNAPSHOT_MAGIC = b"P2PSNAP1"  # format and version at once: a new layout gets a new magic
 LENGTH_BYTES = 8  # u64 header length: fixed width, never the limit
 DIGEST_BYTES = 32  # sha256
 ALIGN = 8  # tensor data offsets: a multiple of every dtype's item size
-MAX_SNAPSHOT_BYTES = 2 * 1024**3  # a ~100M-parameter stage: weights, 2 AdamW moments, DiLoCo start+momentum
+MAX_SNAPSHOT_BYTES = plan.MAX_SNAPSHOT_BYTES  # the largest catalog stage's snapshot (model/plan.py), ~18 GiB
 MAX_HEADER_BYTES = 16 * 1024 * 1024  # ~6x MAX_TENSORS tensors' header (~40 B each); bounds the CBOR work
 MAX_TENSORS = 65536  # far above any stage's parameters x optimizer states; bounds the table
 MAX_DEPTH = 16  # containers deep; real snapshots are 5 deep (snapshot>engine>optimizer>state>param)

@@ -205,6 +205,12 @@ def _encode_prefix(msg: Message, payload: bytes) -> bytes:
     return len(header).to_bytes(HEADER_LENGTH_BYTES, "big") + header
 
 
+def check_outgoing(msg: Message, payload: bytes = b"") -> None:
+    """LocalProtocolError if the protocol forbids sending ``msg`` with ``payload`` (too big, say);
+    builds the header only, never a copy of the payload."""
+    _encode_prefix(msg, payload)
+
+
 def encode_frame(msg: Message, payload: bytes = b"") -> bytes:
     """The complete frame for ``msg``; LocalProtocolError if the protocol forbids sending it."""
     return _encode_prefix(msg, payload) + payload

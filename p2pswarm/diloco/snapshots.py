@@ -16,10 +16,12 @@ Exchange (request and reply frames on a pooled stream):
   stage, or that version is gone).
 
 The client checks every reply against the first (same digest, contiguous offsets, ``total``
-within ``MAX_SNAPSHOT_BYTES``), then the whole snapshot's sha256 against its digest, then decodes
+within ``MAX_SNAPSHOT_BYTES``, the largest catalog stage's snapshot, ~18 GiB: offsets and totals
+are plain ints, far past 2^32), then the whole snapshot's sha256 against its digest, then decodes
 it with ``checkpoint.decode_state`` (total: a bad snapshot is a ``RemoteProtocolError``).
 A snapshot's sha256 (0.5 to 1 s a GB) is computed once per version, in a worker thread, on both
-sides: never on the trio loop, which also answers the activation protocol's acks.
+sides (the client's chunk by chunk as they arrive): never on the trio loop, which also answers
+the activation protocol's acks. A fetch holds the snapshot once in memory (its own size).
 ``docs/protocols.md`` ("Snapshots") is the normative description.
 """
 
@@ -36,16 +38,18 @@ import trio
 from p2pswarm import wire
 from p2pswarm.dht.records import MAX_MODEL_CHARS, MAX_STAGES
 from p2pswarm.errors import DialError, RemoteProtocolError
+from p2pswarm.model import plan
 
 log = logging.getLogger(__name__)
 
 PROTOCOL_ID = "/p2pswarm/snapshot/1.0.0"
 DIGEST_BYTES = 32  # sha256
 CHUNK_BYTES = 4 * 1024 * 1024  # bytes per reply: a few frames per stage, well under the 64 MiB frame limit
-MAX_SNAPSHOT_BYTES = 2 * 1024**3  # the largest snapshot a client accepts (checkpoint.MAX_SNAPSHOT_BYTES)
+MAX_SNAPSHOT_BYTES = plan.MAX_SNAPSHOT_BYTES  # the largest snapshot a client accepts (checkpoint's limit)
 FRESH_S = 5.0  # a snapshot made this recently is served as is: many joiners cost one serialisation
 KEEP_VERSIONS = 2  # versions kept for transfers in progress while a newer one is made
-FETCH_TIMEOUT = 60.0  # a whole fetch: a 100 MB snapshot at a relay's 3 MiB/s fits well within it
+FETCH_TIMEOUT = 60.0  # a whole fetch of a small snapshot: 100 MB at a relay's 3 MiB/s fits well within it
+MIN_FETCH_RATE = 3 * 1024 * 1024  # bytes/s: a bigger snapshot gets total / this (a relay's pace) instead
 CHUNK_TIMEOUT = 20.0  # one reply
 
 
@@ -156,7 +160,7 @@ class SnapshotServer:
 
 @dataclass(frozen=True)
 class Fetched:
-    data: bytes
+    data: bytearray  # the snapshot (checked against its digest): ``checkpoint.decode_state`` takes it as is
     round: int
     step: int
     peer: str
@@ -164,30 +168,32 @@ class Fetched:
 
 
 async def fetch_snapshot(pool, peer: str, model: str, stage: int, *, timeout: float = FETCH_TIMEOUT) -> Fetched:
-    """The newest snapshot of ``stage`` from ``peer``, checked whole; DialError or RemoteProtocolError."""
+    """The newest snapshot of ``stage`` from ``peer``, checked whole; DialError or RemoteProtocolError.
+
+    ``timeout`` bounds a small snapshot's fetch; a bigger one gets ``total / MIN_FETCH_RATE`` (every
+    chunk still within CHUNK_TIMEOUT). The chunks go into one buffer that grows as they arrive (never
+    a buffer sized by the peer's claim before its bytes came) and are hashed as they come, each
+    update in a worker thread: a snapshot takes its own size in memory once, not twice.
+    """
     started = trio.current_time()
-    chunks: list[bytes] = []
+    data, hasher = bytearray(), hashlib.sha256()
     first: Part | None = None
     with trio.move_on_after(timeout) as scope:
         async with pool.lease(peer, PROTOCOL_ID) as stream:
-            offset = 0
-            while first is None or offset < first.total:
-                await stream.write_frame(Get(model, stage, first.digest if first else b"", offset))
+            while first is None or len(data) < first.total:
+                await stream.write_frame(Get(model, stage, first.digest if first else b"", len(data)))
                 reply, payload = await stream.read_frame(max_payload=CHUNK_BYTES, timeout=CHUNK_TIMEOUT)
-                first = _check_part(reply, first, offset, model, stage)
-                chunks.append(payload)
-                offset += len(payload)
+                first = _check_part(reply, first, len(data), model, stage)
+                if not data:  # the first reply says how big the snapshot is: its fetch's deadline
+                    scope.deadline = started + max(timeout, first.total / MIN_FETCH_RATE)
+                data += payload
+                await trio.to_thread.run_sync(hasher.update, payload)  # O(chunk), off the loop
     if scope.cancelled_caught:
-        raise DialError(f"snapshot of stage {stage} from {peer}: not complete within {timeout:.0f} s")
-    data, digest = await trio.to_thread.run_sync(_joined_and_hashed, chunks)  # O(snapshot): off the loop
-    if digest != first.digest:
+        raise DialError(f"snapshot of stage {stage} from {peer}: not complete within "
+                        f"{scope.deadline - started:.0f} s")
+    if hasher.digest() != first.digest:
         raise RemoteProtocolError(f"snapshot from {peer} does not match its digest")
     return Fetched(data, first.round, first.step, peer, trio.current_time() - started)
-
-
-def _joined_and_hashed(chunks: list[bytes]) -> tuple[bytes, bytes]:
-    data = b"".join(chunks)
-    return data, hashlib.sha256(data).digest()
 
 
 def _check_part(reply, first: Part | None, offset: int, model: str, stage: int) -> Part:

@@ -19,6 +19,10 @@ candidate is tried; when every live candidate is busy the sender waits for the s
 retry-after hint. A forward is lost when no live candidate exists for ``NO_CANDIDATE_WAIT`` or
 no window opens for ``ROOM_WAIT``.
 
+A frame that we may not send at all (its payload is past the wire's limit: a micro-batch too
+big for one frame) is a *local* error: it is found before any peer is tried, logged at ERROR
+once with its sizes, and the micro-batch is lost; no peer is failed or backed off for it.
+
 A gradient has exactly one destination, the peer that holds the micro-batch's graph, so it is
 retried on ``Busy`` and on a timeout (the receiver drops a duplicate) and lost on an error. Every loss is reported (``on_lost``) and counted; none
 raises out of here. Imports neither torch nor the model.
@@ -36,7 +40,7 @@ from dataclasses import dataclass
 import trio
 
 from p2pswarm import wire
-from p2pswarm.errors import CircuitExhausted, NoCandidates, P2PSwarmError, Stalled, first_error
+from p2pswarm.errors import CircuitExhausted, LocalProtocolError, NoCandidates, P2PSwarmError, Stalled, first_error
 from p2pswarm.swarm.activation import PROTOCOL_ID, Ack, Backward, Busy, Forward
 from p2pswarm.swarm.buffers import Priority
 from p2pswarm.swarm.router import Failure, Router
@@ -90,9 +94,12 @@ class Deliverer:
         self.ack_ms: list[float] = []  # first byte -> ack, recent ones
         self._busy: dict[str, float] = {}  # peer -> its last Busy's retry-after hint, seconds
         self._answered = trio.Event()  # set whenever an attempt ends: a window may have room again
+        self._unsendable_logged: set[str] = set()  # message types whose refusal was logged at ERROR
 
     async def forward(self, send: Send) -> None:
         """Deliver a forward to some live peer of its stage; report it lost if none takes it."""
+        if not self._sendable(send):
+            return
         stage, tried, failed_at = send.message.stage, set(), None
         waiting_since: float | None = None  # since when no attempt could be made
         while True:
@@ -126,6 +133,8 @@ class Deliverer:
 
     async def backward(self, send: Send) -> None:
         """Deliver a gradient to the peer holding its graph; report it lost if it cannot."""
+        if not self._sendable(send):
+            return
         for _ in range(BACKWARD_TRIES):
             reply = await self._attempt(send.to, send)
             if isinstance(reply.message, Ack):
@@ -144,6 +153,23 @@ class Deliverer:
             if reply.failure is Failure.CIRCUIT:
                 await trio.sleep(BUSY_WAIT_CAP)
         self._lost(send, "the peer holding its graph did not take it")
+
+    def _sendable(self, send: Send) -> bool:
+        """Whether the protocol lets us send this frame at all; if not it is lost (a local error:
+        logged at ERROR once per message type, with the sizes), and no peer is blamed for it."""
+        try:
+            wire.check_outgoing(send.message, send.payload)
+        except LocalProtocolError as exc:
+            self.counts["unsendable"] += 1
+            kind = send.message.TYPE
+            if kind not in self._unsendable_logged:
+                self._unsendable_logged.add(kind)
+                log.error("cannot send a %s of %d bytes (shape %s, %s; the frame limit is %d bytes): %s; "
+                          "such micro-batches are lost (logged once)", kind, len(send.payload),
+                          send.message.shape, send.message.dtype, wire.MAX_PAYLOAD_BYTES, exc)
+            self._lost(send, f"unsendable: {exc}")
+            return False
+        return True
 
     # --- attempts -------------------------------------------------------------------------------
 
@@ -241,7 +267,7 @@ class Deliverer:
     def stats(self) -> dict:
         return {**{k: self.counts[k] for k in ("sent", "acked", "busy", "timeouts", "errors", "rerouted", "lost",
                                                "acked_as_duplicate", "circuit_full",
-                                               "training_forwards_acked")},
+                                               "training_forwards_acked", "unsendable")},
                 "ack_ms_p50": percentile(self.ack_ms, 0.5), "ack_ms_p99": percentile(self.ack_ms, 0.99),
                 "failover_ms_p50": percentile(self.failover_ms, 0.5), "failover_ms_p99": percentile(self.failover_ms, 0.99),
                 "failovers_measured": len(self.failover_ms),

@@ -156,7 +156,17 @@ class SwarmService:
                 nursery.start_soon(self._evaluate, corpus)
 
     def _max_payload(self) -> int:
-        return MAX_ROWS * self.spec.context * (self.spec.width * 4 + 1)
+        """The largest micro-batch a peer may send us: MAX_ROWS x context in the run's activation
+        dtype with its targets, within one frame (``model.plan``)."""
+        from p2pswarm.model import plan  # sizes only (pure): imported here, where the bound is made
+
+        return plan.max_message_bytes(self.spec, MAX_ROWS, self.spec.context, self.config.activation_dtype)
+
+    def _eval_rows(self, seq: int) -> int:
+        """Rows per held-out micro-batch: EVAL_ROWS, or fewer where those would not fit one frame."""
+        from p2pswarm.model import plan
+
+        return plan.fitting_rows(self.spec, EVAL_ROWS, seq, self.config.activation_dtype)
 
     # --- inbound ----------------------------------------------------------------------------------
 
@@ -407,8 +417,9 @@ class SwarmService:
 
     async def _evaluate(self, corpus) -> None:
         seq = self.config.seq or self.spec.context
+        rows = self._eval_rows(seq)  # EVAL_BATCHES micro-batches a round, each within one frame
         held = await trio.to_thread.run_sync(
-            lambda: list(corpora.heldout_batches(corpus, seq, EVAL_ROWS, EVAL_BATCHES * EVAL_ROWS)))
+            lambda: list(corpora.heldout_batches(corpus, seq, rows, EVAL_BATCHES * rows)))
         if not held:
             log.warning("the corpus has no held-out part: no evaluation")
             return

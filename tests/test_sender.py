@@ -1,0 +1,99 @@
+"""The sender's local errors (p2pswarm.swarm.sender): a frame we may not send blames no peer.
+
+A micro-batch whose payload is past the wire's frame limit cannot go to any peer: the Deliverer
+finds that before trying one, logs it at ERROR once (with the sizes), reports the micro-batch
+lost, and leaves every peer of the next stage live, un-failed and not backed off. A frame that
+fits is delivered as before (a fake pool on the lease interface acks it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+import time
+
+import trio
+
+from p2pswarm import wire
+from p2pswarm.swarm.activation import SESSION_BYTES, Ack, Backward, Forward
+from p2pswarm.swarm.buffers import Priority
+from p2pswarm.swarm.router import Candidate, Router
+from p2pswarm.swarm.sender import Deliverer, Send
+
+PEERS = ("next-a", "next-b")
+
+
+class FakeLease:
+    """A stream that acks every frame written to it."""
+
+    def __init__(self, pool: FakePool) -> None:
+        self.pool = pool
+        self.message = None
+
+    async def write_frame(self, message, payload=b"", *, timeout=None, stall=None) -> None:
+        wire.check_outgoing(message, payload)  # as the real stream does, before any byte
+        self.pool.frames += 1
+        self.message = message
+
+    async def read_frame(self, *, max_payload=wire.MAX_PAYLOAD_BYTES, timeout=0.0):
+        return Ack(self.message.micro_batch, 0), b""
+
+
+class FakePool:
+    def __init__(self) -> None:
+        self.leases = self.frames = 0
+
+    @contextlib.asynccontextmanager
+    async def lease(self, peer, protocol, *, via_relay=True, timeout=0.0):
+        self.leases += 1
+        yield FakeLease(self)
+
+
+def deliverer() -> tuple[Deliverer, Router, FakePool, dict]:
+    router, pool = Router(random.Random(1)), FakePool()
+    router.offer([Candidate(peer, 1, 0, heard_at=time.time()) for peer in PEERS], time.time())
+    seen = {"acked": [], "lost": [], "peer_errors": []}
+    d = Deliverer(pool, router, on_acked=lambda key, peer: seen["acked"].append(key),
+                  on_lost=lambda send, why: seen["lost"].append(why),
+                  on_peer_error=seen["peer_errors"].append)
+    return d, router, pool, seen
+
+
+def send(cls, rows: int, micro_batch: int = 0, to: str | None = None) -> Send:
+    """A float32 [rows, 1024, 2048] micro-batch (8 MiB a row) of the small tier, a forward with its
+    byte targets: 8 rows and their targets are past a 64 MiB frame (a gradient: 9 rows)."""
+    shape = (rows, 1024, 2048)
+    targets = rows * 1024 if cls is Forward else 0
+    payload = bytes(rows * 1024 * 2048 * 4 + targets)
+    priority = int(Priority.TRAINING_FORWARD if cls is Forward else Priority.TRAINING_BACKWARD)
+    message = cls(b"s" * SESSION_BYTES, micro_batch, 1, priority, 0, "float32", shape, targets)
+    return Send(message, payload, (message.session, micro_batch), to)
+
+
+def test_a_frame_too_big_to_send_is_a_local_error_that_blames_no_peer(caplog):
+    d, router, pool, seen = deliverer()
+
+    async def main():
+        with caplog.at_level(logging.DEBUG, logger="p2pswarm.swarm.sender"):
+            await d.forward(send(Forward, 8, 0))
+            await d.forward(send(Forward, 8, 1))
+            await d.backward(send(Backward, 9, 2, to=PEERS[0]))
+
+    trio.run(main)
+    assert pool.leases == 0 and pool.frames == 0  # no peer was even tried
+    assert len(seen["lost"]) == 3 and not seen["peer_errors"] and not seen["acked"]
+    assert d.counts["unsendable"] == 3 and d.counts["errors"] == d.counts["timeouts"] == d.counts["sent"] == 0
+    now = time.time()
+    assert all(router.is_live(peer, now) for peer in PEERS)
+    assert all(router.peers[peer].failures == 0 for peer in PEERS)
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 2  # once per message type (forward, backward), not once per micro-batch
+    assert str(8 * 1024 * (2048 * 4 + 1)) in errors[0].getMessage() and str(wire.MAX_PAYLOAD_BYTES) in errors[0].getMessage()
+    assert d.stats()["unsendable"] == 3
+
+
+def test_a_frame_that_fits_is_delivered():
+    d, router, pool, seen = deliverer()
+    trio.run(d.forward, send(Forward, 7))  # 56 MiB: within the frame
+    assert pool.frames == 1 and len(seen["acked"]) == 1 and not seen["lost"] and d.counts["unsendable"] == 0
