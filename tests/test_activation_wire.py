@@ -1,5 +1,7 @@
 """Properties of the activation protocol's messages: round trips, total decoding, header/payload checks."""
 
+import dataclasses
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -10,7 +12,7 @@ from p2pswarm.swarm.activation import (
     MAX_QUEUE_DEPTH, MAX_RETRY_AFTER_MS, SESSION_BYTES, Ack, Backward, Busy, Forward, Priority,
 )
 from p2pswarm.testing.strategies import (
-    SMALL_DIM, decodes_or_raises_remote_error, register_frames, unchecked_frame,
+    SMALL_DIM, decodes_or_raises_remote_error, register_frames, run_bytes, unchecked_frame,
 )
 
 TYPES = (Forward, Backward, Ack, Busy)
@@ -29,7 +31,8 @@ def tensor_frames(draw, cls):
     targets = 0 if cls is Backward else draw(st.integers(0, 64))
     payload = draw(st.binary(min_size=size + targets, max_size=size + targets))
     msg = cls(draw(st.binary(min_size=SESSION_BYTES, max_size=SESSION_BYTES)), draw(IDS),
-              draw(st.integers(0, 63)), int(draw(st.sampled_from(Priority))), draw(IDS), dtype, shape, targets)
+              draw(st.integers(0, 63)), int(draw(st.sampled_from(Priority))), draw(IDS), dtype, shape, targets,
+              draw(run_bytes))
     return msg, payload
 
 
@@ -150,3 +153,14 @@ def test_forward_targets_follow_the_tensor():
     assert wire.decode_frame(wire.encode_frame(msg, tensor + targets)) == (msg, tensor + targets)
     with pytest.raises(RemoteProtocolError):
         Backward(**dict(GOOD, targets=3)).check(7)
+
+
+@pytest.mark.parametrize("cls", [Forward, Backward])
+@pytest.mark.parametrize("run", [b"", b"\0" * 7, b"\0" * 9])
+def test_a_run_identity_of_another_size_is_refused(cls, run):
+    priority = Priority.TRAINING_BACKWARD if cls is Backward else Priority.TRAINING_FORWARD
+    good = cls(b"s" * SESSION_BYTES, 0, 1, int(priority), 0, "float32", (1,), 0)
+    with pytest.raises(LocalProtocolError):
+        wire.encode_frame(dataclasses.replace(good, run=run), b"\0" * 4)
+    with pytest.raises(RemoteProtocolError, match="run identity"):
+        wire.decode_frame(unchecked_frame((good, b"\0" * 4), fields={"run": run}))
