@@ -48,9 +48,9 @@ def test_a_chain_of_stages_computes_the_whole_models_gradients():
     offset = SPEC.stage_size
     for name, param in last.params.items():
         whole_name = name
-        if name.startswith("blocks."):
+        if name.startswith("layers."):
             index, rest = name.split(".", 2)[1:]
-            whole_name = f"blocks.{int(index) + offset}.{rest}"
+            whole_name = f"layers.{int(index) + offset}.{rest}"
         assert torch.allclose(param.grad, grads[whole_name].grad, atol=1e-6), name
 
 
@@ -116,3 +116,60 @@ def test_tensors_survive_the_wire_and_ids_are_bytes():
     assert ids_tensor([b"ab", b"cd"]).tolist() == [[97, 98], [99, 100]]
     with pytest.raises(RemoteProtocolError):
         from_wire("float32", (2, 3), b"\0" * 5)
+
+
+# --- devices, precision and the wire dtype (the checks of tests/test_gpu.py, on the CPU) ------------
+
+from p2pswarm.swarm.device import Placement  # noqa: E402
+from p2pswarm.swarm.staging import Staging  # noqa: E402
+from tests.test_gpu import (check_outer_step_matches_the_host, check_snapshot_round_trip,  # noqa: E402
+                            check_training_lowers_the_loss)
+
+CPU_STEPS = 8  # the CPU check of the training loop (a small batch): enough for the loss to fall, quick on 2 cores
+
+
+def test_bf16_autocast_on_the_cpu_trains_through_bf16_activations():
+    check_training_lowers_the_loss(Placement("cpu", "bf16"), CPU_STEPS, "bfloat16", rows=2, seq=16)
+
+
+def test_the_outer_step_on_engine_weights_matches_the_host():
+    check_outer_step_matches_the_host("cpu")
+
+
+def test_a_snapshot_of_engine_state_round_trips_bit_equal():
+    check_snapshot_round_trip("cpu")
+
+
+def test_bf16_activations_give_gradients_close_to_the_fp32_path():
+    """A stage pair exchanging bfloat16 activations and gradients: the first stage's gradients are
+    those of the fp32 path to bf16's precision (8 bits of mantissa on each crossing)."""
+    grads = {}
+    for dtype in ("float32", "bfloat16"):
+        config = TrainConfig(accumulate=2, activation_dtype=dtype)  # no step: the gradients stay to compare
+        first, last = StageEngine(SPEC, 0, config), StageEngine(SPEC, 1, config)
+        ids, targets = batch(6, rows=4, seq=32)
+        wire_f = to_wire(first.compute(Work("forward", (b"s", 1), ids, targets)).forward)
+        hidden = from_wire(*first.wire_out(first.compute(Work("forward", (b"s", 2), ids, targets)).forward))
+        assert hidden.dtype == getattr(torch, dtype) and wire_f[0] == "float32"  # (to_wire: as the tensor is)
+        back = last.compute(Work("forward", (b"s", 2), hidden, targets)).backward
+        first.compute(Work("backward", (b"s", 2), from_wire(*last.wire_out(back)), None))
+        grads[dtype] = torch.cat([p.grad.reshape(-1) for p in first.params.values()])
+    exact, coarse = grads["float32"], grads["bfloat16"]
+    assert not torch.equal(exact, coarse)  # the bf16 path did round
+    assert float((coarse - exact).norm() / exact.norm()) < 0.02
+    assert float(torch.nn.functional.cosine_similarity(coarse, exact, dim=0)) > 0.999
+
+
+def test_an_engine_refuses_an_activation_dtype_the_wire_cannot_carry():
+    from p2pswarm.errors import ConfigError
+    with pytest.raises(ConfigError):
+        StageEngine(SPEC, 0, TrainConfig(activation_dtype="int8"))
+
+
+def test_cpu_staging_casts_and_copies_nothing_else():
+    staging = Staging("cpu")
+    x = torch.randn(2, 3)
+    assert staging.to_host(x, torch.float32).data_ptr() == x.data_ptr()  # nothing to stage on the host
+    assert staging.to_host(x, torch.bfloat16).dtype == torch.bfloat16
+    back = staging.to_device(x.to(torch.bfloat16), torch.float32)
+    assert back.dtype == torch.float32 and torch.allclose(back, x, rtol=1e-2)
