@@ -67,7 +67,7 @@ def test_bytes_is_the_default_and_its_ids_are_the_utf8_bytes():
     assert tok == ByteTokenizer() and tok.is_bytes and tok.vocab_size == 256 and tok.name == "bytes"
     assert tok.sha256 == BYTES_SHA256 and len(tok.sha256) == 64
     assert tok.encode("aé") == [97, 0xC3, 0xA9] and tok.encode_bytes(b"\x00\xff") == [0, 255]
-    assert tok.decode(tok.encode(ASCII + "✓")) == ASCII + "✓"
+    assert tok.decode(tok.encode(ASCII + "✓")) == ASCII + "✓" and tok.count_bytes(tok.encode("✓")) == 3
 
 
 # --- a trained BPE file -----------------------------------------------------------------------------

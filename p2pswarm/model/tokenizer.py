@@ -52,6 +52,8 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
+    def count_bytes(self, ids) -> int: ...  # the bytes of text the ids stand for
+
     @property
     def is_bytes(self) -> bool: ...
 
@@ -74,6 +76,9 @@ class ByteTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(ids).decode("utf-8", errors="replace")
+
+    def count_bytes(self, ids) -> int:
+        return int(np.asarray(ids).size)
 
 
 @dataclass(frozen=True)
