@@ -192,7 +192,7 @@ async def _train(state: NodeState, rng: random.Random, task_status=trio.TASK_STA
     snapshot_dir = config.data_dir / "snapshots" / f"{state.model.name.replace('/', '-')}-{run.identity}" \
         f"-stage{state.stage}" if config.data_dir else None  # one run's snapshots never load into another
     state.diloco = DilocoService(settings=run.diloco(config.diloco), spec=state.model, stage=state.stage, me=me, pool=state.pool,
-                                 stage_map=state.stage_map, snapshot_dir=snapshot_dir)
+                                 stage_map=state.stage_map, snapshot_dir=snapshot_dir, run=run)
     service = SwarmService(spec=state.model, stage=state.stage, me=me, pool=state.pool,
                            stage_map=state.stage_map, host=state.host, data=config.data,
                            threads=config.threads, rng=rng, extensions=[state.diloco],

@@ -26,7 +26,7 @@ from p2pswarm.diloco.messages import (
     expected_bytes, group_digest, shard_bounds,
 )
 from p2pswarm.errors import LocalProtocolError, RemoteProtocolError
-from p2pswarm.testing.strategies import decodes_or_raises_remote_error, register_frames, unchecked_frame
+from p2pswarm.testing.strategies import decodes_or_raises_remote_error, register_frames, run_bytes, unchecked_frame
 
 FAST = settings(max_examples=150)
 BASE58 = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
@@ -38,7 +38,7 @@ DIGESTS = st.binary(min_size=DIGEST_BYTES, max_size=DIGEST_BYTES)
 
 HELLOS = st.builds(
     Hello, STAGES, ROUNDS, st.integers(1, MAX_NUMEL), st.sampled_from(CODECS), st.booleans(), st.booleans(),
-    st.lists(PEER_IDS, max_size=MAX_MEMBERS, unique=True).map(lambda ids: tuple(sorted(ids))),
+    st.lists(PEER_IDS, max_size=MAX_MEMBERS, unique=True).map(lambda ids: tuple(sorted(ids))), run_bytes,
 ).map(lambda msg: (msg, b""))
 
 
@@ -115,6 +115,7 @@ BAD_HELLOS = {
     "codec": dict(codec="float64"), "codec case": dict(codec="INT8"),
     "unsorted members": dict(members=("b", "a")), "duplicate members": dict(members=("a", "a")),
     "empty member": dict(members=("",)), "long member": dict(members=("x" * 65,)),
+    "short run": dict(run=b"\0" * 7), "long run": dict(run=b"\0" * 9),
     "non-ascii member": dict(members=("é",)), "unprintable member": dict(members=("a\n",)),
     "too many members": dict(members=tuple(f"p{i:03}" for i in range(MAX_MEMBERS + 1))),
 }

@@ -289,3 +289,22 @@ def test_a_peer_of_another_run_has_its_tensors_refused_once_logged(caplog):
         assert await receiver._on_frame("12D3KooWfriend", good.message, good.payload) == Ack(0, 1)
 
     trio.run(main)
+
+
+def test_a_replica_of_another_run_is_never_met(caplog):
+    """DiLoCo: a Hello of another run is not ours (logged once per peer); snapshots are per run too."""
+    pytest.importorskip("torch")
+    from p2pswarm.diloco import messages as msgs
+    from p2pswarm.diloco.service import DilocoService
+
+    ours = load_run("tiny-lm")
+    theirs = ours.with_values(seed=1)
+    service = DilocoService(settings=ours.diloco(), spec=ours.spec(), stage=0, me="me", pool=None, stage_map=None,
+                            run=ours)
+    assert service.server.run == ours.run_bytes == service.run_id
+    hello = msgs.Hello(0, 0, 10, "int8", True, False, ("them",), theirs.run_bytes)
+    with caplog.at_level(logging.WARNING):
+        assert not service._our_run("them", hello) and not service._our_run("them", hello)
+    assert service._our_run("friend", dataclasses.replace(hello, run=ours.run_bytes))
+    assert [r.getMessage() for r in caplog.records if "outer rounds" in r.getMessage()] == [
+        f"peer them is training run {theirs.identity}, we train run {ours.identity}: refusing its outer rounds"]

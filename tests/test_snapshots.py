@@ -49,7 +49,7 @@ def test_a_part_round_trips_and_its_payload_must_fit(total, data):
 
 @pytest.mark.parametrize("message", [
     Get("", 0, b"", 0), Get("m", -1, b"", 0), Get("m", 4096, b"", 0), Get("m", 0, b"\x00" * 5, 0),
-    Get("m", 0, b"", -1), Get("m", 0, b"", snapshots.MAX_SNAPSHOT_BYTES),
+    Get("m", 0, b"", -1), Get("m", 0, b"", snapshots.MAX_SNAPSHOT_BYTES), Get("m", 0, b"", 0, b"\0" * 7),
     Part("m", 0, 0, 0, b"", 10, 0), Part("m", 0, -1, 0, DIGEST, 10, 0), Part("m", 0, 0, 0, DIGEST, 0, 0),
     Part("m", 0, 0, 0, DIGEST, 10, 10), Part("m", 0, 0, 0, DIGEST, snapshots.MAX_SNAPSHOT_BYTES + 1, 0),
 ])
@@ -131,3 +131,14 @@ def test_a_peer_of_another_stage_says_so():
 
 def test_the_digest_is_the_sha256_of_the_bytes():
     assert Snapshot(b"abc", 0, 0, 0.0).digest == hashlib.sha256(b"abc").digest()
+
+
+def test_a_peer_of_another_run_serves_nothing():
+    async def make():
+        raise AssertionError("no snapshot is made for a peer of another run")
+
+    async def test(pool, server):
+        with pytest.raises(DialError, match="other-run"):
+            await fetch_snapshot(pool, server, "m", 1, run=b"\x01" * 8)
+
+    with_server(test, make)

@@ -32,7 +32,7 @@ import hashlib
 from collections.abc import Iterable
 
 from p2pswarm import wire
-from p2pswarm.dht.records import MAX_PEER_ID_CHARS, MAX_STAGES
+from p2pswarm.dht.records import MAX_PEER_ID_CHARS, MAX_STAGES, RUN_BYTES, UNNAMED_RUN_BYTES
 from p2pswarm.errors import RemoteProtocolError
 
 PROTOCOL_ID = "/p2pswarm/diloco/1.0.0"  # the libp2p protocol these frames travel on
@@ -178,10 +178,13 @@ class Hello(wire.Message):
     ready: bool
     closed: bool
     members: tuple[str, ...]  # strictly increasing peer ids, at most MAX_MEMBERS
+    run: bytes = UNNAMED_RUN_BYTES  # the sender's run identity: replicas of another run never meet
 
     def check(self, payload_len: int) -> None:
         kind = self.TYPE
         _check_no_payload(kind, payload_len)
+        if len(self.run) != RUN_BYTES:
+            raise RemoteProtocolError(f"{kind}: run identity of {len(self.run)} bytes, not {RUN_BYTES}")
         _check_int(kind, "stage", self.stage, 0, MAX_STAGES - 1)
         _check_int(kind, "round", self.round, 0, MAX_ROUND)
         _check_int(kind, "numel", self.numel, 1, MAX_STAGE_NUMEL)

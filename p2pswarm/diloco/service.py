@@ -46,6 +46,7 @@ from p2pswarm.diloco.outer import OuterConfig, OuterOptimizer, flatten
 from p2pswarm.diloco.round import OuterRound, Phase, RoundTiming
 from p2pswarm.diloco import round as rnd
 from p2pswarm.diloco.settings import DilocoSettings
+from p2pswarm.dht.records import UNNAMED_RUN_BYTES
 from p2pswarm.errors import DialError, ProtocolError, RemoteProtocolError
 
 log = logging.getLogger(__name__)
@@ -67,15 +68,17 @@ class DilocoService:
     """Outer rounds and snapshots of one training peer (module docstring)."""
 
     def __init__(self, *, settings: DilocoSettings, spec, stage: int, me: str, pool, stage_map,
-                 snapshot_dir: Path | None = None) -> None:
+                 snapshot_dir: Path | None = None, run=None) -> None:
         self.settings, self.spec, self.stage, self.me = settings, spec, stage, me
+        self.run_id = run.run_bytes if run is not None else UNNAMED_RUN_BYTES  # in every Hello and snapshot.get
+        self._other_runs: set[str] = set()  # replicas of another run, logged once each
         self._pool, self._stage_map = pool, stage_map
         self.store = checkpoint.SnapshotStore(snapshot_dir) if snapshot_dir else None
         self.swarm = None
         self.outer: OuterOptimizer | None = None
         self.residual: torch.Tensor | None = None  # error feedback: what compression left out, carried on
         self.round: OuterRound | None = None
-        self.server = snapshots.SnapshotServer(spec.name, stage, self._make_snapshot)
+        self.server = snapshots.SnapshotServer(spec.name, stage, self._make_snapshot, run=self.run_id)
         self.history: collections.deque = collections.deque(maxlen=HISTORY)
         self.counts: Counter = Counter()
         self.penalties: Counter = Counter()  # rejected contributions per peer, ever
@@ -205,7 +208,7 @@ class DilocoService:
         try:
             with trio.fail_after(HELLO_TIMEOUT):
                 async with self._pool.lease(peer, msgs.PROTOCOL_ID, timeout=HELLO_TIMEOUT) as stream:
-                    await stream.write_frame(hello)
+                    await stream.write_frame(dataclasses.replace(hello, run=self.run_id))
                     reply, _ = await stream.read_frame(max_payload=0, timeout=HELLO_TIMEOUT)
         except (DialError, ProtocolError, trio.TooSlowError) as exc:
             if round_.phase is Phase.REDUCE:  # a proposal that failed after the group was agreed without
@@ -214,7 +217,7 @@ class DilocoService:
             log.debug("hello to %s failed: %r", peer, exc)
             self._do(round_, round_.on_send_failed(peer, trio.current_time()))
             return
-        if isinstance(reply, msgs.Hello):
+        if isinstance(reply, msgs.Hello) and self._our_run(peer, reply):
             self._do(round_, round_.on_hello(peer, reply, trio.current_time())[1])
 
     async def _send_bulk(self, round_: OuterRound, peer: str, message, data: bytes) -> None:
@@ -345,12 +348,14 @@ class DilocoService:
         round_ = self.round
         now = trio.current_time()
         if isinstance(message, msgs.Hello):
+            if not self._our_run(peer, message):
+                return self._status()  # its run's replicas are not ours: we never meet it
             if peer not in self._replicas():  # not announced for our stage, or it sent us poison too often:
                 return self._status()  # we do not meet it (a stranger cannot join our groups)
             if round_ is not None and message.round == round_.round and message.stage == self.stage:
                 reply, actions = round_.on_hello(peer, message, now)
                 self._do(round_, actions)
-                return reply
+                return dataclasses.replace(reply, run=self.run_id) if isinstance(reply, msgs.Hello) else reply
             if message.stage == self.stage and message.ready:
                 self._note_ahead(peer, message.round)
             return self._status()
@@ -366,7 +371,19 @@ class DilocoService:
         return reply
 
     def _status(self) -> msgs.Hello:
-        return msgs.Hello(self.stage, self.outer.rounds, self.outer.numel, self.settings.codec, False, False, ())
+        return msgs.Hello(self.stage, self.outer.rounds, self.outer.numel, self.settings.codec, False, False, (),
+                          self.run_id)
+
+    def _our_run(self, peer: str, hello: msgs.Hello) -> bool:
+        """Whether ``hello`` comes from a replica of our run; another run's is logged once per peer."""
+        if hello.run == self.run_id:
+            return True
+        self.counts["other_run_hellos"] += 1
+        if peer not in self._other_runs:
+            self._other_runs.add(peer)
+            log.warning("peer %s is training run %s, we train run %s: refusing its outer rounds", peer,
+                        hello.run.hex(), self.run_id.hex())
+        return False
 
     # --- catching up and snapshots -------------------------------------------------------------------
 
@@ -380,7 +397,7 @@ class DilocoService:
     async def _catch_up(self, peers: list[str]) -> bool:
         for peer in peers:
             try:
-                fetched = await snapshots.fetch_snapshot(self._pool, peer, self.spec.name, self.stage)
+                fetched = await snapshots.fetch_snapshot(self._pool, peer, self.spec.name, self.stage, run=self.run_id)
                 state = await trio.to_thread.run_sync(checkpoint.decode_state, fetched.data)
                 await self._load_state(state, ours=False)
             except (DialError, ProtocolError) as exc:

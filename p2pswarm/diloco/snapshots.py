@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import trio
 
 from p2pswarm import wire
-from p2pswarm.dht.records import MAX_MODEL_CHARS, MAX_STAGES
+from p2pswarm.dht.records import MAX_MODEL_CHARS, MAX_STAGES, RUN_BYTES, UNNAMED_RUN_BYTES
 from p2pswarm.errors import DialError, RemoteProtocolError
 from p2pswarm.model import plan
 
@@ -61,10 +61,13 @@ class Get(wire.Message):
     stage: int
     digest: bytes  # b"": the newest version; else the version being fetched
     offset: int
+    run: bytes = UNNAMED_RUN_BYTES  # the asker's run identity: a replica of another run serves it nothing
 
     def check(self, payload_len: int) -> None:
         if payload_len:
             raise RemoteProtocolError(f"{self.TYPE} carries no payload, got {payload_len} bytes")
+        if len(self.run) != RUN_BYTES:
+            raise RemoteProtocolError(f"{self.TYPE}: run identity of {len(self.run)} bytes, not {RUN_BYTES}")
         _check_common(self.TYPE, self.model, self.stage)
         if len(self.digest) not in (0, DIGEST_BYTES):
             raise RemoteProtocolError(f"{self.TYPE}: a digest of {len(self.digest)} bytes")
@@ -121,8 +124,9 @@ class Snapshot:
 class SnapshotServer:
     """Serves our stage's state; ``make`` encodes a fresh snapshot (it runs the engine's thread)."""
 
-    def __init__(self, model: str, stage: int, make: Callable[[], Awaitable[Snapshot]]) -> None:
-        self.model, self.stage, self._make = model, stage, make
+    def __init__(self, model: str, stage: int, make: Callable[[], Awaitable[Snapshot]],
+                 run: bytes = UNNAMED_RUN_BYTES) -> None:
+        self.model, self.stage, self._make, self.run = model, stage, make, run
         self._versions: list[Snapshot] = []
         self._lock = trio.Lock()
         self.served = 0  # bytes sent
@@ -140,6 +144,8 @@ class SnapshotServer:
     async def on_frame(self, peer: str, message, payload: bytes):
         if not isinstance(message, Get):
             raise RemoteProtocolError(f"{message.TYPE} is not a snapshot request")
+        if message.run != self.run:
+            return wire.ErrorReply("other-run", f"this peer trains run {self.run.hex()}, not {message.run.hex()}")
         if (message.model, message.stage) != (self.model, self.stage):
             return wire.ErrorReply("wrong-stage", f"this peer serves stage {self.stage} of {self.model}")
         if message.digest:
@@ -167,7 +173,8 @@ class Fetched:
     seconds: float
 
 
-async def fetch_snapshot(pool, peer: str, model: str, stage: int, *, timeout: float = FETCH_TIMEOUT) -> Fetched:
+async def fetch_snapshot(pool, peer: str, model: str, stage: int, *, timeout: float = FETCH_TIMEOUT,
+                         run: bytes = UNNAMED_RUN_BYTES) -> Fetched:
     """The newest snapshot of ``stage`` from ``peer``, checked whole; DialError or RemoteProtocolError.
 
     ``timeout`` bounds a small snapshot's fetch; a bigger one gets ``total / MIN_FETCH_RATE`` (every
@@ -181,7 +188,7 @@ async def fetch_snapshot(pool, peer: str, model: str, stage: int, *, timeout: fl
     with trio.move_on_after(timeout) as scope:
         async with pool.lease(peer, PROTOCOL_ID) as stream:
             while first is None or len(data) < first.total:
-                await stream.write_frame(Get(model, stage, first.digest if first else b"", len(data)))
+                await stream.write_frame(Get(model, stage, first.digest if first else b"", len(data), run))
                 reply, payload = await stream.read_frame(max_payload=CHUNK_BYTES, timeout=CHUNK_TIMEOUT)
                 first = _check_part(reply, first, len(data), model, stage)
                 if not data:  # the first reply says how big the snapshot is: its fetch's deadline

@@ -19,14 +19,13 @@ from __future__ import annotations
 import dataclasses
 
 from p2pswarm import wire
-from p2pswarm.dht.records import MAX_STAGES
+from p2pswarm.dht.records import MAX_STAGES, RUN_BYTES
+from p2pswarm.dht.records import UNNAMED_RUN_BYTES as UNNAMED_RUN  # frames made without a run (tests, tools)
 from p2pswarm.errors import RemoteProtocolError
 from p2pswarm.swarm.buffers import Priority  # the inbound buffer's classes: one enum for both
 
 PROTOCOL_ID = "/p2pswarm/activation/1.0.0"  # the libp2p protocol these frames travel on
 SESSION_BYTES = 16  # a session id is 128 random bits: no two sessions collide by chance
-RUN_BYTES = 8  # a run identity (p2pswarm.model.run): 64 bits of the sha256 of the run's canonical form
-UNNAMED_RUN = bytes(RUN_BYTES)  # frames made without a run (tests, tools): records.UNNAMED_RUN as bytes
 MAX_MICRO_BATCH = wire.INT_MAX  # micro-batch ids count up for a whole run: any u63 is fine
 MAX_STEP = wire.INT_MAX  # training steps count up for a whole run: any u63 is fine
 MAX_QUEUE_DEPTH = 1 << 20  # far beyond any real buffer; bounds what a peer can claim
