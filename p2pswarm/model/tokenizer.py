@@ -114,6 +114,9 @@ class FileTokenizer:
         return cls(path, path.name, vocab, hashlib.sha256(data).hexdigest(), hf)
 
     def encode(self, text: str) -> list[int]:
+        fast = getattr(self.hf, "encode_batch_fast", None)  # tokenizers >= 0.20: no offsets, ~2x faster
+        if fast is not None:
+            return fast([text], add_special_tokens=False)[0].ids
         return self.hf.encode(text, add_special_tokens=False).ids
 
     def encode_bytes(self, data: bytes) -> list[int]:
