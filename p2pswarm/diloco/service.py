@@ -94,6 +94,7 @@ class DilocoService:
         self._pending: dict | None = None  # the open round's own data: weights at the close, pseudo-gradient
         self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # what _pending's tensors live in
         self._state_lock = trio.Lock()  # the residual, written by _finish's thread: snapshots wait for it
+        self._bulk_locks: dict[str, trio.Lock] = {}  # one Part or Result at a time to a peer (below)
 
     # --- life cycle ------------------------------------------------------------------------------
 
@@ -221,8 +222,12 @@ class DilocoService:
             self._do(round_, round_.on_hello(peer, reply, trio.current_time())[1])
 
     async def _send_bulk(self, round_: OuterRound, peer: str, message, data: bytes) -> None:
+        """One Part or Result, after the ones before it to the same peer: a peer's inbound share
+        holds one frame of up to 64 MiB (a piece), so a second one sent beside it would wait
+        there past the pool's budget wait and be refused (``net/budget.py``)."""
         try:
-            async with self._pool.lease(peer, msgs.PROTOCOL_ID) as stream:
+            async with self._bulk_locks.setdefault(peer, trio.Lock()), \
+                    self._pool.lease(peer, msgs.PROTOCOL_ID) as stream:
                 await stream.write_frame(message, data)
                 self.bytes_sent += len(data)
                 reply, _ = await stream.read_frame(max_payload=0, timeout=REDUCE_S)

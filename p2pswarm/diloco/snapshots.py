@@ -183,7 +183,7 @@ async def fetch_snapshot(pool, peer: str, model: str, stage: int, *, timeout: fl
     update in a worker thread: a snapshot takes its own size in memory once, not twice.
     """
     started = trio.current_time()
-    data, hasher = bytearray(), hashlib.sha256()
+    data, hasher = bytearray(), None
     first: Part | None = None
     with trio.move_on_after(timeout) as scope:
         async with pool.lease(peer, PROTOCOL_ID) as stream:
@@ -194,13 +194,20 @@ async def fetch_snapshot(pool, peer: str, model: str, stage: int, *, timeout: fl
                 if not data:  # the first reply says how big the snapshot is: its fetch's deadline
                     scope.deadline = started + max(timeout, first.total / MIN_FETCH_RATE)
                 data += payload
-                await trio.to_thread.run_sync(hasher.update, payload)  # O(chunk), off the loop
+                hasher = await trio.to_thread.run_sync(_hashed, hasher, payload)  # O(chunk), off the loop
     if scope.cancelled_caught:
         raise DialError(f"snapshot of stage {stage} from {peer}: not complete within "
                         f"{scope.deadline - started:.0f} s")
     if hasher.digest() != first.digest:
         raise RemoteProtocolError(f"snapshot from {peer} does not match its digest")
     return Fetched(data, first.round, first.step, peer, trio.current_time() - started)
+
+
+def _hashed(hasher, chunk: bytes):
+    """``hasher`` (a new sha256 if None) updated with ``chunk``: the client's hashing, in a worker thread."""
+    hasher = hasher or hashlib.sha256()
+    hasher.update(chunk)
+    return hasher
 
 
 def _check_part(reply, first: Part | None, offset: int, model: str, stage: int) -> Part:
