@@ -37,7 +37,6 @@ class ComputeThread:
         self.name = name
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
-        self.jobs_done = 0  # jobs finished, results delivered or dropped
 
     def start(self) -> None:
         if self._thread is not None:
@@ -61,7 +60,6 @@ class ComputeThread:
             if job is _STOP:
                 return
             job()
-            self.jobs_done += 1
 
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` on the thread; its result, or its exception raised here."""
