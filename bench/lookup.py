@@ -152,7 +152,7 @@ async def wait_for_dht_servers(swarm: Swarm) -> float | None:
 async def maps_complete(swarm: Swarm) -> bool:
     for state in swarm.nodes[:PROBE_NODES]:
         for stage, peers in swarm.servers.items():
-            records = await state.index.lookup_stage(MODEL, stage, k=K)
+            records = await state.index.lookup_stage(MODEL, stage, k=K, run=state.run.identity)
             if {r.peer_id for r in records} != peers:
                 return False
     return True
@@ -178,7 +178,7 @@ def background_lookups(swarm: Swarm) -> int:
 async def one_lookup(swarm: Swarm, state, stage: int) -> Sample:
     started = time.perf_counter()
     try:
-        records = await state.index.lookup_stage(MODEL, stage, k=K)
+        records = await state.index.lookup_stage(MODEL, stage, k=K, run=state.run.identity)
     except Exception as exc:  # a failed lookup is a data point, not the end of the benchmark
         return Sample(time.perf_counter() - started, False, error=type(exc).__name__)
     found, servers = {r.peer_id for r in records}, swarm.servers[stage]

@@ -39,7 +39,7 @@ from p2pswarm.dht.records import (
 from p2pswarm.dht.store import MAX_ENTRIES_PER_IP_PER_KEY, RecordStore, StoredRecord
 from p2pswarm.identity import generate_identity
 from p2pswarm.model.catalog import get_model
-from tests.test_discovery import start_swarm
+from tests.test_discovery import RUN, start_swarm  # the nodes' (default) run: the fakes claim it too
 
 ATTACKER_IP = "203.0.113.7"  # TEST-NET-3: one public address, where no peer answers
 FAKES = 64
@@ -67,7 +67,7 @@ def fake_records(now: float) -> list[StoredRecord]:
             start, end = MODEL.stage_range(stage)
             record = StageRecord(identity.peer_id_text, (f"/ip4/{ATTACKER_IP}/tcp/{4001 + i}",), MODEL.name, stage,
                                  start, end, Capacity(MAX_FREE_MEMORY_MB, 0, FLAG_TRAINING | FLAG_GPU | FLAG_SNAPSHOT,
-                                                      MAX_THROUGHPUT), now, MAX_TTL)
+                                                      MAX_THROUGHPUT), now, MAX_TTL, RUN)
             made.append(StoredRecord(record, sign_record(record, identity), ATTACKER_IP))
     return made
 
@@ -75,7 +75,7 @@ def fake_records(now: float) -> list[StoredRecord]:
 def offer_fakes(node, fakes: list[StoredRecord], rotate: int) -> int:
     """Offer every fake to ``node``'s store, each store in another order; count the accepted."""
     order = fakes[rotate:] + fakes[:rotate]
-    return sum(node.index.store.put(stage_key(MODEL.name, s.record.stage), s, time.time()) for s in order)
+    return sum(node.index.store.put(stage_key(MODEL.name, s.record.stage, RUN), s, time.time()) for s in order)
 
 
 class Watch:

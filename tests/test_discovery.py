@@ -11,11 +11,14 @@ import p2pswarm.dht.discovery as discovery
 import p2pswarm.dht.records as records_module
 from p2pswarm.config import DhtMode, NodeConfig, Role
 from p2pswarm.dht.records import Capacity, StageRecord, sign_record, stage_key
+from p2pswarm.model.run import default_run
 from p2pswarm.dht.store import StoredRecord
 from p2pswarm.identity import generate_identity
 from p2pswarm.node import run_node
 
 LOOPBACK = ("/ip4/127.0.0.1/tcp/0",)
+
+RUN = default_run().identity  # what nodes started without a run train: their records live under its keys
 
 
 async def start_swarm(nursery, layer_ranges, dht_mode: DhtMode = DhtMode.AUTO, rng=None):
@@ -35,20 +38,20 @@ def test_lookup_finds_every_server_and_ignores_forgeries():
         async with trio.open_nursery() as nursery:
             boot, nodes = await start_swarm(nursery, [(0, 2), (0, 2), (2, 4)])
             with trio.fail_after(20):
-                while {r.peer_id for r in await nodes[2].index.lookup_stage("tiny-lm", 0)} != {
+                while {r.peer_id for r in await nodes[2].index.lookup_stage("tiny-lm", 0, run=RUN)} != {
                         n.identity.peer_id_text for n in nodes[:2]}:
                     await trio.sleep(0.2)
             # Mallory signs a record and relabels it as the victim's; every storing node is
             # made to hold it (as a careless or hostile store might), yet no reader accepts it.
             mallory, victim = generate_identity(), nodes[0].identity
             record = StageRecord(peer_id=mallory.peer_id_text, addrs=(), model="tiny-lm", stage=2, start=4, end=6,
-                                 capacity=Capacity(0, 0), timestamp=time.time(), ttl=60)
+                                 capacity=Capacity(0, 0), timestamp=time.time(), ttl=60, run=RUN)
             forged = sign_record(record, mallory).replace(mallory.peer_id_text.encode(), victim.peer_id_text.encode())
             relabelled = dataclasses.replace(record, peer_id=victim.peer_id_text)
             for node in [boot, *nodes]:
-                assert node.index.store.put(stage_key("tiny-lm", 2), StoredRecord(relabelled, forged), time.time())
+                assert node.index.store.put(stage_key("tiny-lm", 2, RUN), StoredRecord(relabelled, forged), time.time())
             before = nodes[1].index.stats.invalid_records
-            assert await nodes[1].index.lookup_stage("tiny-lm", 2) == []
+            assert await nodes[1].index.lookup_stage("tiny-lm", 2, run=RUN) == []
             assert nodes[1].index.stats.invalid_records > before
             nursery.cancel_scope.cancel()
 
@@ -136,7 +139,7 @@ def test_announced_records_carry_the_stage_and_live_capacity():
             nodes[0].load_sources.append(lambda: 7)
             with trio.fail_after(20):
                 while True:
-                    records = await boot.index.lookup_stage("tiny-lm", 1)
+                    records = await boot.index.lookup_stage("tiny-lm", 1, run=RUN)
                     if records and records[0].capacity.queue_depth == 7:
                         break
                     await trio.sleep(0.2)

@@ -90,7 +90,7 @@ class SwarmService:
                  placement: Placement = Placement(), run=None, tokenizer=None) -> None:
         self.spec, self.stage, self.me = spec, stage, me
         self.tokenizer = tokenizer or ByteTokenizer()  # the run's (model/tokenizer.py): what stage 0 feeds
-        self.run = run  # the RunSpec we train (p2pswarm.model.run); None: unnamed (tests)
+        self.training_run = run  # the RunSpec we train (p2pswarm.model.run); None: unnamed (tests)
         self.run_id = run.run_bytes if run is not None else UNNAMED_RUN  # every frame we send carries it
         self._other_runs: set[str] = set()  # peers of another run, logged once each
         self._pool, self._stage_map, self._host = pool, stage_map, host
@@ -200,7 +200,7 @@ class SwarmService:
         """A tensor of another run: never computed, answered with a refusal (not a ban: it is no garbage,
         only not ours), and logged once per peer."""
         self.counts["other_run_frames"] += 1
-        ours = f"run {self.run_id.hex()}" + (f" ({self.run.name})" if self.run is not None else "")
+        ours = f"run {self.run_id.hex()}" + (f" ({self.training_run.name})" if self.training_run is not None else "")
         if peer not in self._other_runs:
             self._other_runs.add(peer)
             log.warning("peer %s is training run %s, we train %s: refusing its tensors", peer, run.hex(), ours)
