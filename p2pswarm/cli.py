@@ -143,6 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--inner-steps", type=int, default=DEMO_INNER_STEPS, metavar="H",
                       help="local steps between DiLoCo outer rounds (default 40: a round every ~10-15 s)")
     demo.add_argument("--dir", type=Path, default=None, help="where peers keep keys and logs (default: a temp dir)")
+    demo.add_argument("--run", metavar="NAME|PATH.toml",
+                      help="train this run as it is (its model and [diloco] values; --stages and --inner-steps "
+                           "then do not apply); default: tiny-lm with the demo's DiLoCo values")
     _tokenizer_parser(sub)
     models = sub.add_parser("models", help="list the models, their tiers and the packaged runs",
                             description="List the catalog's models with the tier table and the packaged runs "
@@ -433,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
             from p2pswarm.demo import run_demo
 
             return run_demo(args.peers, args.duration, args.dir, stages=args.stages, kill_one=args.kill_one,
-                            inner_steps=args.inner_steps)
+                            inner_steps=args.inner_steps, run=args.run)
         config = config_from_args(args)
         if argv is None:  # run as the program (not called from Python): memory that comes back
             use_system_malloc(sys.argv[1:])

@@ -6,7 +6,9 @@ then shows training as it happens: the held-out loss in bits per byte (evaluated
 stage on the fixed held-out set; the mean over stage-0 replicas of each one's latest round, whose
 weights differ until DiLoCo averages them), tokens/s, peers per stage, failovers and lost micro-batches.
 Replicas of a stage meet every ``--inner-steps`` local steps for a DiLoCo outer round; the demo
-prints each round as it completes (members, seconds, bytes, rejected contributions).
+prints each round as it completes (members, seconds, bytes, rejected contributions). Peers train
+the default run (``p2pswarm.model.run``) on ``tiny-lm/S`` with the demo's DiLoCo values, or with
+``--run NAME|PATH`` that run as it is (its model, its stages, its [diloco] table).
 ``--kill-one`` SIGKILLs one replica halfway through, to show training go on without it, and
 restarts it ``RESTART_AFTER`` seconds later: it loads its stage's current state from the other
 replica (a hot snapshot) and rejoins the rounds. At the end it prints a summary and stops every
@@ -29,6 +31,7 @@ from pathlib import Path
 
 from p2pswarm.errors import ConfigError, StartupError
 from p2pswarm.model.catalog import DEFAULT_MODEL, get_model
+from p2pswarm.model.run import load_run
 
 FORM_TIMEOUT = 90.0  # seconds for every stage to be served and found on a loaded 2-core machine
 POLL_PERIOD = 1.0  # seconds between looks while the swarm forms
@@ -188,8 +191,12 @@ def _loaded_text(peer: Peer, loaded: dict) -> str:
 
 
 def run_demo(peers: int, duration: float, directory: Path | None, *, stages: int = DEFAULT_STAGES,
-             kill_one: bool = False, inner_steps: int = DEMO_INNER_STEPS) -> int:
-    model = get_model(f"{DEFAULT_MODEL}/{stages}")
+             kill_one: bool = False, inner_steps: int = DEMO_INNER_STEPS, run: str | None = None) -> int:
+    """Without ``run`` the default run on tiny-lm/``stages`` with the demo's DiLoCo values; with it, that
+    run as it is (its model and [diloco] table: ``stages`` and ``inner_steps`` do not apply)."""
+    model = load_run(run).spec() if run else get_model(f"{DEFAULT_MODEL}/{stages}")
+    agreed = ["--run", run] if run else ["--model", model.name, "--inner-steps", str(inner_steps),
+                                         "--outer-momentum", str(DEMO_OUTER_MOMENTUM)]
     if peers < model.n_stages:
         raise ConfigError(f"--peers must be at least {model.n_stages}: {model.name} has {model.n_stages} "
                           f"stages and each peer serves one")
@@ -215,10 +222,8 @@ def run_demo(peers: int, duration: float, directory: Path | None, *, stages: int
             stage, api = i % model.n_stages, f"127.0.0.1:{free_port()}"
             start, end = model.stage_range(stage)
             args = ["join", "--bootstrap", boot_addr, "--listen", "/ip4/127.0.0.1/tcp/0",
-                    "--data-dir", str(workdir / f"peer{i}"), "--api", api, "--model", model.name,
-                    "--layers", f"{start}:{end}", "--threads", str(threads), "--inner-steps", str(inner_steps),
-                    "--outer-momentum", str(DEMO_OUTER_MOMENTUM),
-                    "--gather", str(DEMO_GATHER_S), "--snapshot-period", str(DEMO_SNAPSHOT_PERIOD)]
+                    "--data-dir", str(workdir / f"peer{i}"), "--api", api, *agreed,
+                    "--layers", f"{start}:{end}", "--threads", str(threads), "--gather", str(DEMO_GATHER_S), "--snapshot-period", str(DEMO_SNAPSHOT_PERIOD)]
             process = spawn(args, workdir / f"peer{i}.log")
             processes.append(process)
             members.append(Peer(i, stage, api, process, args, workdir / f"peer{i}.log"))
