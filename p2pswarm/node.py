@@ -102,6 +102,7 @@ class NodeState:
             "dht_mode": "server" if index and index.server else "client",
             "uptime_s": round(time.time() - self.started_at, 1),
             "model": self.model.name,
+            "run": {"name": self.run.name, "identity": self.run.identity} if self.run else None,
             "stage": self.stage,
             "layers": list(self.layers) if self.layers else None,
             "capacity": vars(self.capacity()) if self.stage is not None else None,
