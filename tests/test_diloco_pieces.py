@@ -23,7 +23,9 @@ from p2pswarm.diloco.messages import (
     CODECS, MAX_MEMBERS, MAX_NUMEL, MAX_PIECES, MAX_STAGE_NUMEL, Hello, Part, expected_bytes, piece_elements,
     shard_bounds, shard_plan,
 )
-from p2pswarm.diloco.round import CombineShard, Finished, NeedShards, OuterRound, SendHello, SendPart, SendResult
+from p2pswarm.diloco.round import (
+    CombineShard, Finished, NeedShards, OuterRound, Rejected, SendHello, SendPart, SendResult,
+)
 from p2pswarm.errors import RemoteProtocolError
 
 
@@ -115,43 +117,118 @@ def unpack(data: bytes) -> list[int]:
     return list(struct.unpack(f"<{len(data) // 4}i", data))
 
 
-def run_round(numel: int, piece_limit: int) -> tuple[dict, list]:
-    """Every member's outcome, and every Part sent: the network delivers at once, in order."""
-    rounds = {p: OuterRound(me=p, stage=1, round=3, numel=numel, codec="float32", expected=frozenset(PEERS) - {p},
-                            now=0.0, expected_bytes=expected_bytes, piece_elements=piece_limit) for p in PEERS}
-    queue = [(p, a) for p in PEERS for a in rounds[p].start(0.0)]
-    outcomes, parts = {}, []
-    while queue:
-        src, action = queue.pop(0)
-        rnd = rounds[src]
+class Net:
+    """Members and the network between them; ``lifo`` delivers the newest message first (so parts
+    reach members still agreeing); ``dies`` are members that die once their group is agreed;
+    ``tamper(src, action)`` may replace a SendPart's data; ``combine`` answers CombineShard at once."""
+
+    def __init__(self, numel: int, piece_limit: int, *, lifo=False, dies=(), tamper=None, combine=True) -> None:
+        self.rounds = {p: OuterRound(me=p, stage=1, round=3, numel=numel, codec="float32",
+                                     expected=frozenset(PEERS) - {p}, now=0.0, expected_bytes=expected_bytes,
+                                     piece_elements=piece_limit) for p in PEERS}
+        self.lifo, self.dies, self.tamper, self.combine = lifo, set(dies), tamper, combine
+        self.dead: set[str] = set()
+        self.outcomes, self.parts, self.combines, self.rejected = {}, [], [], []
+        self.queue = [(p, a) for p in PEERS for a in self.rounds[p].start(0.0)]
+
+    def run(self, now: float = 0.0) -> None:
+        while self.queue:
+            src, action = self.queue.pop(-1 if self.lifo else 0)
+            if src not in self.dead:
+                self.queue += [(who, a) for who, actions in self.handle(src, action, now) for a in actions]
+
+    def handle(self, src: str, action, now: float):
+        rnd = self.rounds[src]
+        peer = getattr(action, "peer", None)
+        if peer in self.dead:
+            return [(src, rnd.on_send_failed(peer, now))]
         if isinstance(action, SendHello):
-            reply, more = rounds[action.peer].on_hello(src, action.hello, 0.0)
-            queue += [(action.peer, a) for a in more] + [(src, a) for a in rnd.on_hello(action.peer, reply, 0.0)[1]]
-        elif isinstance(action, NeedShards):
-            queue += [(src, a) for a in rnd.provide_shards([pack([BIT[src]] * (b - a)) for a, b in action.bounds], 0.0)]
-        elif isinstance(action, SendPart):
-            parts.append(action.part)
-            queue += [(action.peer, a) for a in rounds[action.peer].on_part(src, action.part, action.data, 0.0)[1]]
-        elif isinstance(action, SendResult):
-            queue += [(action.peer, a) for a in rounds[action.peer].on_result(src, action.result, action.data, 0.0)[1]]
-        elif isinstance(action, CombineShard):
+            reply, more = self.rounds[peer].on_hello(src, action.hello, now)
+            return [(peer, more), (src, rnd.on_hello(peer, reply, now)[1])]
+        if isinstance(action, NeedShards):
+            if src in self.dies:
+                self.dead.add(src)
+                return []
+            return [(src, rnd.provide_shards([pack([BIT[src]] * (b - a)) for a, b in action.bounds], now))]
+        if isinstance(action, SendPart):
+            self.parts.append(action.part)
+            data = self.tamper(src, action) if self.tamper else action.data
+            return [(peer, self.rounds[peer].on_part(src, action.part, data, now)[1])]
+        if isinstance(action, SendResult):
+            return [(peer, self.rounds[peer].on_result(src, action.result, action.data, now)[1])]
+        if isinstance(action, CombineShard):
+            if not self.combine:
+                self.combines.append((src, action))
+                return []
             total = [sum(v) for v in zip(*(unpack(d) for d in action.parts.values()))]
-            queue += [(src, a) for a in rnd.combined(pack(total), {}, 0.0, action.shard)]
-        elif isinstance(action, Finished):
-            outcomes[src] = action.outcome
-    return outcomes, parts
+            return [(src, rnd.combined(pack(total), {}, now, action.shard))]
+        if isinstance(action, Rejected):
+            self.rejected.append((src, action.peer, action.reason))
+        if isinstance(action, Finished):
+            self.outcomes[src] = action.outcome
+        return []
 
 
-def test_a_round_with_several_pieces_a_shard_sums_every_piece():
+def sums(outcome, pieces: range) -> list[int]:
+    return [v for i in pieces for v in unpack(outcome.results[i])]
+
+
+@pytest.mark.parametrize("lifo", [False, True])
+def test_a_round_with_several_pieces_a_shard_sums_every_piece(lifo):
     numel, limit = 23, 3  # shards of 8, 8, 7 elements in 3 pieces each
-    outcomes, parts = run_round(numel, limit)
-    assert sorted(outcomes) == list(PEERS)
-    for peer, outcome in outcomes.items():
+    net = Net(numel, limit, lifo=lifo)
+    net.run()
+    assert sorted(net.outcomes) == list(PEERS)
+    for peer, outcome in net.outcomes.items():
         assert outcome.pieces == 3 and not outcome.missing and not outcome.left_out
         assert sorted(outcome.results) == list(range(9))
-        values = [v for i in range(9) for v in unpack(outcome.results[i])]
-        assert values == [sum(BIT.values())] * numel  # every element: the sum over all members
+        assert sums(outcome, range(9)) == [sum(BIT.values())] * numel  # every element: the sum over all members
         assert [outcome.owner(i) for i in range(9)] == [p for p in PEERS for _ in range(3)]
         assert all(count == 3 for count in outcome.contributors.values())
-    assert len(parts) == 3 * 2 * 3 and {p.piece for p in parts} == {0, 1, 2}  # 3 members x 2 owners x 3 pieces
-    assert all(isinstance(p, Part) and p.numel <= limit for p in parts)
+    assert len(net.parts) == 3 * 2 * 3 and {p.piece for p in net.parts} == {0, 1, 2}  # 3 members x 2 owners x 3
+    assert all(isinstance(p, Part) and p.numel <= limit for p in net.parts)
+    if lifo:  # parts of several pieces reached members still agreeing: each was held, none lost as a duplicate
+        assert sum(r.counts["early"] for r in net.rounds.values()) > 1
+        assert not any(r.counts["duplicates"] for r in net.rounds.values())
+
+
+def test_a_member_gone_after_the_agreement_leaves_only_its_pieces_missing():
+    net = Net(23, 3, dies={"p2"})
+    net.run()
+    for peer in ("p0", "p1"):
+        outcome = net.outcomes[peer]
+        assert outcome.missing == (6, 7, 8) and sorted(outcome.results) == list(range(6))
+        assert sums(outcome, range(6)) == [BIT["p0"] + BIT["p1"]] * 16
+        assert all(outcome.contributors[i] == 2 for i in range(6))
+
+
+def test_a_bad_part_in_one_piece_refuses_its_sender_once_and_keeps_its_earlier_piece():
+    def tamper(src, action):
+        bad = src == "p1" and action.peer == "p0" and action.part.piece == 1
+        return action.data + b"\0\0\0\0" if bad else action.data
+
+    net = Net(23, 3, tamper=tamper)
+    net.run()
+    assert [(who, peer) for who, peer, _ in net.rejected] == [("p0", "p1")]
+    outcome = net.outcomes["p0"]
+    assert [outcome.contributors[i] for i in range(3)] == [3, 2, 2]  # p1's piece 0 came before its bad piece 1
+    assert sums(outcome, range(1, 3)) == [BIT["p0"] + BIT["p2"]] * 5
+
+
+def test_each_combine_is_answered_by_its_piece():
+    net = Net(23, 3, combine=False)
+    net.run()
+    assert sorted((src, a.shard) for src, a in net.combines) == [(p, i) for p in PEERS for i in
+                                                                  range(3 * PEERS.index(p), 3 * PEERS.index(p) + 3)]
+    assert not net.outcomes  # no member is done while a combine of its own is out
+    rnd, first = net.rounds["p0"], next(action for src, action in net.combines if src == "p0")
+    with pytest.raises(ValueError):  # three are out: an answer must say which
+        rnd.combined(pack([0] * first.numel), {}, 0.0)
+    for src, action in reversed(net.combines):  # answered in any order
+        total = [sum(v) for v in zip(*(unpack(d) for d in action.parts.values()))]
+        net.queue += [(src, a) for a in net.rounds[src].combined(pack(total), {}, 0.0, action.shard)]
+    with pytest.raises(ValueError):  # answered already
+        rnd.combined(pack([0] * first.numel), {}, 0.0, first.shard)
+    net.run()
+    for outcome in net.outcomes.values():
+        assert sums(outcome, range(9)) == [sum(BIT.values())] * 23

@@ -1,9 +1,11 @@
-"""The sender's local errors (p2pswarm.swarm.sender): a frame we may not send blames no peer.
+"""The sender's size rules (p2pswarm.swarm.sender): local errors blame no peer; a peer's share is kept.
 
 A micro-batch whose payload is past the wire's frame limit cannot go to any peer: the Deliverer
 finds that before trying one, logs it at ERROR once (with the sizes), reports the micro-batch
 lost, and leaves every peer of the next stage live, un-failed and not backed off. A frame that
-fits is delivered as before (a fake pool on the lease interface acks it).
+fits is delivered as before (a fake pool on the lease interface acks it). Frames on the way to
+one peer stay within its inbound share (one 64 MiB frame): a second big one waits for the first's
+answer, while small ones go side by side.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import random
 import time
 
 import trio
+import trio.testing
 
 from p2pswarm import wire
 from p2pswarm.swarm.activation import SESSION_BYTES, Ack, Backward, Forward
@@ -37,12 +40,15 @@ class FakeLease:
         self.message = message
 
     async def read_frame(self, *, max_payload=wire.MAX_PAYLOAD_BYTES, timeout=0.0):
+        await self.pool.answer.wait()
         return Ack(self.message.micro_batch, 0), b""
 
 
 class FakePool:
     def __init__(self) -> None:
         self.leases = self.frames = 0
+        self.answer = trio.Event()  # acks wait for this; set from the start unless a test holds them
+        self.answer.set()
 
     @contextlib.asynccontextmanager
     async def lease(self, peer, protocol, *, via_relay=True, timeout=0.0):
@@ -97,3 +103,23 @@ def test_a_frame_that_fits_is_delivered():
     d, router, pool, seen = deliverer()
     trio.run(d.forward, send(Forward, 7))  # 56 MiB: within the frame
     assert pool.frames == 1 and len(seen["acked"]) == 1 and not seen["lost"] and d.counts["unsendable"] == 0
+
+
+def test_frames_on_the_way_to_a_peer_stay_within_its_share():
+    d, router, pool, seen = deliverer()
+    router.forget(PEERS[1])  # one candidate: everything goes to the same peer
+
+    async def main(rows: int, expect_before_answer: int):
+        pool.answer, pool.frames = trio.Event(), 0
+        async with trio.open_nursery() as nursery:
+            for i in range(2):
+                nursery.start_soon(d.forward, send(Forward, rows, i))
+            await trio.testing.wait_all_tasks_blocked()
+            assert pool.frames == expect_before_answer
+            pool.answer.set()
+        assert pool.frames == 2
+
+    trio.run(main, 5, 1)  # 2 x 40 MiB: the second waits for the first's ack
+    assert d.counts["byte_waits"] >= 1
+    trio.run(main, 2, 2)  # 2 x 16 MiB: side by side
+    assert len(seen["acked"]) == 4 and not seen["lost"] and not d._bytes_out

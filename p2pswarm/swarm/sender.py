@@ -19,6 +19,12 @@ candidate is tried; when every live candidate is busy the sender waits for the s
 retry-after hint. A forward is lost when no live candidate exists for ``NO_CANDIDATE_WAIT`` or
 no window opens for ``ROOM_WAIT``.
 
+Besides its window, a peer takes at most its inbound share of bytes on the way at once
+(``net/budget.PEER_BUDGET_BYTES``, one 64 MiB frame): the receiver reserves each frame's bytes
+against that share before reading it and refuses one that waits past its budget wait, which
+would fail a healthy peer. So an attempt whose frame would take the bytes on the way to a peer
+past that share waits for an earlier one to end (a single frame always fits).
+
 A frame that we may not send at all (its payload is past the wire's limit: a micro-batch too
 big for one frame) is a *local* error: it is found before any peer is tried, logged at ERROR
 once with its sizes, and the micro-batch is lost; no peer is failed or backed off for it.
@@ -41,6 +47,7 @@ import trio
 
 from p2pswarm import wire
 from p2pswarm.errors import CircuitExhausted, LocalProtocolError, NoCandidates, P2PSwarmError, Stalled, first_error
+from p2pswarm.net.budget import MIN_FRAME_CHARGE, PEER_BUDGET_BYTES
 from p2pswarm.swarm.activation import PROTOCOL_ID, Ack, Backward, Busy, Forward
 from p2pswarm.swarm.buffers import Priority
 from p2pswarm.swarm.router import Failure, Router
@@ -95,6 +102,7 @@ class Deliverer:
         self._busy: dict[str, float] = {}  # peer -> its last Busy's retry-after hint, seconds
         self._answered = trio.Event()  # set whenever an attempt ends: a window may have room again
         self._unsendable_logged: set[str] = set()  # message types whose refusal was logged at ERROR
+        self._bytes_out: Counter = Counter()  # peer -> bytes of the frames on the way to it (as it charges them)
 
     async def forward(self, send: Send) -> None:
         """Deliver a forward to some live peer of its stage; report it lost if none takes it."""
@@ -188,12 +196,20 @@ class Deliverer:
         """One frame to ``peer`` and its reply, or a failure when the peer makes no progress
         (module docstring); the attempt's stream is reset on any failure."""
         size = len(send.payload)
+        charge = size + MIN_FRAME_CHARGE  # the receiver charges the header too: a few hundred bytes
+        while self._bytes_out[peer] and self._bytes_out[peer] + charge > PEER_BUDGET_BYTES:
+            self.counts["byte_waits"] += 1
+            await self.wait_for_room()  # its share is taken by earlier frames: wait for one to end
         deadline = self._router.deadline(peer, size)
         self.counts["sent"] += 1
         self._router.observe_sent(peer, size)
+        self._bytes_out[peer] += charge
         try:
             reply = await self._exchange(peer, send, deadline)
         finally:
+            self._bytes_out[peer] -= charge
+            if not self._bytes_out[peer]:
+                del self._bytes_out[peer]
             self._answered.set()
             self._answered = trio.Event()
         return reply
