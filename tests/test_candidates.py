@@ -15,7 +15,7 @@ from p2pswarm.dht.records import Capacity, StageRecord, sign_record
 from p2pswarm.identity import generate_identity
 from p2pswarm.net.control import ControlService
 from p2pswarm.net.host import connect, open_host, peer_info_from_multiaddr
-from tests.test_discovery import LOOPBACK, start_swarm
+from tests.test_discovery import LOOPBACK, RUN, start_swarm
 
 PEERS = ["a", "b", "c", "d"]
 
@@ -100,7 +100,7 @@ def test_a_record_author_that_answers_nothing_is_no_candidate():
                 control = ControlService(host, inner)  # answers no Ping: it has no handler for it
                 await connect(host, peer_info_from_multiaddr(boot.addrs()[0]))
                 ghost_record = StageRecord(ghost.peer_id_text, tuple(str(a) for a in host.get_addrs()), "tiny-lm",
-                                           1, 2, 4, Capacity(10_000, 0), time.time(), 60.0)
+                                           1, 2, 4, Capacity(10_000, 0), time.time(), 60.0, RUN)
                 reply = await control.request(boot.host.get_id(), StoreRecord(record=sign_record(ghost_record, ghost)))
                 assert reply.accepted
                 live, ghost_id = second.identity.peer_id_text, ghost.peer_id_text
