@@ -70,7 +70,7 @@ class TokenCorpus:
     dtype: str  # "uint16" or "uint32"
     train: tuple[Shard, ...]
     heldout: tuple[Shard, ...]
-    heldout_bytes: int  # the held-out text's size: bytes per token for a bits-per-byte estimate
+    heldout_bytes: int  # the held-out text's size in bytes (its tokens stand for that much text)
     read_tokens: int = READ_TOKENS
     unit = "tokens"
 
