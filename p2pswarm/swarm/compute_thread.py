@@ -37,6 +37,7 @@ class ComputeThread:
         self.name = name
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self._stopping = False  # stop() was called: a job submitted now would never run
 
     def start(self) -> None:
         if self._thread is not None:
@@ -46,7 +47,8 @@ class ComputeThread:
 
     def stop(self) -> None:
         """Let the queued jobs run, then end the thread (without waiting for it)."""
-        if self._thread is not None:
+        if self._thread is not None and not self._stopping:
+            self._stopping = True
             self._jobs.put(_STOP)
 
     @property
@@ -63,7 +65,7 @@ class ComputeThread:
 
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` on the thread; its result, or its exception raised here."""
-        if self._thread is None or not self._thread.is_alive():
+        if self._thread is None or self._stopping:
             raise LocalProtocolError(f"{self.name} is not running")
         token = trio.lowlevel.current_trio_token()
         done = trio.Event()
