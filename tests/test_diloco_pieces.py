@@ -84,6 +84,18 @@ def test_stage_sized_hellos_are_admitted():
 
 
 @pytest.mark.parametrize("codec", CODECS)
+def test_just_over_two_to_the_26_is_refused_whole_and_planned_in_admitted_pieces(codec):
+    numel = MAX_NUMEL + 1  # arithmetic only: 2**26 floats would be 256 MiB
+    with pytest.raises(ValueError):
+        compression.encoded_size(codec, numel)
+    with pytest.raises(RemoteProtocolError):  # refused before anything is allocated
+        compression.decode(b"", codec, numel)
+    plan = shard_plan(numel, 1, codec)
+    assert plan.pieces >= 2 and admitted(plan, codec)
+    assert all(compression.encoded_size(codec, b - a) == expected_bytes(codec, b - a) for a, b in plan.bounds)
+
+
+@pytest.mark.parametrize("codec", CODECS)
 def test_a_vector_past_the_limit_is_refused_whole_and_goes_through_in_pieces(codec):
     limit = 1000  # a lowered decoder limit stands in for MAX_ELEMENTS (2**26 floats would be 256 MiB)
     vector = torch.randn(2 * limit + 37)
