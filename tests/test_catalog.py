@@ -113,4 +113,4 @@ def test_the_tier_table_lists_every_model_within_the_budget():
         assert row.activation_fp32 == 2 * row.activation_bf16 == activation_bytes(spec, row.rows, spec.context, 4)
         assert row.activation_bf16 <= 64 * 2**20  # one bf16 micro-batch fits one 64 MiB frame
     text = format_tier_table()
-    assert len(text.splitlines()) == len(MODELS) + 2 and "| xl | 64 | 64 x 1 |" in text
+    assert len(text.splitlines()) == len(MODELS) + 2 and "| xl | 33.9B | 64 | 64 x 1 |" in text

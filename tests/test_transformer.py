@@ -180,3 +180,16 @@ def test_every_tiers_largest_stage_builds_on_the_meta_device_as_counted(name):
 def test_catalog_imports_without_torch():
     code = "import sys, p2pswarm.model.catalog; assert 'torch' not in sys.modules, 'torch was imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_rmsnorm_backward_is_the_derivative_of_its_forward():
+    from p2pswarm.model.transformer import RMSNorm
+
+    norm = RMSNorm(8, 1e-5).double()
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(2, 3, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    weight = norm.weight.detach().clone().requires_grad_()
+    assert torch.autograd.gradcheck(lambda x, w: torch.func.functional_call(norm, {"weight": w}, (x,)), (x, weight))
+    expected = norm.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
+    torch.testing.assert_close(norm(x), expected)

@@ -340,6 +340,7 @@ class TierRow:
     stage_size: int
     stages: int
     rows: int  # default micro-batch rows, each of the model's context
+    params: int  # the whole model's parameters
     params_per_stage: int  # the most parameters any stage holds
     memory: int  # bytes of the largest stage in bf16 (stage_memory), with the catalog's vocabulary
     memory_bpe: int  # the same with a SIZING_VOCAB-token vocabulary
@@ -353,7 +354,7 @@ def tier_table() -> list[TierRow]:
     for name, spec in MODELS.items():
         rows = default_rows(spec)
         table.append(TierRow(
-            name, spec.n_layers, spec.stage_size, spec.n_stages, rows,
+            name, spec.n_layers, spec.stage_size, spec.n_stages, rows, model_param_count(spec),
             max(param_count(spec, s) for s in range(spec.n_stages)), largest_stage_memory(spec),
             largest_stage_memory(dataclasses.replace(spec, vocab=SIZING_VOCAB)),
             activation_bytes(spec, rows, spec.context, 2), activation_bytes(spec, rows, spec.context, 4)))
@@ -362,12 +363,16 @@ def tier_table() -> list[TierRow]:
 
 def format_tier_table() -> str:
     """``tier_table()`` as a Markdown table (it reads as plain text too)."""
-    lines = ["| model | layers | stages x size | rows x seq | params/stage | GB/stage (bf16) | GB, 32k vocab "
+    lines = ["| model | params | layers | stages x size | rows x seq | params/stage | GB/stage (bf16) | GB, 32k vocab "
              "| activations bf16 / fp32 |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for row in tier_table():
         seq = MODELS[row.model].context
-        lines.append(f"| {row.model} | {row.n_layers} | {row.stages} x {row.stage_size} | {row.rows} x {seq} "
-                     f"| {row.params_per_stage / 1e6:,.1f}M | {row.memory / GB:.2f} | {row.memory_bpe / GB:.2f} "
+        lines.append(f"| {row.model} | {_count(row.params)} | {row.n_layers} | {row.stages} x {row.stage_size} | {row.rows} x {seq} "
+                     f"| {_count(row.params_per_stage)} | {row.memory / GB:.2f} | {row.memory_bpe / GB:.2f} "
                      f"| {row.activation_bf16 / 2**20:.1f} / {row.activation_fp32 / 2**20:.1f} MiB |")
     return "\n".join(lines)
+
+
+def _count(params: int) -> str:
+    return f"{params / 1e9:.1f}B" if params >= 10**9 else f"{params / 1e6:.1f}M"
