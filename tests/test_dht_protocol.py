@@ -132,3 +132,18 @@ def test_fetch_for_a_run_that_is_no_identity_is_a_remote_error(run):
     encoded = cbor2.dumps(header, canonical=True)
     with pytest.raises(RemoteProtocolError):
         wire.decode_frame(len(encoded).to_bytes(4, "big") + encoded)
+
+
+def test_a_lookup_drops_a_record_of_another_run_that_comes_back_anyway():
+    """A storing peer could serve any record under any key: the reader checks the run itself."""
+    from types import SimpleNamespace
+
+    from p2pswarm.dht.discovery import StageIndex
+
+    index = SimpleNamespace(stats=SimpleNamespace(invalid_records=0))
+    ours, theirs = "fdd1f91421b0282a", "22c34b20d1f30067"
+    newest: dict = {}
+    for identity, run in ((ALICE, ours), (BOB, theirs)):
+        raw = sign_record(dataclasses.replace(record(identity), run=run), identity)
+        StageIndex._merge(index, newest, raw, (ours, "tiny-lm", 0))
+    assert list(newest) == [ALICE.peer_id_text] and index.stats.invalid_records == 1
