@@ -208,3 +208,31 @@ def test_a_peer_on_an_accelerator_announces_it():
     on_cpu, on_gpu = capacity("cpu"), capacity("cuda:0")
     assert not on_cpu.flags & FLAG_GPU and on_cpu.free_memory_mb > 0  # host memory
     assert on_gpu.flags & FLAG_GPU  # and the device's free memory (0 here: no CUDA on this machine)
+
+
+# --- the wire dtype ------------------------------------------------------------------------------
+
+
+def test_a_peer_takes_activations_in_its_runs_dtype_only():
+    pytest.importorskip("torch")
+    from p2pswarm.errors import RemoteProtocolError
+    from p2pswarm.swarm.activation import SESSION_BYTES, Ack, Forward
+    from p2pswarm.swarm.buffers import Priority
+    from p2pswarm.swarm.engine import TrainConfig
+    from p2pswarm.swarm.service import SwarmService
+
+    spec, rows, seq = get_model("tiny-lm/2"), 2, 8
+
+    def frame(dtype: str, size: int, micro_batch: int):
+        shape = (rows, seq, spec.width)
+        message = Forward(b"s" * SESSION_BYTES, micro_batch, 1, int(Priority.TRAINING_FORWARD), 0, dtype, shape,
+                          rows * seq)
+        return message, b"\0" * (rows * seq * spec.width * size + rows * seq)
+
+    async def main_():
+        svc = SwarmService(spec=spec, stage=1, me="me", pool=None, stage_map=None, host=None,
+                           config=TrainConfig(activation_dtype="bfloat16"))
+        assert await svc._on_frame("up", *frame("bfloat16", 2, 0)) == Ack(0, 1)
+        with pytest.raises(RemoteProtocolError, match="bfloat16 micro-batch"):
+            await svc._on_frame("other", *frame("float32", 4, 1))
+    trio.run(main_)
