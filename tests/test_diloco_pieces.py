@@ -244,3 +244,15 @@ def test_each_combine_is_answered_by_its_piece():
     net.run()
     for outcome in net.outcomes.values():
         assert sums(outcome, range(9)) == [sum(BIT.values())] * 23
+
+
+def test_early_parts_are_held_at_most_a_shards_pieces_per_peer():
+    rnd = OuterRound(me="p0", stage=1, round=3, numel=23, codec="float32", expected=frozenset({"p1", "p2"}),
+                     now=0.0, expected_bytes=expected_bytes, piece_elements=3)
+    rnd.start(0.0)
+    rnd.on_hello("p1", Hello(1, 3, 23, "float32", True, True, PEERS), 0.0)  # p1 closed with us: we close, agree
+    assert rnd.phase.name == "AGREE"
+    replies = [rnd.on_part("p1", Part(1, 3, b"g" * 32, 0, 3, "float32", 0, piece=i), b"", 0.0)[0] for i in range(50)]
+    held = [r.reason for r in replies].count("early")
+    assert held == shard_plan(23, 2, "float32", max_elements=3).pieces == 4  # empty parts cannot fill the book
+    assert [r.reason for r in replies[held:]] == ["too early"] * (50 - held)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from p2pswarm.diloco.group import Membership
 from p2pswarm.diloco.messages import (
-    CODECS, MAX_MEMBERS, MAX_ROUND, MAX_STAGE_NUMEL, Hello, Part, Reply, Result, is_peer_id,
+    CODECS, MAX_MEMBERS, MAX_ROUND, MAX_STAGE_NUMEL, Hello, Part, Reply, Result, is_peer_id, shard_plan,
 )
 from p2pswarm.diloco.round_actions import (
     Action, CatchUp, CombineShard, Finished, NeedShards, Outcome, Rejected, SendHello, SendPart, SendResult,
@@ -102,6 +102,9 @@ class OuterRound:
         self._reduction: Reduction | None = None
         self._early: dict[tuple[str, str, int, int], tuple[Part | Result, bytes]] = {}  # (kind, peer, shard, piece)
         self._early_budget = EARLY_BUFFER_MODELS * expected_bytes(codec, numel) + MAX_MEMBERS * EARLY_SLACK_BYTES
+        limit = {} if piece_elements is None else {"max_elements": piece_elements}
+        # pieces of one shard in the smallest group that reduces (2): what one peer may send of a kind early
+        self._early_pieces = shard_plan(numel, 2, codec, size=expected_bytes, **limit).pieces
         self._rejected_hellos: set[str] = set()
         self._caught_up = round  # the latest round a CatchUp was emitted for
 
@@ -322,7 +325,9 @@ class OuterRound:
             self.counts["duplicates"] += 1
             return reply_to(msg, True, "duplicate"), []
         self.counts["early"] += 1
-        if self.phase is not Phase.AGREE or peer not in self.book.view or len(data) > self._early_budget:
+        held = sum(1 for k in self._early if k[:2] == (kind, peer))
+        if self.phase is not Phase.AGREE or peer not in self.book.view or len(data) > self._early_budget \
+                or held >= self._early_pieces:
             return reply_to(msg, False, "too early"), []
         self._early_budget -= len(data)
         self._early[key] = (msg, data)
