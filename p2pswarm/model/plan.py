@@ -19,12 +19,11 @@ laptop).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from p2pswarm import wire
 from p2pswarm.errors import ConfigError
-import dataclasses
-
 from p2pswarm.model.catalog import MODELS, SIZING_VOCAB, ModelSpec, param_count
 from p2pswarm.swarm import activation
 
@@ -52,9 +51,8 @@ class ActivationPlan:
 
 
 def target_bytes(spec: ModelSpec) -> int:
-    """Bytes one target token takes on the wire for this model's vocabulary."""
-    per_token = getattr(activation, "target_bytes_per_token", None)
-    return per_token(spec.vocab) if per_token is not None else 1
+    """Bytes one target token takes on the wire for this model's vocabulary (1, 2 or 4)."""
+    return activation.target_bytes_per_token(spec.vocab)
 
 
 def activation_plan(spec: ModelSpec, rows: int, seq: int, dtype: str, *, budget: int = FRAME_BUDGET) -> ActivationPlan:
