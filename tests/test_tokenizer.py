@@ -274,3 +274,19 @@ def test_stage_0_feeds_bpe_micro_batches_whose_targets_cross_the_wire(bpe, tmp_p
             await receiver._on_frame("liar", message, hidden + narrow)
 
     trio.run(main)
+
+
+def test_a_tokenizer_larger_than_the_model_is_a_config_error(bpe, tmp_path):
+    pytest.importorskip("torch")
+    import trio
+
+    from p2pswarm.model.catalog import get_model
+    from p2pswarm.swarm.service import SwarmService
+
+    async def main():
+        svc = SwarmService(spec=get_model("tiny-lm/1"), stage=0, me="me", pool=None, stage_map=None, host=None,
+                           data=str(write_corpus(tmp_path / "data", files=2)), tokenizer=bpe)
+        with pytest.raises(ConfigError, match="more than the 256"):
+            svc._load_corpus()
+
+    trio.run(main)

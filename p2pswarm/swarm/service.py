@@ -412,6 +412,12 @@ class SwarmService:
 
     def _load_corpus(self):
         """Worker thread: the corpus (--data or the stdlib), tokenized into shards unless tokens are bytes."""
+        if self.tokenizer.vocab_size > self.spec.vocab:
+            raise ConfigError(f"tokenizer {self.tokenizer.name} has {self.tokenizer.vocab_size} tokens, more than "
+                              f"the {self.spec.vocab} of model {self.spec.name}")
+        if self.tokenizer.vocab_size != self.spec.vocab:
+            log.warning("model %s has %d tokens, tokenizer %s %d: ids above %d are never fed", self.spec.name,
+                        self.spec.vocab, self.tokenizer.name, self.tokenizer.vocab_size, self.tokenizer.vocab_size - 1)
         corpus = corpora.load_corpus(self._data)
         return corpus if self.tokenizer.is_bytes else token_shards.tokenize_corpus(corpus, self.tokenizer)
 
