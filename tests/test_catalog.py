@@ -48,7 +48,7 @@ def test_least_served_stage_is_a_stage_with_fewest_replicas(name, replicas, seed
 
 def test_specs_carry_their_dimensions():
     assert (TINY.n_layers, TINY.stage_size, TINY.n_stages) == (8, 2, 4)
-    assert (TINY.width, TINY.heads, TINY.ffn, TINY.context, TINY.vocab) == (128, 4, 344, 128, 256)
+    assert (TINY.width, TINY.heads, TINY.ffn, TINY.context, TINY.vocab) == (128, 4, 256, 128, 256)
     assert (TINY.kv_heads, TINY.rope_theta, TINY.norm_eps) == (4, 10000.0, 1e-5)
     tiers = {name: (MODELS[name].n_layers, MODELS[name].width, MODELS[name].heads)
              for name in ["nano", "micro", "small", "medium", "large", "xl"]}
