@@ -241,7 +241,7 @@ MASTER_BYTES = 4  # the fp32 master weights a bf16 working copy is cast from (th
 GRAD_BYTES = 4  # gradients accumulate in fp32, on the master weights
 ADAM_BYTES = 8  # AdamW's exp_avg and exp_avg_sq, fp32 each
 STASH_BYTES = 4  # one stashed fp32 copy of the weights (the engine's weight stashing; one version in flight)
-NORM_BYTES = 4  # an RMSNorm computes in float32 and keeps its float32 input for backward
+NORM_BYTES = 4  # an RMSNorm computes in float32 and keeps x / rms(x) in float32 for backward
 LOGIT_COPIES = 2  # the fp32 logits and the log-softmax that cross-entropy keeps for backward
 GB = 10**9  # the tier table's unit (decimal, as GPU memory is sold)
 
@@ -274,9 +274,9 @@ def layer_activation_bytes(spec: ModelSpec, tokens: int, dtype_bytes: int) -> in
 
     Per token: the normed inputs of q/k/v and of gate/up (2 x width), q, k and v after the
     rotation (width + 2 x kv width, kept by attention), the attention output that o_proj takes
-    (width), the width of the residual branch, and the SwiGLU's gate, up, silu(gate) and the
-    product down_proj takes (4 x ffn), all in the activation dtype; each RMSNorm's float32 input
-    (2 x width x 4 bytes); attention's log-sum-exp per head (float32). An estimate: it counts
+    (width), and the SwiGLU's gate, up, silu(gate) and the product down_proj takes (4 x ffn),
+    all in the activation dtype; each RMSNorm's float32 x / rms(x) (2 x width x 4 bytes);
+    attention's log-sum-exp per head (float32). An estimate: it counts
     what a Llama layer's backward needs, not the allocator's rounding.
     """
     w = spec.width

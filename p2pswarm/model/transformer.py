@@ -12,7 +12,8 @@ cut along its layers into the stages of ``ModelSpec.stage_range``:
 - a single-stage model has both ends.
 
 Each layer: ``x + self_attn(input_layernorm(x))`` then ``x + mlp(post_attention_layernorm(x))``.
-RMSNorm computes in float32 (epsilon ``spec.norm_eps``); attention rotates q and k by rotary
+RMSNorm computes in float32 (epsilon ``spec.norm_eps``; a written-out backward, fewer kernels
+than autograd's on a CPU); attention rotates q and k by rotary
 position embeddings (HF's default rope: rotate_half, ``inv_freq = 1 / theta^(2i / head_dim)``,
 cos/sin computed in float32 for positions 0..seq-1 on every forward, never stored), runs
 ``scaled_dot_product_attention(is_causal=True)``, with ``spec.kv_heads`` key/value heads
