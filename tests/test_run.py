@@ -9,6 +9,8 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from p2pswarm.config import NodeConfig, Role
 from p2pswarm.diloco.settings import DilocoSettings
@@ -115,6 +117,30 @@ def test_identity_is_stable_under_order_comments_and_spelling():
     a, b = parse(FULL), parse(REORDERED)
     assert a.identity == b.identity and a.name != b.name
     assert len(a.identity) == IDENTITY_CHARS and a.run_bytes == bytes.fromhex(a.identity)
+
+
+def _toml(tables: list[tuple[str, list[str]]]) -> str:
+    return "\n".join((f"[{name}]\n" if name else "") + "\n".join(lines) + "\n" for name, lines in tables)
+
+
+def _sections(text: str) -> list[tuple[str, list[str]]]:
+    sections, name = [("", [])], ""
+    for line in text.strip().splitlines():
+        if line.startswith("["):
+            sections.append((line.strip("[]"), []))
+        elif line:
+            sections[-1][1].append(line)
+    return sections
+
+
+@given(st.randoms(use_true_random=False))
+def test_identity_is_the_same_in_any_key_and_table_order(rng):
+    sections = _sections(FULL)
+    top, tables = sections[0], sections[1:]
+    rng.shuffle(tables)
+    for _, lines in [top, *tables]:
+        rng.shuffle(lines)
+    assert parse(_toml([top, *tables])).identity == parse(FULL).identity
 
 
 CHANGES = [("seed = 3", "seed = 4"), ('model = "tiny-lm/2"', 'model = "tiny-lm/4"'), ("lr = 1e-3", "lr = 2e-3"),

@@ -4,7 +4,8 @@
 message types that other modules register later. A type whose ``check`` constrains the
 payload (as TensorFrame's does) registers its own frame strategy with ``register_frames``.
 ``unchecked_frame`` and ``decodes_or_raises_remote_error`` are the two halves of every "a peer's
-garbage is a RemoteProtocolError, nothing else" property.
+garbage is a RemoteProtocolError, nothing else" property. ``run_ids`` and ``run_bytes`` are run
+identities (``p2pswarm.model.run``) as stage records and as request frames carry them.
 """
 
 from __future__ import annotations
