@@ -50,7 +50,7 @@ class ModelSpec:
     ffn: int = DEFAULT_FFN  # SwiGLU intermediate size (gate_proj, up_proj: width -> ffn)
     context: int = DEFAULT_CONTEXT  # longest sequence a stage accepts
     vocab: int = BYTE_VOCAB  # token ids are in [0, vocab); set from a tokenizer with dataclasses.replace
-    kv_heads: int = 0  # key/value heads (grouped-query attention); 0 means heads (plain multi-head)
+    kv_heads: int = 0  # key/value heads (GQA); 0 means heads (multi-head), resolved when the spec is made
     rope_theta: float = DEFAULT_ROPE_THETA  # RoPE base: inv_freq = 1 / theta^(2i / head_dim)
     norm_eps: float = DEFAULT_NORM_EPS  # RMSNorm epsilon
 
@@ -368,8 +368,8 @@ def format_tier_table() -> str:
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for row in tier_table():
         seq = MODELS[row.model].context
-        lines.append(f"| {row.model} | {_count(row.params)} | {row.n_layers} | {row.stages} x {row.stage_size} | {row.rows} x {seq} "
-                     f"| {_count(row.params_per_stage)} | {row.memory / GB:.2f} | {row.memory_bpe / GB:.2f} "
+        lines.append(f"| {row.model} | {_count(row.params)} | {row.n_layers} | {row.stages} x {row.stage_size} "
+                     f"| {row.rows} x {seq} | {_count(row.params_per_stage)} | {row.memory / GB:.2f} | {row.memory_bpe / GB:.2f} "
                      f"| {row.activation_bf16 / 2**20:.1f} / {row.activation_fp32 / 2**20:.1f} MiB |")
     return "\n".join(lines)
 
