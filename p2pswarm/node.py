@@ -47,6 +47,7 @@ from p2pswarm.identity import Identity, load_or_create_key
 from p2pswarm.memory import serve_memory_upkeep
 from p2pswarm.model.catalog import ModelSpec
 from p2pswarm.model.run import RunSpec
+from p2pswarm.model.tokenizer import load_tokenizer
 from p2pswarm.nat.traversal import NatTraversal
 from p2pswarm.net.connect import Connector
 from p2pswarm.net.control import ControlService
@@ -198,7 +199,8 @@ async def _train(state: NodeState, rng: random.Random, task_status=trio.TASK_STA
                            stage_map=state.stage_map, host=state.host, data=config.data,
                            threads=config.threads, rng=rng, extensions=[state.diloco],
                            placement=Placement(config.device, config.precision),
-                           config=TrainConfig(**run.train_values()), run=run)
+                           config=TrainConfig(**run.train_values()), run=run,
+                           tokenizer=load_tokenizer(run.tokenizer))  # resolved already: an absolute path or "bytes"
     await service.run(task_status=task_status)
 
 
