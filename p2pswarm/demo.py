@@ -105,19 +105,32 @@ class Peer:
     restarted: bool = False
 
 
-def latest_rounds(rounds: list[dict]) -> dict[str, tuple[float, float]]:
-    """Per stage-0 replica (``source``), its highest evaluation round: (when, bits per byte).
+def latest_rounds(rounds: list[dict]) -> dict[str, tuple[int, float, float]]:
+    """Per stage-0 replica (``source``), its highest evaluation round: (round, when, bits per byte).
 
     A round's micro-batches may be split between last-stage replicas, each reporting its part:
     the parts are combined, weighted by their bytes."""
     parts: dict[tuple[str, int], list[dict]] = {}
     for r in rounds:
         parts.setdefault((r["source"], r["round"]), []).append(r)
-    latest: dict[str, tuple[float, float]] = {}
-    for (source, _), group in sorted(parts.items()):
+    latest: dict[str, tuple[int, float, float]] = {}
+    for (source, round_), group in sorted(parts.items()):
         tokens = sum(r["tokens"] for r in group)
-        latest[source] = (max(r["at"] for r in group), sum(r["bpb"] * r["tokens"] for r in group) / tokens)
+        latest[source] = (round_, max(r["at"] for r in group), sum(r["bpb"] * r["tokens"] for r in group) / tokens)
     return latest
+
+
+
+def newest(seen: dict[str, tuple[int, float, float]],
+           now: dict[str, tuple[int, float, float]]) -> dict[str, tuple[int, float, float]]:
+    """Per stage-0 replica, the higher of two (round, when, bits per byte) evaluations. Once the last-stage
+    replica that took a session's later rounds is gone, the survivors still report older rounds
+    of it (often round 0, the untrained model): they must not replace a newer figure."""
+    merged = dict(seen)
+    for source, latest in now.items():
+        if source not in merged or latest[0] >= merged[source][0]:
+            merged[source] = latest
+    return merged
 
 
 @dataclass
@@ -133,7 +146,7 @@ class Progress:
     timeouts: int = 0
     train_bpb: float | None = None
     busy: dict[int, float] = field(default_factory=dict)  # peer -> compute-busy fraction
-    latest: dict[str, tuple[float, float]] = field(default_factory=dict)  # stage-0 replica -> (at, bpb)
+    latest: dict[str, tuple[int, float, float]] = field(default_factory=dict)  # stage-0 replica -> (round, at, bpb)
     outer: dict[tuple[int, int], dict] = field(default_factory=dict)  # (stage, round) -> a member's account
     loads: dict[int, dict] = field(default_factory=dict)  # peer -> where it loaded its stage from
 
@@ -141,7 +154,7 @@ class Progress:
         """The mean over stage-0 replicas of their latest held-out round, and each one's."""
         if not self.heldout:
             return "  -  "
-        each = ", ".join(f"{b:.2f}" for _, b in sorted(self.latest.values()))
+        each = ", ".join(f"{b:.2f}" for *_, b in sorted(self.latest.values(), key=lambda v: v[1]))
         return f"{self.heldout[-1][1]:.3f} ({each})" if len(self.latest) > 1 else f"{self.heldout[-1][1]:.3f}"
 
     def look(self, peers: list[Peer], n_stages: int, since: float) -> dict:
@@ -158,11 +171,11 @@ class Progress:
         self.busy.update({i: d["engine"]["busy_fraction"] for i, d in docs.items()})
         losses = [d["train_loss_bpb"] for d in last if d.get("train_loss_bpb") is not None]
         self.train_bpb = sum(losses) / len(losses) if losses else self.train_bpb
-        self.latest.update(latest_rounds([r for d in last for r in d.get("heldout", [])]))
+        self.latest = newest(self.latest, latest_rounds([r for d in last for r in d.get("heldout", [])]))
         if self.latest:
-            mean = sum(b for _, b in self.latest.values()) / len(self.latest)
+            mean = sum(b for *_, b in self.latest.values()) / len(self.latest)
             if not self.heldout or mean != self.heldout[-1][1]:
-                self.heldout.append((max(a for a, _ in self.latest.values()) - since, mean))
+                self.heldout.append((max(a for _, a, _ in self.latest.values()) - since, mean))
         return {s: sum(1 for d in docs.values() if d.get("stage") == s) for s in range(n_stages)}
 
     def outer_rounds(self, peers: list[Peer]) -> list[str]:

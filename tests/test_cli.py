@@ -288,7 +288,7 @@ def test_the_demo_combines_a_rounds_parts_and_takes_each_replicas_highest_round(
         {"source": "a", "round": 0, "bpb": 8.0, "tokens": 100, "at": 12.0},
         {"source": "b", "round": 0, "bpb": 6.0, "tokens": 400, "at": 9.0},
     ]
-    assert latest_rounds(rounds) == {"a": (11.0, 4.25), "b": (9.0, 6.0)}
+    assert latest_rounds(rounds) == {"a": (1, 11.0, 4.25), "b": (0, 9.0, 6.0)}
 
 
 def test_status_shows_inbound_connections():
@@ -300,3 +300,13 @@ def test_status_shows_inbound_connections():
              "inbound_connections": {"open": 3, "limit": 256, "accepted": 2041, "refused": 7}}
     stages = {"model": "tiny-lm", "n_layers": 8, "n_stages": 4, "stages": {}}
     assert "inbound 3/256 open, 2041 accepted, 7 refused at the limit" in format_status(stats, stages)
+
+
+def test_demo_keeps_each_replicas_newest_heldout_when_survivors_report_older_rounds():
+    from p2pswarm.demo import newest
+
+    seen = {"a": (3, 30.0, 4.5), "b": (2, 28.0, 4.9)}
+    # the last-stage replica that took a's later rounds died: the survivor still reports a's round 0
+    # (whose last part it finished late, after a's round 3 completed elsewhere)
+    merged = newest(seen, {"a": (0, 31.0, 7.93), "b": (3, 35.0, 4.4), "c": (0, 36.0, 5.0)})
+    assert merged == {"a": (3, 30.0, 4.5), "b": (3, 35.0, 4.4), "c": (0, 36.0, 5.0)}
