@@ -86,7 +86,8 @@ def test_stage_memory_adds_up_and_grows_with_the_micro_batch(name, rows, seq, pr
     spec = get_model(name)
     for stage in {0, spec.last_stage}:
         memory = stage_memory(spec, stage, rows, seq, precision)
-        parts = (memory.weights, memory.master, memory.grads, memory.adam, memory.stash, memory.activations)
+        parts = (memory.weights, memory.master, memory.grads, memory.adam, memory.stash, memory.activations,
+                 memory.transient)
         assert memory.total == sum(parts) and min(parts[2:]) > 0
         assert memory.weights + memory.master == param_count(spec, stage) * (6 if precision == "bf16" else 4)
         assert stage_memory(spec, stage, rows + 1, seq, precision).activations > memory.activations

@@ -256,10 +256,12 @@ class StageMemory:
     adam: int  # AdamW's two fp32 moments
     stash: int  # the frozen fp32 copy a pipelined micro-batch's forward and backward run on
     activations: int  # what autograd keeps for one micro-batch (``stage_activation_bytes``)
+    transient: int  # one layer's worth again: the layer being computed (forward temporaries, then the
+    #                 backward's gradients of its saved tensors); measured in bench/stage_memory.py
 
     @property
     def total(self) -> int:
-        return self.weights + self.master + self.grads + self.adam + self.stash + self.activations
+        return self.weights + self.master + self.grads + self.adam + self.stash + self.activations + self.transient
 
 
 def _working_bytes(precision: str) -> int:
@@ -306,13 +308,16 @@ def stage_memory(spec: ModelSpec, stage: int, rows: int, seq: int, precision: st
     ``"fp32"``: fp32 weights (4 B/param), fp32 grads (4), AdamW's two fp32 moments (8) and one
     stashed fp32 copy of the weights (4): the engine runs a pipelined micro-batch on a frozen copy
     of the weights of its optimizer version; one version in flight is counted. ``"bf16"``: the
-    same plus a bf16 working copy (2 B/param) that forwards run on, activations in bf16.
+    same plus a bf16 working copy (2 B/param) that forwards run on, activations in bf16. On top of
+    what autograd keeps, one layer's worth of transients: without it the estimate was 1.7x short
+    of nano's measured peak (docs/benchmarks.md, "Memory of one training stage").
     """
     working = _working_bytes(precision)
     params = param_count(spec, stage)
     return StageMemory(weights=working * params, master=MASTER_BYTES * params if working != MASTER_BYTES else 0,
                        grads=GRAD_BYTES * params, adam=ADAM_BYTES * params, stash=STASH_BYTES * params,
-                       activations=stage_activation_bytes(spec, stage, rows, seq, working))
+                       activations=stage_activation_bytes(spec, stage, rows, seq, working),
+                       transient=layer_activation_bytes(spec, rows * seq, working))
 
 
 def activation_bytes(spec: ModelSpec, rows: int, seq: int, dtype_bytes: int) -> int:
