@@ -38,9 +38,12 @@ def test_two_by_two_swarm_learns_and_survives_a_sigkill(tmp_path):
     rates = [float(re.search(r"(\d+) tok/s", line).group(1)) for line in after]
     assert rates[-1] > 0, out  # micro-batches still complete without the killed replica
 
-    first, late = map(float, re.search(r"held-out loss ([\d.]+) -> [\d.]+ bits/byte \(mean of the last \d+ "
-                                       r"rounds ([\d.]+)", out).groups())
-    assert late < min(first, LEARNED), out  # ~8 bits/byte untrained; the first round may come after some steps
+    first, last, late = map(float, re.search(r"held-out loss ([\d.]+) -> ([\d.]+) bits/byte \(mean of the last \d+ "
+                                             r"rounds ([\d.]+)", out).groups())
+    # ~8 bits/byte untrained. The last round measures the model as it ends; on a loaded machine the
+    # paced held-out rounds are few, so the mean of the last ones may still hold early rounds: it
+    # must only have fallen from the first (the first round may come after some steps).
+    assert last < min(first, LEARNED) and late < first, out
     assert "0 crashed processes" in out
     for name, text in logs.items():
         assert "Traceback" not in text, (name, text[-3000:])
