@@ -31,7 +31,6 @@ import os
 import pathlib
 import re
 import sys
-import tempfile
 import threading
 from collections.abc import Mapping
 from typing import Any, NoReturn
@@ -40,6 +39,7 @@ import cbor2
 import torch
 
 from p2pswarm.errors import RemoteProtocolError
+from p2pswarm.files import write_atomic
 from p2pswarm.model import plan
 
 SNAPSHOT_MAGIC = b"P2PSNAP1"  # format and version at once: a new layout gets a new magic
@@ -398,16 +398,7 @@ class SnapshotStore:
         return final
 
     def _write(self, data: bytes, final: pathlib.Path) -> None:
-        fd, temp = tempfile.mkstemp(prefix=_TEMP_PREFIX, suffix=_TEMP_SUFFIX, dir=self.directory)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(temp, final)
-        except BaseException:
-            pathlib.Path(temp).unlink(missing_ok=True)
-            raise
+        write_atomic(final, data, prefix=_TEMP_PREFIX, suffix=_TEMP_SUFFIX)
         dir_fd = os.open(self.directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
         try:
             os.fsync(dir_fd)  # the rename itself survives a power cut

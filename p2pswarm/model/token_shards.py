@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from p2pswarm.errors import ConfigError
+from p2pswarm.files import write_atomic
 from p2pswarm.model.corpus import HELDOUT_PERMILLE, Corpus, Segment, read_segments
 
 log = logging.getLogger(__name__)
@@ -244,7 +245,7 @@ def _build(corpus: Corpus, tokenizer, folder: Path, expected: dict, shard_tokens
         finally:
             writer.discard()
     manifest["heldout_bytes"], manifest["tokenizer_name"] = corpus.heldout_bytes, tokenizer.name
-    _write_atomic(folder / MANIFEST, json.dumps(manifest, indent=1).encode())
+    write_atomic(folder / MANIFEST, json.dumps(manifest, indent=1).encode(), mode=FILE_MODE)
     listed = {name for name, _ in manifest["train"] + manifest["heldout"]}
     for old in folder.glob("*.bin"):
         if old.name not in listed:
@@ -336,17 +337,3 @@ class _ShardWriter:
             self.file.close()
             Path(self.tmp).unlink(missing_ok=True)
             self.file = None
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.fchmod(fd, FILE_MODE)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
