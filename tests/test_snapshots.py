@@ -101,6 +101,20 @@ def test_a_snapshot_of_several_chunks_arrives_whole():
     with_server(test, make)
 
 
+def test_a_snapshot_bigger_than_the_askers_stage_is_refused_at_its_first_reply():
+    data = os.urandom(2 * CHUNK_BYTES)
+
+    async def make():
+        return Snapshot(data, 0, 0, trio.current_time())
+
+    async def test(pool, server):
+        with pytest.raises(RemoteProtocolError, match="claims"):
+            await fetch_snapshot(pool, server, "m", 1, max_bytes=CHUNK_BYTES)
+        assert (await fetch_snapshot(pool, server, "m", 1, max_bytes=len(data))).data == data
+
+    with_server(test, make)
+
+
 def test_a_snapshot_that_does_not_match_its_digest_is_refused():
     class Tampered(SnapshotServer):
         async def on_frame(self, peer, message, payload):

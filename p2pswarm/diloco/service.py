@@ -47,6 +47,7 @@ from p2pswarm.diloco.round import OuterRound, Phase, RoundTiming
 from p2pswarm.diloco import round as rnd
 from p2pswarm.diloco.settings import DilocoSettings
 from p2pswarm.dht.records import UNNAMED_RUN_BYTES
+from p2pswarm.model import plan
 from p2pswarm.errors import DialError, ProtocolError, RemoteProtocolError
 
 log = logging.getLogger(__name__)
@@ -402,7 +403,9 @@ class DilocoService:
     async def _catch_up(self, peers: list[str]) -> bool:
         for peer in peers:
             try:
-                fetched = await snapshots.fetch_snapshot(self._pool, peer, self.spec.name, self.stage, run=self.run_id)
+                fetched = await snapshots.fetch_snapshot(
+                    self._pool, peer, self.spec.name, self.stage, run=self.run_id,
+                    max_bytes=plan.snapshot_plan(self.spec, self.stage).total_bytes)
                 state = await trio.to_thread.run_sync(checkpoint.decode_state, fetched.data)
                 await self._load_state(state, ours=False)
             except (DialError, ProtocolError) as exc:

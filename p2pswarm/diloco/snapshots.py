@@ -174,8 +174,11 @@ class Fetched:
 
 
 async def fetch_snapshot(pool, peer: str, model: str, stage: int, *, timeout: float = FETCH_TIMEOUT,
-                         run: bytes = UNNAMED_RUN_BYTES) -> Fetched:
+                         run: bytes = UNNAMED_RUN_BYTES, max_bytes: int = MAX_SNAPSHOT_BYTES) -> Fetched:
     """The newest snapshot of ``stage`` from ``peer``, checked whole; DialError or RemoteProtocolError.
+
+    ``max_bytes``: the most the asker's stage can take (``plan.snapshot_plan``); a bigger claim is
+    refused at its first reply, so no peer makes a small stage's joiner buffer the largest tier's.
 
     ``timeout`` bounds a small snapshot's fetch; a bigger one gets ``total / MIN_FETCH_RATE`` (every
     chunk still within CHUNK_TIMEOUT). The chunks go into one buffer that grows as they arrive (never
@@ -191,6 +194,9 @@ async def fetch_snapshot(pool, peer: str, model: str, stage: int, *, timeout: fl
                 await stream.write_frame(Get(model, stage, first.digest if first else b"", len(data), run))
                 reply, payload = await stream.read_frame(max_payload=CHUNK_BYTES, timeout=CHUNK_TIMEOUT)
                 first = _check_part(reply, first, len(data), model, stage)
+                if first.total > max_bytes:
+                    raise RemoteProtocolError(f"snapshot from {peer} claims {first.total} bytes; a snapshot of "
+                                              f"{model} stage {stage} takes at most {max_bytes}")
                 if not data:  # the first reply says how big the snapshot is: its fetch's deadline
                     scope.deadline = started + max(timeout, first.total / MIN_FETCH_RATE)
                 data += payload
