@@ -83,7 +83,7 @@ def test_bad_layers_and_model():
     boot = "/ip4/127.0.0.1/tcp/4001/p2p/12D3KooWDNBaynwLzcwCmDKXNd7PjbJZbCJaUrWxtrAeAEd6D6Ge"
     assert_one_line_error(run("join", "--bootstrap", boot, "--layers", "5:2"), "--layers")
     assert_one_line_error(run("join", "--bootstrap", boot, "--model", "nope"), "unknown model")
-    assert_one_line_error(run("join", "--bootstrap", boot, "--model", "tiny-lm/3"), "cut into 1, 2, 4, 8")
+    assert_one_line_error(run("join", "--bootstrap", boot, "--model", "tiny-lm/5"), "cut into 1, 2, 3, 4, 8")
     assert_one_line_error(run("join", "--bootstrap", boot, "--threads", "0"), "--threads")
 
 
@@ -110,7 +110,7 @@ def test_ping_without_a_node_and_demo_with_too_few_peers():
         port = closed.getsockname()[1]
     assert_one_line_error(run("ping", "12D3KooWabc", "--api", f"127.0.0.1:{port}"), "no p2pswarm node")
     assert_one_line_error(run("demo", "--peers", "1"), "--peers must be at least 2")
-    assert_one_line_error(run("demo", "--stages", "3"), "it can be cut into 1, 2, 4, 8 stages")
+    assert_one_line_error(run("demo", "--stages", "5"), "it can be cut into 1, 2, 3, 4, 8 stages")
     assert_one_line_error(run("demo", "--peers", "3", "--kill-one"), "--peers at least 4")
 
 

@@ -182,7 +182,7 @@ BAD = [
     (FULL.replace("[optimizer]", "[optimiser]"), "optimiser: unknown key"),
     (FULL.replace('name = "test"', ""), "name: missing"),
     (FULL.replace('model = "tiny-lm/2"', 'model = "nope"'), "model: unknown model"),
-    (FULL.replace('model = "tiny-lm/2"', 'model = "tiny-lm/3"'), "model:"),
+    (FULL.replace('model = "tiny-lm/2"', 'model = "tiny-lm/5"'), "model:"),
     (FULL.replace("seed = 3", 'seed = "3"'), "seed: must be an integer"),
     (FULL.replace("seed = 3", "seed = true"), "seed: must be an integer"),
     (FULL.replace("rows = 4", "rows = 4.0"), "batch.rows: must be an integer"),

@@ -142,7 +142,7 @@ MODELS = {
 
 
 def get_model(name: str) -> ModelSpec:
-    """A catalog model by name; ``NAME/S`` is NAME cut into S equal stages (S must divide its blocks)."""
+    """A catalog model by name; ``NAME/S`` is NAME cut into S stages (``stage_counts``)."""
     base, _, stages = name.partition("/")
     try:
         spec = MODELS[base]
@@ -151,11 +151,18 @@ def get_model(name: str) -> ModelSpec:
                           f"(NAME/S cuts NAME into S stages)") from None
     if not stages:
         return spec
-    if not stages.isdigit() or int(stages) < 1 or spec.n_layers % int(stages):
-        divisors = [d for d in range(1, spec.n_layers + 1) if spec.n_layers % d == 0]
+    possible = stage_counts(spec.n_layers)
+    if not stages.isdigit() or int(stages) not in possible:
         raise ConfigError(f"model {name!r}: {base} has {spec.n_layers} blocks; it can be cut into "
-                          f"{', '.join(map(str, divisors))} stages, not {stages!r}")
-    return dataclasses.replace(spec, name=f"{base}/{int(stages)}", stage_size=spec.n_layers // int(stages))
+                          f"{', '.join(map(str, possible))} stages, not {stages!r}")
+    return dataclasses.replace(spec, name=f"{base}/{int(stages)}", stage_size=-(-spec.n_layers // int(stages)))
+
+
+def stage_counts(n_layers: int) -> list[int]:
+    """The stage counts S that NAME/S allows: stages of ceil(n_layers / S) blocks, the last one
+    shorter where S does not divide the blocks, and exactly S of them (8 blocks: 1, 2, 3, 4, 8;
+    3 is 3 + 3 + 2, while 5 or 6 would leave a stage empty)."""
+    return [s for s in range(1, n_layers + 1) if -(-n_layers // -(-n_layers // s)) == s]
 
 
 def parse_layers(text: str, model: ModelSpec) -> tuple[int, int] | None:
