@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 from p2pswarm import wire
 from p2pswarm.errors import LocalProtocolError, RemoteProtocolError
 from p2pswarm.swarm.activation import (
-    MAX_QUEUE_DEPTH, MAX_RETRY_AFTER_MS, SESSION_BYTES, Ack, Backward, Busy, Forward, Priority,
+    MAX_PEER_ID_CHARS, MAX_QUEUE_DEPTH, MAX_RETRY_AFTER_MS, NO_ROUND, SESSION_BYTES, Ack, Backward, Busy, Forward,
+    Priority,
 )
 from p2pswarm.testing.strategies import (
     SMALL_DIM, decodes_or_raises_remote_error, register_frames, run_bytes, unchecked_frame,
@@ -30,9 +31,15 @@ def tensor_frames(draw, cls):
     size = count * wire.DTYPE_SIZES[dtype]
     targets = 0 if cls is Backward else draw(st.integers(0, 64))
     payload = draw(st.binary(min_size=size + targets, max_size=size + targets))
+    stage = draw(st.integers(0, 63))
     msg = cls(draw(st.binary(min_size=SESSION_BYTES, max_size=SESSION_BYTES)), draw(IDS),
-              draw(st.integers(0, 63)), int(draw(st.sampled_from(Priority))), draw(IDS), dtype, shape, targets,
+              stage, int(draw(st.sampled_from(Priority))), draw(IDS), dtype, shape, targets,
               draw(run_bytes))
+    if cls is Forward:  # an evaluation's chain: one outer round and one peer per stage before this one
+        n = draw(st.integers(0, min(stage, 3)))
+        rounds = tuple(draw(st.lists(st.integers(NO_ROUND, wire.INT_MAX), min_size=n, max_size=n)))
+        path = tuple(draw(st.lists(st.text(min_size=1, max_size=60), min_size=n, max_size=n)))
+        msg = dataclasses.replace(msg, rounds=rounds, path=path)
     return msg, payload
 
 
@@ -164,3 +171,18 @@ def test_a_run_identity_of_another_size_is_refused(cls, run):
         wire.encode_frame(dataclasses.replace(good, run=run), b"\0" * 4)
     with pytest.raises(RemoteProtocolError, match="run identity"):
         wire.decode_frame(unchecked_frame((good, b"\0" * 4), fields={"run": run}))
+
+
+@pytest.mark.parametrize("fields", [
+    {"rounds": [1], "path": []},  # a round without its peer
+    {"rounds": [1, 1], "path": ["a", "b"]},  # more stages before stage 1 than there are
+    {"rounds": [-2], "path": ["a"]},  # below NO_ROUND
+    {"rounds": [0], "path": [""]},  # an empty peer id
+    {"rounds": [0], "path": ["x" * (MAX_PEER_ID_CHARS + 1)]},
+])
+def test_an_evaluations_chain_that_does_not_fit_its_stage_is_refused(fields):
+    good = Forward(b"s" * SESSION_BYTES, 0, 1, int(Priority.INFERENCE), 0, "float32", (1,), 0,
+                   rounds=(0,), path=("a",))
+    assert wire.decode_frame(wire.encode_frame(good, b"\0" * 4))[0] == good
+    with pytest.raises(RemoteProtocolError):
+        wire.decode_frame(unchecked_frame((good, b"\0" * 4), fields=fields))

@@ -173,3 +173,29 @@ def test_cpu_staging_casts_and_copies_nothing_else():
     assert staging.to_host(x, torch.bfloat16).dtype == torch.bfloat16
     back = staging.to_device(x.to(torch.bfloat16), torch.float32)
     assert back.dtype == torch.float32 and torch.allclose(back, x, rtol=1e-2)
+
+
+def test_evaluation_runs_on_the_agreed_weights_of_the_round_asked_for():
+    """Two replicas whose live weights drifted apart give bit-equal held-out losses on the agreed weights
+    of the same outer round; a round not kept falls back to the newest one, and is said so."""
+    from p2pswarm.diloco.outer import flatten
+    from p2pswarm.swarm.activation import NO_ROUND
+
+    a, b = StageEngine(WHOLE, 0), StageEngine(WHOLE, 0)
+    ids, targets = batch(7, rows=2, seq=16)
+    probe = Work("eval", (b"k", 0), ids, targets, 0)
+    assert a.compute(probe).round == NO_ROUND  # nothing agreed yet: the live weights
+    a.agree(0, flatten(a.params).clone())
+    b.agree(0, flatten(b.params).clone())
+    for i in range(3):  # b trains on its own: its live weights are no longer a's
+        b.compute(Work("forward", (b"t", i), *batch(100 + i)))
+    live = b.compute(Work("eval", (b"k", 1), ids, targets, NO_ROUND))
+    on_a, on_b = a.compute(probe), b.compute(probe)
+    assert on_a.round == on_b.round == 0 and on_a.loss_nats == on_b.loss_nats != live.loss_nats
+    b.agree(1, flatten(b.params).clone())
+    b.agree(2, flatten(b.params).clone())  # AGREED_KEPT = 2: round 0 is gone
+    assert b.agreed_round == 2
+    again = b.compute(probe)
+    assert again.round == 2 and again.loss_nats == live.loss_nats  # round 2's weights are b's live ones
+    downstream = b.compute(Work("eval", (b"k", 2), ids, targets, 9, (1,)))  # stage 0 asked for round 1
+    assert downstream.round == 1

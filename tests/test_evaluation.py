@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from p2pswarm.swarm.evaluation import HISTORY, MAX_OPEN_ROUNDS, EvalBook, EvalRound
+from p2pswarm.swarm.evaluation import HISTORY, MAX_OPEN_ROUNDS, EvalBook, EvalRound, agreement
 
 SESSIONS = [b"alice", b"bob", b"carol"]
 nats = st.floats(0.0, 1e4, allow_nan=False)
@@ -147,3 +147,37 @@ def test_a_straggler_of_a_round_already_over_makes_no_second_round():
     book.record(b"alice", 1, 10.0, 10, 3.0)  # round 1 completes
     book.record(b"alice", 2, 10.0, 10, 4.0)  # round 2 starts
     assert [r.round for r in book.history] == [0, 1]
+
+
+def test_a_rounds_chain_and_outer_rounds_are_kept_only_while_its_micro_batches_agree():
+    book = EvalBook(expected=2)
+    book.record(b"a", 0, 1.0, 8, 0.0, rounds=(3, 3), chain=("p", "q"))
+    same = book.record(b"a", 0, 1.0, 8, 1.0, rounds=(3, 3), chain=("p", "q"))
+    assert (same.rounds, same.chain, same.agreed_round) == ((3, 3), ("p", "q"), 3)
+    book.record(b"a", 1, 1.0, 8, 2.0, rounds=(4, 4), chain=("p", "q"))
+    mixed = book.record(b"a", 1, 1.0, 8, 3.0, rounds=(4, 3), chain=("p", "r"))
+    assert mixed.rounds is None and mixed.chain is None and mixed.agreed_round is None
+    live = EvalRound(b"a", 2, 5.0, 8, 1, 4.0, rounds=(-1, -1), chain=("p", "q"))
+    assert live.agreed_round is None  # live weights are no agreed round
+
+
+figures = st.floats(0.5, 8.0, allow_nan=False)
+
+
+@given(st.lists(st.tuples(st.integers(0, 3), st.sampled_from(["p", "q", "r"]), figures,
+                          st.booleans()), max_size=30))
+def test_agreement_groups_chains_by_the_outer_round_every_stage_evaluated(evals):
+    rounds = [EvalRound(b"s" + chain.encode(), i, bpb_, 8, 1, float(i),
+                        rounds=(r, r) if uniform else (r, r + 1), chain=(chain, "last"))
+              for i, (r, chain, bpb_, uniform) in enumerate(evals)]
+    found = agreement(rounds)
+    assert [a.round for a in found] == sorted({r for r, _, _, u in evals if u})
+    for a in found:
+        newest = {}
+        for i, (r, chain, bpb_, uniform) in enumerate(evals):
+            if uniform and r == a.round:
+                newest[(chain, "last")] = bpb_  # the newest evaluation of each chain counts
+        assert a.chains == newest
+        assert a.spread == max(newest.values()) - min(newest.values()) >= 0
+        assert min(newest.values()) <= a.bits_per_byte <= max(newest.values())
+    assert agreement(list(reversed(rounds))) == found

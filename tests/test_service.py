@@ -19,7 +19,7 @@ from p2pswarm.model.catalog import get_model  # noqa: E402
 from p2pswarm.swarm.activation import SESSION_BYTES, Ack, Backward, Busy, Forward  # noqa: E402
 from p2pswarm.swarm.buffers import INBOUND_CAPACITY_ITEMS, Priority  # noqa: E402
 from p2pswarm.swarm.engine import Output, Work  # noqa: E402
-from p2pswarm.swarm.service import SwarmService  # noqa: E402
+from p2pswarm.swarm.service import Job, SwarmService  # noqa: E402
 
 SPEC = get_model("tiny-lm/2")
 SESSION = b"s" * SESSION_BYTES
@@ -121,7 +121,7 @@ def test_a_non_finite_loss_does_not_poison_the_published_average():
     async def main():
         svc = service()
         work = Work("forward", (SESSION, 0), torch.zeros(1), torch.zeros(1, 4, dtype=torch.int64))
-        svc._record_loss(work, Output(loss_nats=4.0 * math.log(2) * 4, tokens=4))
-        svc._record_loss(work, Output(loss_nats=float("nan"), tokens=4))
+        svc._record_loss(Job(work, None), Output(loss_nats=4.0 * math.log(2) * 4, tokens=4))
+        svc._record_loss(Job(work, None), Output(loss_nats=float("nan"), tokens=4))
         assert svc.train_loss_bpb == pytest.approx(4.0) and svc.counts["non_finite_losses"] == 1
     run(main)

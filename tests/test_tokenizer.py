@@ -260,16 +260,16 @@ def test_stage_0_feeds_bpe_micro_batches_whose_targets_cross_the_wire(bpe, tmp_p
             assert len(targets) == 3 * 16 * 2
             hidden = b"\0" * (3 * 16 * last.width * 4)
             message = Forward(b"s" * SESSION_BYTES, i, 1, int(Priority.INFERENCE), 0, "float32",
-                              (3, 16, last.width), len(targets))
+                              (3, 16, last.width), len(targets), rounds=(-1,), path=("up",))
             assert await receiver._on_frame("up", message, hidden + targets) == Ack(i, 1)
-            arrived = receiver.inbound.take(trio.current_time()).item.work
-            assert torch.equal(arrived.targets, work.targets)
+            arrived = receiver.inbound.take(trio.current_time()).item
+            assert torch.equal(arrived.work.targets, work.targets)
             receiver._record_loss(arrived, Output(loss_nats=48.0, tokens=48))
         done = receiver.evals.history[-1]
         assert done.bits_per_token == pytest.approx(1 / math.log(2)) and done.bytes > done.tokens
         narrow = targets_to_bytes(work.targets.clamp(max=255), 256)  # a peer that sends byte-wide targets
         message = Forward(b"t" * SESSION_BYTES, 0, 1, int(Priority.INFERENCE), 0, "float32", (3, 16, last.width),
-                          len(narrow))
+                          len(narrow), rounds=(-1,), path=("liar",))
         with pytest.raises(RemoteProtocolError):
             await receiver._on_frame("liar", message, hidden + narrow)
 

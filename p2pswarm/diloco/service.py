@@ -102,8 +102,12 @@ class DilocoService:
     async def prepare(self, swarm) -> None:
         """Before training: the outer optimizer, the protocols, and our stage's current state."""
         self.swarm = swarm
-        self.outer = await swarm.with_engine(
-            lambda engine: OuterOptimizer(engine.params, self._outer_config(), step=engine.step))
+        def start(engine):
+            outer = OuterOptimizer(engine.params, self._outer_config(), step=engine.step)
+            engine.agree(outer.rounds, outer.start.clone())  # round 0: the initial weights, the same everywhere
+            return outer
+
+        self.outer = await swarm.with_engine(start)
         self._pool.serve(snapshots.PROTOCOL_ID, self.server.on_frame)
         self._pool.serve(msgs.PROTOCOL_ID, self._on_frame, max_payload=self._max_payload())
         if not await self._load_from_neighbour() and not await self._load_from_disk():
@@ -296,6 +300,7 @@ class DilocoService:
         def apply(engine):
             self.outer.outer_step(aggregated, pending["at"], engine.params, engine.step)
             engine.weights_changed()
+            engine.agree(self.outer.rounds, self.outer.start.clone())  # the same on every member: evaluated
 
         await self.swarm.with_engine(apply)
         now = trio.current_time()
@@ -307,6 +312,7 @@ class DilocoService:
             "missing_shards": missing, "refused_results": refused,
             "pseudo_gradient_norm": round(done.pseudo_norm, 4),
             "update_norm": round(done.update_norm, 4), "at_step": self.swarm.engine.step,
+            "tokens": self.swarm.engine.tokens,  # ours, trained into our weights by the end of the round
             "phases_s": {"gather_agree": round(pending.get("agreed_s", 0.0), 3),
                          "take_pseudo_gradient": round(pending.get("take_s", 0.0), 3),
                          "exchange": round(finished - self._started_at - pending.get("agreed_s", 0.0)
@@ -457,6 +463,7 @@ class DilocoService:
                 raise RemoteProtocolError(f"the snapshot's state does not fit: {exc!r:.200}") from None
             engine.micro_batches, engine.tokens = mine  # our own work counters stay ours
             engine.weights_changed()
+            engine.agree(self.outer.rounds, self.outer.start.clone())  # what held-out rounds evaluate
 
         async with self._state_lock:
             await self.swarm.with_engine(load)

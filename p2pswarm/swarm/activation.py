@@ -28,6 +28,7 @@ PROTOCOL_ID = "/p2pswarm/activation/1.0.0"  # the libp2p protocol these frames t
 SESSION_BYTES = 16  # a session id is 128 random bits: no two sessions collide by chance
 MAX_MICRO_BATCH = wire.INT_MAX  # micro-batch ids count up for a whole run: any u63 is fine
 MAX_STEP = wire.INT_MAX  # training steps count up for a whole run: any u63 is fine
+NO_ROUND = -1  # in an evaluation's ``rounds``: this stage has no outer rounds and used its live weights
 MAX_QUEUE_DEPTH = 1 << 20  # far beyond any real buffer; bounds what a peer can claim
 MAX_RETRY_AFTER_MS = 10_000  # a hint beyond 10 s means "dead" to a router: fail over instead
 MAX_TARGETS = 1 << 22  # target bytes a forward may carry: 256 rows x 4096 tokens x 4 bytes fits
@@ -89,9 +90,32 @@ class _TensorMessage(wire.Message):
         return payload[:cut], payload[cut:]
 
 
+MAX_PEER_ID_CHARS = 128  # a libp2p peer id in base58 is ~52 characters; room for any multihash
+
+
 @wire.message("activation.forward")
 class Forward(_TensorMessage):
-    """Activations of a micro-batch, for ``stage`` to run forward."""
+    """Activations of a micro-batch, for ``stage`` to run forward.
+
+    An evaluation forward (``priority`` INFERENCE) also says which weights made it: ``rounds``, the
+    DiLoCo outer round whose agreed weights each stage before ``stage`` used (one per stage, in
+    order; ``NO_ROUND`` for a stage without outer rounds, which used its live weights), and
+    ``path``, the peer ids of those stages: the chain the held-out figure belongs to. Both are
+    empty on a training forward."""
+
+    rounds: tuple[int, ...] = ()
+    path: tuple[str, ...] = ()
+
+    def check(self, payload_len: int) -> None:
+        super().check(payload_len)
+        if len(self.rounds) != len(self.path) or len(self.rounds) > self.stage:
+            raise RemoteProtocolError(f"{self.TYPE}: {len(self.rounds)} rounds and {len(self.path)} peers for "
+                                      f"stage {self.stage} (at most one of each per stage before it)")
+        for round_ in self.rounds:
+            _check_int(self.TYPE, "round", round_, NO_ROUND, MAX_STEP)
+        for peer in self.path:
+            if not 0 < len(peer) <= MAX_PEER_ID_CHARS:
+                raise RemoteProtocolError(f"{self.TYPE}: a peer id of {len(peer)} characters in the path")
 
 
 @wire.message("activation.backward")

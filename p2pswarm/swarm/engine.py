@@ -48,7 +48,7 @@ from p2pswarm.errors import ConfigError, RemoteProtocolError
 from p2pswarm.model.catalog import BYTE_VOCAB, ModelSpec
 from p2pswarm.model.transformer import build_stage
 from p2pswarm.swarm.schedule import lr_at
-from p2pswarm.swarm.activation import target_bytes_per_token
+from p2pswarm.swarm.activation import NO_ROUND, target_bytes_per_token
 from p2pswarm.swarm.device import Placement
 from p2pswarm.swarm.staging import Staging
 
@@ -59,6 +59,7 @@ GRAD_CLIP = 1.0  # global norm of a stage's gradient before a step
 ACCUMULATE = 1  # micro-batches per optimizer step
 ACTIVATION_DTYPE = "float32"  # what hidden states and their gradients travel as
 EPS = 1e-8  # AdamW's usual epsilon
+AGREED_KEPT = 2  # outer rounds whose agreed weights are kept for evaluation: ours and the one before
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,7 @@ class Work:
     tensor: torch.Tensor  # token ids on stage 0, else hidden states (forward) or output gradients (backward)
     targets: torch.Tensor | None  # int64 [batch, seq] on the way to the last stage; None on a backward
     step: int = 0  # the sender's step; on an evaluation, the round
+    rounds: tuple[int, ...] = ()  # on an evaluation: the outer round each stage before us evaluated (activation.Forward)
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,7 @@ class Output:
     backward: torch.Tensor | None = None  # the gradient of our input, for the stage before
     loss_nats: float | None = None  # the last stage's summed loss over ``tokens`` bytes
     tokens: int = 0
+    round: int = NO_ROUND  # on an evaluation: the outer round whose agreed weights we used (NO_ROUND: live ones)
 
 
 class StageEngine:
@@ -123,6 +126,8 @@ class StageEngine:
         self.tokens = 0  # tokens in those micro-batches
         self._pending_grads = 0
         self._version: dict[str, torch.Tensor] | None = None
+        self._agreed: dict[int, torch.Tensor] = {}  # outer round -> its agreed weights, flat on the host
+        self._agreed_on_device: tuple[int, dict[str, torch.Tensor]] | None = None  # the last one used, as params
         self._kept: dict[tuple[bytes, int], tuple[torch.Tensor, torch.Tensor, dict]] = {}
 
     # --- the worker's entry point ----------------------------------------------------------
@@ -174,13 +179,46 @@ class StageEngine:
         return Output(backward=None if self.is_first else x.grad)
 
     def _evaluate(self, work: Work) -> Output:
+        """The held-out forward, on the agreed weights of the outer round stage 0 evaluates (``work.rounds[0]``;
+        at stage 0 itself ``work.step``), else of our latest round; with no outer round ever agreed, on the
+        live weights."""
+        round_, weights = self._eval_weights(work.rounds[0] if work.rounds else work.step)
         with torch.no_grad(), self._autocast():
-            y = self.module(self._input(work.tensor))
+            x = self._input(work.tensor)
+            y = self.module(x) if weights is None else functional_call(self.module, weights, (x,))
             if not self.is_last:
-                return Output(forward=y)
+                return Output(forward=y, round=round_)
             loss = torch.nn.functional.cross_entropy(y.reshape(-1, self.spec.vocab).float(),
                                                      work.targets.to(self.device).reshape(-1), reduction="sum")
-        return Output(loss_nats=float(loss), tokens=work.targets.numel())
+        return Output(loss_nats=float(loss), tokens=work.targets.numel(), round=round_)
+
+    # --- agreed weights (DiLoCo's, for evaluation) ------------------------------------------------
+
+    def agree(self, round_: int, flat: torch.Tensor) -> None:
+        """Outer round ``round_`` agreed these weights (a flat fp32 host vector in ``params`` order, ours
+        to keep): held-out rounds evaluate them, so that every replica of the stage gives the same
+        figure. The last ``AGREED_KEPT`` rounds are kept: a stage one round ahead of stage 0 can still
+        evaluate the round stage 0 asks for."""
+        self._agreed[round_] = flat
+        for old in sorted(self._agreed)[:-AGREED_KEPT]:
+            del self._agreed[old]
+
+    @property
+    def agreed_round(self) -> int:
+        """The latest outer round whose weights we hold (NO_ROUND: none)."""
+        return max(self._agreed, default=NO_ROUND)
+
+    def _eval_weights(self, wanted: int) -> tuple[int, dict[str, torch.Tensor] | None]:
+        if not self._agreed or wanted == NO_ROUND:
+            return NO_ROUND, None
+        round_ = wanted if wanted in self._agreed else self.agreed_round
+        if self._agreed_on_device is None or self._agreed_on_device[0] != round_:
+            flat, offset, weights = self._agreed[round_], 0, {}
+            for name, p in self.params.items():
+                weights[name] = flat[offset:offset + p.numel()].view(p.shape).to(p.device, p.dtype)
+                offset += p.numel()
+            self._agreed_on_device = (round_, weights)
+        return self._agreed_on_device
 
     # --- devices, precision and the wire ----------------------------------------------------------
 

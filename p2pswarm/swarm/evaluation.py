@@ -18,6 +18,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from p2pswarm.swarm.activation import NO_ROUND
+
 EVAL_BATCHES = 8  # micro-batches per round: 8 x 32 rows x 128 bytes = 32 KiB of held-out text
 EVAL_ROWS = 32  # rows per evaluation micro-batch
 MAX_OPEN_ROUNDS = 64  # rounds being gathered at once (a few per stage-0 peer)
@@ -36,6 +38,15 @@ class EvalRound:
     at: float  # when it completed
     bits_per_token: float | None = None  # None: as bits_per_byte (tokens are bytes)
     bytes: int | None = None  # None: as tokens
+    rounds: tuple[int, ...] | None = ()  # the outer round each stage evaluated; None: its micro-batches disagreed
+    chain: tuple[str, ...] | None = ()  # the peers that computed it, stage by stage; None: more than one chain
+
+    @property
+    def agreed_round(self) -> int | None:
+        """The outer round every stage evaluated, when they all evaluated the same one; else None."""
+        if not self.rounds or len(set(self.rounds)) != 1 or self.rounds[0] == NO_ROUND:
+            return None
+        return self.rounds[0]
 
 
 @dataclass
@@ -44,6 +55,17 @@ class _Open:
     tokens: int = 0
     bytes: int = 0
     batches: int = 0
+    rounds: tuple[int, ...] | None = None  # None: not seen yet; MIXED: the micro-batches disagreed
+    chain: tuple[str, ...] | None = None
+
+    def note(self, rounds: tuple[int, ...], chain: tuple[str, ...]) -> None:
+        """One micro-batch's rounds and chain: kept while every micro-batch of the round agrees."""
+        first = self.batches == 0
+        self.rounds = rounds if first else (self.rounds if self.rounds == rounds else MIXED)
+        self.chain = chain if first else (self.chain if self.chain == chain else MIXED)
+
+
+MIXED = None  # a round's micro-batches came through different chains, or on different outer rounds
 
 
 class EvalBook:
@@ -58,9 +80,11 @@ class EvalBook:
         self.history: list[EvalRound] = []
 
     def record(self, session: bytes, round_: int, nats_sum: float, tokens: int, now: float,
-               nbytes: int | None = None) -> EvalRound | None:
+               nbytes: int | None = None, rounds: tuple[int, ...] = (),
+               chain: tuple[str, ...] = ()) -> EvalRound | None:
         """Add one micro-batch's summed loss (nats over ``tokens`` targets that stand for ``nbytes`` bytes
-        of text; None: the tokens are bytes); the round it completed, if any."""
+        of text; None: the tokens are bytes), computed on outer ``rounds`` by the peers of ``chain``;
+        the round it completed, if any."""
         if tokens <= 0 or not math.isfinite(nats_sum) or round_ <= self._closed.get(session, -1):
             return None
         done = None
@@ -72,6 +96,7 @@ class EvalBook:
                 self._close(min(self._open, key=lambda k: k[1]), now)
             self._open[key] = _Open()
         entry = self._open[key]
+        entry.note(rounds, chain)
         entry.nats += nats_sum
         entry.tokens += tokens
         entry.bytes += tokens if nbytes is None else nbytes
@@ -89,10 +114,11 @@ class EvalBook:
             return None
         per_token = entry.nats / entry.tokens / math.log(2)
         if entry.bytes == entry.tokens:  # byte tokens: one figure, the record as it always was
-            done = EvalRound(key[0], key[1], per_token, entry.tokens, entry.batches, now)
+            done = EvalRound(key[0], key[1], per_token, entry.tokens, entry.batches, now,
+                             rounds=entry.rounds, chain=entry.chain)
         else:
             done = EvalRound(key[0], key[1], entry.nats / entry.bytes / math.log(2), entry.tokens, entry.batches,
-                             now, per_token, entry.bytes)
+                             now, per_token, entry.bytes, rounds=entry.rounds, chain=entry.chain)
         self.history.append(done)
         del self.history[:-HISTORY]
         return done
@@ -102,3 +128,33 @@ class EvalBook:
 
     def best(self) -> EvalRound | None:
         return min(self.history, key=lambda r: r.bits_per_byte) if self.history else None
+
+
+@dataclass(frozen=True)
+class RoundAgreement:
+    """The held-out figure of one outer round: every chain that evaluated that round's agreed weights
+    at every stage, and how far apart they are (0 when the replicas hold bit-equal weights)."""
+
+    round: int
+    chains: dict[tuple[str, ...], float]  # chain -> bits per byte (its newest evaluation of the round)
+    bits_per_byte: float  # the mean over the chains
+    spread: float  # the highest chain's figure minus the lowest's
+
+
+def agreement(rounds: list[EvalRound]) -> list[RoundAgreement]:
+    """Per outer round, oldest first, the chains that evaluated it on agreed weights at every stage
+    (``EvalRound.agreed_round``): rounds of one chain but mixed outer rounds, or of mixed chains, are left
+    out, as they measure no one model. Pure: the same evaluations give the same answer, in any order."""
+    chains: dict[int, dict[tuple[str, ...], EvalRound]] = {}
+    for r in rounds:
+        if r.agreed_round is None or not r.chain:
+            continue
+        seen = chains.setdefault(r.agreed_round, {})
+        if r.chain not in seen or (r.at, r.round) > (seen[r.chain].at, seen[r.chain].round):
+            seen[r.chain] = r
+    out = []
+    for round_, seen in sorted(chains.items()):
+        figures = {chain: r.bits_per_byte for chain, r in sorted(seen.items())}
+        values = list(figures.values())
+        out.append(RoundAgreement(round_, figures, sum(values) / len(values), max(values) - min(values)))
+    return out

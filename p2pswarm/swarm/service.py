@@ -46,12 +46,12 @@ from p2pswarm.model.tokenizer import ByteTokenizer
 from p2pswarm.model.catalog import ModelSpec
 from p2pswarm.swarm import engine as eng
 from p2pswarm import wire
-from p2pswarm.swarm.activation import (MAX_RETRY_AFTER_MS, PROTOCOL_ID, SESSION_BYTES, UNNAMED_RUN, Ack, Backward, Busy,
-                                       Forward)
+from p2pswarm.swarm.activation import (MAX_RETRY_AFTER_MS, NO_ROUND, PROTOCOL_ID, SESSION_BYTES, UNNAMED_RUN, Ack,
+                                       Backward, Busy, Forward)
 from p2pswarm.swarm.compute_thread import ComputeThread, open_compute_thread
 from p2pswarm.swarm.device import Placement
 from p2pswarm.swarm.buffers import EngineLedger, Outcome, Priority, hand_on, inbound_buffer, outbound_queue
-from p2pswarm.swarm.evaluation import EVAL_BATCHES, EVAL_ROWS, EvalBook
+from p2pswarm.swarm.evaluation import EVAL_BATCHES, EVAL_ROWS, EvalBook, agreement
 from p2pswarm.swarm.inflight import InFlight, RecentKeys
 from p2pswarm.swarm.router import Candidate, Router
 from p2pswarm.swarm.sender import Deliverer, Send
@@ -71,6 +71,8 @@ BAN_PERIOD = 60.0  # seconds a peer that sent us garbage is refused
 RATE_WINDOW = 20.0  # seconds over which throughput (tokens/s) is measured
 SLOW_LINK_FACTOR = 4.0  # a link whose transfer of a micro-batch takes this many compute times bounds training
 LOSS_EMA = 0.05  # weight of a new micro-batch in the training-loss average
+EVAL_HOLD = 30.0  # seconds an evaluation waits for our outer round to reach stage 0's (a round's gather + reduce)
+MAX_HELD_EVALS = 4 * EVAL_BATCHES  # evaluations held at once: a few rounds' worth, never unbounded
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,8 @@ class Job:
 
     work: eng.Work
     upstream: str | None
+    path: tuple[str, ...] = ()  # an evaluation's chain so far: the peers of the stages before us
+    arrived: float = 0.0  # trio time it came in: an evaluation waits for our outer round EVAL_HOLD at most
 
 
 class SwarmService:
@@ -121,6 +125,7 @@ class SwarmService:
         self._local_queued = 0
         self._evals_queued = 0  # held-out batches cut here and not yet computed
         self._eval_sends: set = set()  # held-out batches computed here and not yet acked downstream
+        self._held_evals: list[Job] = []  # evaluations waiting for our outer round to reach theirs
         self._compute_s = 0.05  # EMA of one job's compute time: the basis of Busy's retry-after
         self._rate: collections.deque = collections.deque()
         self.session = os.urandom(SESSION_BYTES)
@@ -145,6 +150,7 @@ class SwarmService:
                                        on_lost=self._send_lost, on_peer_error=self._downstream_failed)
             self._pool.serve(PROTOCOL_ID, self._on_frame, max_payload=self._max_payload())
             nursery.start_soon(self._compute_worker)
+            nursery.start_soon(self._release_held_evals)
             for _ in range(SENDERS):
                 nursery.start_soon(self._sender)
             nursery.start_soon(self._upkeep)
@@ -232,9 +238,14 @@ class SwarmService:
         if self.is_last and not target_bytes:
             raise RemoteProtocolError("a forward for the last stage without its targets")
         targets = eng.targets_from_bytes(target_bytes, shape[0], shape[1], self.spec.vocab) if target_bytes else None
-        kind = "forward" if message.priority == Priority.TRAINING_FORWARD else "eval"
-        work = eng.Work(kind, key, eng.from_wire(message.dtype, shape, tensor_bytes), targets, message.step)
-        return Job(work, peer), Priority(message.priority)
+        if message.priority == Priority.TRAINING_FORWARD:
+            work = eng.Work("forward", key, eng.from_wire(message.dtype, shape, tensor_bytes), targets, message.step)
+            return Job(work, peer), Priority(message.priority)
+        if len(message.rounds) != self.stage:
+            raise RemoteProtocolError(f"an evaluation for stage {self.stage} with {len(message.rounds)} rounds")
+        work = eng.Work("eval", key, eng.from_wire(message.dtype, shape, tensor_bytes), targets, message.step,
+                        message.rounds)
+        return Job(work, peer, message.path, trio.current_time()), Priority(message.priority)
 
     # --- compute --------------------------------------------------------------------------------
 
@@ -246,6 +257,8 @@ class SwarmService:
                 await self._work_ready.wait()
                 continue
             job: Job = entry.item
+            if self._hold_eval(job):
+                continue
             if job.upstream is None and job.work.kind == "forward":
                 self._local_queued -= 1
             if job.upstream is None and job.work.kind == "eval":
@@ -266,9 +279,31 @@ class SwarmService:
             if job.upstream is not None and job.work.kind == "forward":
                 self.counts["forwards_trained"] += 1  # at most once per micro-batch: ``taken``
             if out.loss_nats is not None:
-                self._record_loss(job.work, out)
+                self._record_loss(job, out)
             self.ledger.finish(trio.current_time(), self._hand_on(job, sends))
             self._progress.set()
+
+    def _hold_eval(self, job: Job) -> bool:
+        """An evaluation that asks for an outer round we have not agreed yet (stage 0 finished it
+        before us) waits for it, EVAL_HOLD at most, beside the buffer; True if it was held."""
+        work, now = job.work, trio.current_time()
+        if work.kind != "eval" or not work.rounds or self.engine.agreed_round == NO_ROUND \
+                or work.rounds[0] <= self.engine.agreed_round or now - job.arrived > EVAL_HOLD \
+                or len(self._held_evals) >= MAX_HELD_EVALS:
+            return False
+        self._held_evals.append(job)
+        return True
+
+    async def _release_held_evals(self) -> None:
+        """Back into the buffer: held evaluations whose round we reached, or that waited long enough."""
+        while True:
+            await trio.sleep(UPKEEP_PERIOD)
+            now, agreed = trio.current_time(), self.engine.agreed_round
+            ready = [j for j in self._held_evals if j.work.rounds[0] <= agreed or now - j.arrived > EVAL_HOLD]
+            for job in ready:
+                self._held_evals.remove(job)
+                if self.inbound.offer(job, Priority.INFERENCE, now).accepted:
+                    self._work_ready.set()
 
     async def with_engine(self, fn):
         """``fn(engine)`` on the engine's compute thread, between two jobs of the compute worker."""
@@ -285,9 +320,12 @@ class SwarmService:
             priority = Priority.TRAINING_FORWARD if work.kind == "forward" else Priority.INFERENCE
             dtype, shape, data = engine.wire_out(out.forward)
             targets = eng.targets_to_bytes(work.targets, self.spec.vocab)
-            message = Forward(work.key[0], work.key[1], self.stage + 1, int(priority),
-                              work.step if work.kind == "eval" else engine.step, dtype, shape, len(targets),
-                              self.run_id)
+            if work.kind == "eval":  # the chain and the outer rounds it was evaluated on so far
+                message = Forward(work.key[0], work.key[1], self.stage + 1, int(priority), work.step, dtype, shape,
+                                  len(targets), self.run_id, work.rounds + (out.round,), job.path + (self.me,))
+            else:
+                message = Forward(work.key[0], work.key[1], self.stage + 1, int(priority), engine.step, dtype,
+                                  shape, len(targets), self.run_id)
             sends.append(Send(message, data + targets, work.key))
         if out.backward is not None:
             dtype, shape, data = engine.wire_out(out.backward)
@@ -296,16 +334,18 @@ class SwarmService:
             sends.append(Send(message, data, work.key, to=job.upstream))  # a backward job: set in _hand_on
         return sends, out
 
-    def _record_loss(self, work: eng.Work, out: eng.Output) -> None:
+    def _record_loss(self, job: Job, out: eng.Output) -> None:
+        work = job.work
         if work.kind == "eval":
             nbytes = None if self.tokenizer.is_bytes else self.tokenizer.count_bytes(work.targets.cpu().numpy())
-            done = self.evals.record(work.key[0], work.step, out.loss_nats, out.tokens, time.time(), nbytes)
-            if done and done.bits_per_token is not None:
-                log.info("held-out loss %.3f bits/byte, %.3f bits/token (round %d, %d tokens, %d bytes)",
-                         done.bits_per_byte, done.bits_per_token, done.round, done.tokens, done.bytes)
-            elif done:
-                log.info("held-out loss %.3f bits/byte (round %d, %d bytes)", done.bits_per_byte, done.round,
-                         done.tokens)
+            done = self.evals.record(work.key[0], work.step, out.loss_nats, out.tokens, time.time(), nbytes,
+                                     work.rounds + (out.round,), job.path + (self.me,))
+            if done:
+                per_token = "" if done.bits_per_token is None else f", {done.bits_per_token:.3f} bits/token"
+                weights = "live weights" if done.agreed_round is None else f"outer round {done.agreed_round}"
+                log.info("held-out loss %.3f bits/byte%s (%s of stage 0 peer %s, %d tokens, %d bytes)",
+                         done.bits_per_byte, per_token, weights, (done.chain or ("?",))[0][-8:], done.tokens,
+                         done.bytes or done.tokens)
             return
         bpb = out.loss_nats / out.tokens / math.log(2)
         if not math.isfinite(bpb):  # NaN or inf activations from a peer: the step is skipped, the average kept
@@ -429,10 +469,11 @@ class SwarmService:
         if not held:
             log.warning("the corpus has no held-out part: no evaluation")
             return
-        session, micro_batch, round_ = os.urandom(SESSION_BYTES), 0, 0
+        session, micro_batch, evaluated = os.urandom(SESSION_BYTES), 0, None
         while not self.is_last and not self.router.choose(self.stage + 1, time.time()):
             await trio.sleep(UPKEEP_PERIOD)  # round 0 measures the untrained model: wait until it can go through
         while True:
+            round_ = await self._next_eval_round(evaluated)
             for batch in held:
                 ids = eng.ids_tensor(batch.rows)
                 work = eng.Work("eval", (session, micro_batch), ids[:, :-1], ids[:, 1:].contiguous(), round_)
@@ -440,13 +481,24 @@ class SwarmService:
                 if self.inbound.offer(Job(work, None), Priority.INFERENCE, trio.current_time()).accepted:
                     self._evals_queued += 1
                     self._work_ready.set()
-            round_ += 1
-            began = trio.current_time()
+            evaluated, began = round_, trio.current_time()
             while self._evals_queued or self._eval_sends:  # never stack rounds that starve training
                 await self._next_progress()
             # a round on a slow machine or line takes its share at most: 1 / EVAL_SHARE of the time
-            await trio.sleep(max(EVAL_PERIOD - (trio.current_time() - began),
-                                 (EVAL_SHARE - 1) * (trio.current_time() - began)))
+            spent = trio.current_time() - began
+            await trio.sleep(max((EVAL_SHARE - 1) * spent,
+                                 EVAL_PERIOD - spent if self.engine.agreed_round == NO_ROUND else 0.0))
+
+    async def _next_eval_round(self, evaluated: int | None) -> int:
+        """What the next held-out round evaluates. With outer rounds: the agreed weights of our newest
+        one, once it is newer than the last evaluated (every stage evaluates the same round: the
+        figure of one model, the same through every chain). Without: our live weights, and the next
+        number."""
+        if self.engine.agreed_round == NO_ROUND:
+            return 0 if evaluated is None else evaluated + 1
+        while evaluated is not None and self.engine.agreed_round <= evaluated:
+            await trio.sleep(UPKEEP_PERIOD)
+        return self.engine.agreed_round
 
     # --- upkeep and status ------------------------------------------------------------------------
 
@@ -537,8 +589,13 @@ class SwarmService:
             "train_loss_bpb": self.train_loss_bpb,
             "heldout_bpb": latest.bits_per_byte if latest else None,
             "heldout": [{"source": r.session.hex()[:8], "round": r.round, "bpb": round(r.bits_per_byte, 4),
-                         "tokens": r.tokens, "at": r.at}
+                         "tokens": r.tokens, "at": r.at, "outer_round": r.agreed_round,
+                         "rounds": None if r.rounds is None else list(r.rounds),
+                         "chain": None if r.chain is None else list(r.chain)}
                         for r in self.evals.history],  # source: the stage-0 peer's evaluation session
+            "heldout_by_round": [{"outer_round": a.round, "bpb": round(a.bits_per_byte, 4),
+                                  "spread": round(a.spread, 4), "chains": len(a.chains)}
+                                 for a in agreement(self.evals.history)],  # the chains this last stage saw
             "engine": {"steps": ledger.steps, "local_only": ledger.local_only, "drops": ledger.drops,
                        "local_only_rate": ledger.local_only_rate, "busy_fraction": round(ledger.busy_fraction, 4),
                        "kept_graphs": engine.kept if engine else 0},
