@@ -1,6 +1,9 @@
-"""Properties of the pure router core: staleness, backoff, failover order, score and timeout bounds."""
+"""Properties of the pure router core: staleness, backoff, failover order, score and timeout bounds,
+and affinity (partner choice, partner first, failover kept)."""
 
+import copy
 import random
+from collections import Counter
 
 import pytest
 from hypothesis import given
@@ -10,7 +13,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from p2pswarm.dht.records import FLAG_DRAINING, FLAG_RELAYED, Capacity, StageRecord
 from p2pswarm.errors import NoCandidates
 from p2pswarm.swarm.router import (
-    BACKOFF_CAP, K_CANDIDATES, STALE_AFTER, Candidate, Failure, Router, RouterConfig, backoff_delay, score,
+    BACKOFF_CAP, K_CANDIDATES, STALE_AFTER, Candidate, Failure, Router, RouterConfig, backoff_delay, partner_for,
+    score,
 )
 from p2pswarm.swarm.pacing import DEADLINE_CEILING, DEADLINE_FLOOR, WINDOW_INITIAL, Link
 
@@ -210,3 +214,135 @@ class RouterMachine(RuleBasedStateMachine):
 
 
 TestRouterMachine = RouterMachine.TestCase
+
+
+# --- affinity ---------------------------------------------------------------------------------------
+
+peer_ids = st.sets(st.text("abcdef0123", min_size=1, max_size=4), max_size=10)
+
+
+@given(peer_ids.filter(bool), peer_ids.filter(bool))
+def test_partners_share_the_next_stage_within_one(mine, nexts):
+    shares = Counter(partner_for(me, mine, nexts) for me in mine)
+    assert set(shares) <= nexts
+    counts = [shares.get(peer, 0) for peer in nexts]
+    assert max(counts) - min(counts) <= 1
+    if len(mine) == len(nexts):
+        assert set(shares) == nexts  # equal counts: a one-to-one chain per replica
+
+
+@given(st.text(min_size=1, max_size=4), peer_ids, peer_ids, st.text(min_size=1, max_size=4))
+def test_partner_is_stable_when_a_later_peer_of_our_stage_comes_or_goes(me, mine, nexts, other):
+    if other > me:  # sorts after us: our index, hence our partner, is unchanged
+        assert partner_for(me, mine | {other}, nexts) == partner_for(me, mine - {other}, nexts)
+
+
+@given(st.text(min_size=1, max_size=4), peer_ids, peer_ids.filter(bool), st.text(min_size=1, max_size=4))
+def test_partner_is_stable_when_a_next_stage_peer_after_it_comes(me, mine, nexts, newcomer):
+    partner = partner_for(me, mine, nexts)
+    index = sorted(mine | {me}).index(me)
+    if newcomer not in nexts and newcomer > partner and index < len(nexts):
+        assert partner_for(me, mine, nexts | {newcomer}) == partner
+
+
+def test_no_partner_without_a_next_stage_peer_and_me_counted_when_unlisted():
+    assert partner_for("a", ["b"], []) is None
+    assert partner_for("b", ["a"], ["x", "y"]) == partner_for("b", ["a", "b"], ["y", "x"]) == "y"
+
+
+def _two_stage_one(partner: str | None = "b") -> Router:
+    router = Router(random.Random(0))
+    router.offer([Candidate("a", 1, 0, heard_at=0.0), Candidate("b", 1, 50, heard_at=0.0)], now=0.0)
+    router.set_partner(1, partner)
+    return router
+
+
+def test_the_partner_waits_for_room_rather_than_spilling_and_fails_over_when_tried():
+    router = _two_stage_one()  # "b" scores worse (queue 50) but is the partner
+    assert router.ranked(1, 0.0) == ["b", "a"] and router.choose(1, 0.0)[0] == "b"
+    for _ in range(int(WINDOW_INITIAL)):
+        assert router.next_after(1, (), 0.0) == "b" and router.has_room(1, 0.0)
+        router.observe_sent("b", 1000)
+    assert router.next_after(1, (), 0.0) is None and not router.has_room(1, 0.0)  # "a" has room: not used
+    assert router.next_after(1, ("b",), 0.0) == "a"  # tried (a Busy, a failure): the others as before
+    router.observe_failure("b", 0.0, Failure.ERROR)
+    assert router.next_after(1, (), 0.0) == "a" and router.has_room(1, 0.0)  # backed off: not preferred
+    router.set_partner(1, None)
+    assert router.ranked(1, 10.0) == ["a", "b"]  # no preference: by score
+
+
+def test_a_partner_of_another_stage_or_unknown_is_ignored():
+    for partner in ("nobody", "c"):
+        router = _two_stage_one(partner)
+        router.offer([Candidate("c", 2, 0, heard_at=0.0)], now=0.0)
+        assert router.live_partner(1, 0.0) is None and router.ranked(1, 0.0) == ["a", "b"]
+
+
+class PartnerMachine(RuleBasedStateMachine):
+    """Peers of one stage appear, take frames, ack, fail and die while one of them is our partner."""
+
+    @initialize(seed=st.integers(), partner=st.sampled_from(PEERS))
+    def start(self, seed, partner):
+        self.router = Router(random.Random(seed))
+        self.router.set_partner(0, partner)
+        self.now = 0.0
+
+    @rule(peer=st.sampled_from(PEERS), queue=queues, relayed=st.booleans())
+    def appear(self, peer, queue, relayed):
+        self.router.offer([Candidate(peer, 0, queue, FLAG_RELAYED if relayed else 0, self.now)], self.now)
+
+    @rule(peer=st.sampled_from(PEERS))
+    def send(self, peer):
+        self.router.observe_sent(peer, 1 << 16)
+
+    @rule(peer=st.sampled_from(PEERS), latency=latencies)
+    def ack(self, peer, latency):
+        self.router.observe_ack(peer, latency, self.now, size=1 << 16)
+
+    @rule(peer=st.sampled_from(PEERS))
+    def fail(self, peer):
+        self.router.observe_failure(peer, self.now, Failure.ERROR)
+
+    @rule(peer=st.sampled_from(PEERS))
+    def move_partner(self, peer):
+        self.router.set_partner(0, peer)
+
+    @rule(dt=st.floats(0.0, 20.0))
+    def advance(self, dt):
+        self.now += dt
+
+    @invariant()
+    def partner_first_when_live_and_never_a_dead_peer(self):
+        if not hasattr(self, "router"):
+            return
+        router, partner = self.router, self.router.partners[0]
+        ranked = router.ranked(0, self.now)
+        assert all(router.is_live(p, self.now) for p in ranked) and len(set(ranked)) == len(ranked)
+        assert (partner in ranked) == router.is_live(partner, self.now)
+        if not ranked:
+            return
+        chosen = router.next_after(0, (), self.now)
+        if partner in ranked:
+            assert ranked[0] == partner and router.has_room(0, self.now) == router.link(partner).has_room
+            assert chosen == (partner if router.link(partner).has_room else None)
+        else:
+            assert chosen is None or (router.is_live(chosen, self.now) and router.link(chosen).has_room)
+
+    @invariant()
+    def failover_reaches_every_live_peer_when_each_fails(self):
+        if not hasattr(self, "router"):
+            return
+        router = copy.deepcopy(self.router)
+        live, tried = set(router.ranked(0, self.now)), []
+        for peer in PEERS:  # a fresh window for each: only failures are under test here
+            router.links.pop(peer, None)
+        with pytest.raises(NoCandidates):
+            for _ in range(len(PEERS) + 1):
+                peer = router.next_after(0, tried, self.now)
+                assert peer not in tried and router.is_live(peer, self.now)
+                tried.append(peer)
+                router.observe_failure(peer, self.now, Failure.ERROR)
+        assert set(tried) == live
+
+
+TestPartnerMachine = PartnerMachine.TestCase

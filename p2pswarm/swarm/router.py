@@ -14,6 +14,14 @@ backed off exponentially (capped, jittered by the injected ``random.Random``) an
 until the backoff expires. Each peer's ``pacing.Link`` gives the deadline of a frame of a given
 size (measured throughput plus RFC 6298 slack) and its in-flight window (AIMD): ``next_after``
 offers only a peer with room in its window, and ``has_room`` tells stage 0 whether to cut.
+
+Affinity: each replica prefers one fixed replica of the next stage, its *partner* (``partner_for``:
+the i-th of our stage's sorted peer ids takes the (i mod n)-th of the next stage's), so that with
+equal replica counts the swarm forms disjoint chains and a replica never mixes activations of
+upstream replicas that drifted apart between outer rounds. A live partner ranks first; while it is
+live and untried ``next_after`` offers it alone (None while its window is full: wait, never spill),
+and ``has_room`` is its window. Once it is tried, backed off, stale or draining, the other peers
+are offered as without a partner: failover is unchanged.
 """
 
 from __future__ import annotations
@@ -113,6 +121,18 @@ def backoff_delay(failures: int, rng: random.Random, config: RouterConfig = Rout
     return nominal * rng.uniform(1.0 - BACKOFF_JITTER, 1.0)
 
 
+def partner_for(me: str, my_stage_peers: Iterable[str], next_stage_peers: Iterable[str]) -> str | None:
+    """Our partner in the next stage: the (i mod n)-th of its n sorted peer ids, where i is our index
+    among our own stage's sorted peer ids (``me`` counted whether listed or not); None when the next
+    stage has no peer. Every replica computing this from the same lists gives each next-stage peer a
+    share within one of the others, with no coordination."""
+    nexts = sorted(set(next_stage_peers))
+    if not nexts:
+        return None
+    mine = sorted(set(my_stage_peers) | {me})
+    return nexts[mine.index(me) % len(nexts)]
+
+
 @dataclass
 class Router:
     """The routing state of one node across all stages it sends to."""
@@ -123,6 +143,7 @@ class Router:
     failovers: int = 0  # failures observed, a statistic for /api/swarm
     frame_size: int = 0  # bytes of the last frame sent: the size /api/swarm shows deadlines for
     links: dict[str, Link] = field(default_factory=dict)  # every peer we send to, gradients' too (pacing)
+    partners: dict[int, str] = field(default_factory=dict)  # stage -> the peer of it we prefer (affinity)
 
     def offer(self, candidates: Iterable[Candidate], now: float) -> None:
         """Merge the stage map's answered peers; the newest news of a peer wins."""
@@ -215,14 +236,34 @@ class Router:
         """Seconds an attempt of ``size`` bytes to ``peer`` may go without progress (``pacing``)."""
         return self.link(peer).deadline(size)
 
+    def set_partner(self, stage: int, peer: str | None) -> None:
+        """Prefer ``peer`` among the peers of ``stage`` (module docstring); None: no preference."""
+        if peer is None:
+            self.partners.pop(stage, None)
+        else:
+            self.partners[stage] = peer
+
+    def live_partner(self, stage: int, now: float) -> str | None:
+        """Our partner in ``stage`` if it is a live peer of that stage, else None."""
+        peer = self.partners.get(stage)
+        state = self.peers.get(peer) if peer is not None else None
+        return peer if state is not None and state.candidate.stage == stage and self.is_live(peer, now) else None
+
     def has_room(self, stage: int, now: float) -> bool:
-        """Whether some live peer of ``stage`` has room in its window: stage 0 cuts only then."""
+        """Whether the live partner of ``stage`` (without one: some live peer of it) has room in its
+        window: stage 0 cuts only then, at its partner's pace."""
+        partner = self.live_partner(stage, now)
+        if partner is not None:
+            return self.link(partner).has_room
         return any(self.link(p).has_room for p in self.ranked(stage, now))
 
     def ranked(self, stage: int, now: float) -> list[str]:
-        """Every live peer of ``stage``, best first: direct before relayed, then by score."""
+        """Every live peer of ``stage``, best first: the live partner, then direct before relayed, then
+        by score."""
         live = [s for p, s in self.peers.items() if s.candidate.stage == stage and self.is_live(p, now)]
-        return [s.candidate.peer for s in sorted(live, key=self._rank)]
+        order = [s.candidate.peer for s in sorted(live, key=self._rank)]
+        partner = self.live_partner(stage, now)
+        return order if partner is None else [partner, *(p for p in order if p != partner)]
 
     def choose(self, stage: int, now: float) -> list[str]:
         """The K best live peers of ``stage``, best first (empty when there is none)."""
@@ -230,10 +271,13 @@ class Router:
 
     def next_after(self, stage: int, tried: Collection[str], now: float) -> str | None:
         """The best live peer of ``stage`` not yet tried for this micro-batch with room in its window;
-        None when every such peer's window is full (wait for an answer); NoCandidates when none is left."""
+        None when every such peer's window is full (wait for an answer); NoCandidates when none is left.
+        A live untried partner is the only one offered: None while its window is full."""
         untried = [peer for peer in self.ranked(stage, now) if peer not in tried]
         if not untried:
             raise NoCandidates(f"no live peer of stage {stage} left to try ({len(tried)} tried)")
+        if untried[0] == self.live_partner(stage, now):
+            return untried[0] if self.link(untried[0]).has_room else None
         return next((peer for peer in untried if self.link(peer).has_room), None)
 
     def stats(self, now: float) -> dict:
