@@ -3,8 +3,10 @@
 The driver of ``swarm/router.py`` and ``swarm/pacing.py``. A forward goes to the best live peer
 of the next stage that has room in its window (``pacing``: AIMD on the frames on the way to it);
 when every live peer's window is full the forward waits for an answer rather than piling more
-onto a full link. Each attempt is one frame on a warm pooled stream answered by an ``Ack`` (or a
-duplicate's ack) or a ``Busy``, and it fails only when the peer makes no progress:
+onto a full link (a live partner, ``router``'s affinity, is the only candidate until tried, so
+the forward waits for room in its window). Each attempt is one frame on a warm pooled stream
+answered by an ``Ack`` (or a duplicate's ack) or a ``Busy``, and it fails only when the peer
+makes no progress:
 
 - while the frame is written, its bytes must keep moving: no WRITE_CHUNK for one deadline
   (``Link.deadline`` of the frame's size: measured throughput plus RFC 6298 slack) is a stall;

@@ -16,8 +16,9 @@
   them in flight, and every ``EVAL_PERIOD`` (longer where a round takes over 1/EVAL_SHARE of the
   time to compute and send) sends the fixed held-out set through the swarm; the
   last stage turns those into held-out bits per byte (``swarm/evaluation.py``);
-- **upkeep**: candidates of the next stage from the stage map into the router, streams to the
-  best of them kept warm, micro-batches whose path died given up (``swarm/inflight.py``).
+- **upkeep**: candidates of the next stage from the stage map into the router, our partner among
+  them (``router.partner_for``: fixed chains of replicas), streams to the best of them kept warm,
+  micro-batches whose path died given up (``swarm/inflight.py``).
 
 ``doc()`` is ``GET /api/swarm``. This module and the engine are the only networking-side code
 that imports torch; ``node.py`` imports this module only for a training peer.
@@ -53,7 +54,7 @@ from p2pswarm.swarm.device import Placement
 from p2pswarm.swarm.buffers import EngineLedger, Outcome, Priority, hand_on, inbound_buffer, outbound_queue
 from p2pswarm.swarm.evaluation import EVAL_BATCHES, EVAL_ROWS, EvalBook, agreement
 from p2pswarm.swarm.inflight import InFlight, RecentKeys
-from p2pswarm.swarm.router import Candidate, Router
+from p2pswarm.swarm.router import Candidate, Router, partner_for
 from p2pswarm.swarm.sender import Deliverer, Send
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,7 @@ BAN_PERIOD = 60.0  # seconds a peer that sent us garbage is refused
 RATE_WINDOW = 20.0  # seconds over which throughput (tokens/s) is measured
 SLOW_LINK_FACTOR = 4.0  # a link whose transfer of a micro-batch takes this many compute times bounds training
 LOSS_EMA = 0.05  # weight of a new micro-batch in the training-loss average
+AFFINITY_ENV = "P2PSWARM_AFFINITY"  # benches only: "0" turns stage-to-stage affinity off (the ablation)
 EVAL_HOLD = 30.0  # seconds an evaluation waits for our outer round to reach stage 0's (a round's gather + reduce)
 MAX_HELD_EVALS = 4 * EVAL_BATCHES  # evaluations held at once: a few rounds' worth, never unbounded
 
@@ -109,6 +111,7 @@ class SwarmService:
         self.inflight = InFlight()
         self.taken = RecentKeys()  # micro-batches taken from peers: copies are duplicates
         self.router = Router(self.rng)
+        self.affinity = os.environ.get(AFFINITY_ENV, "1") != "0"  # prefer one partner of the next stage
         self.evals = EvalBook()
         self.engine: eng.StageEngine | None = None
         self.engine_lock = trio.Lock()  # one user of the engine's tensors at a time: the worker, or DiLoCo
@@ -510,6 +513,7 @@ class SwarmService:
                 if not self.is_last:
                     candidates = self._stage_map.candidates(self.stage + 1)
                     self.router.offer([Candidate.from_record(r) for r in candidates], now)
+                    self._choose_partner(candidates)
                     for peer in self.router.choose(self.stage + 1, now):
                         if peer not in warming:
                             warming.add(peer)
@@ -522,6 +526,14 @@ class SwarmService:
                 self._sample_rate()
                 self._banned = {p: t for p, t in self._banned.items() if t > trio.current_time()}
                 await trio.sleep(UPKEEP_PERIOD)
+
+    def _choose_partner(self, next_stage) -> None:
+        """Our partner in the next stage (affinity, ``router.partner_for``) from the peers of our own
+        stage and of the next that answered us; none when affinity is off."""
+        if not self.affinity:
+            return self.router.set_partner(self.stage + 1, None)
+        mine = [r.peer_id for r in self._stage_map.candidates(self.stage)]
+        self.router.set_partner(self.stage + 1, partner_for(self.me, mine, [r.peer_id for r in next_stage]))
 
     def _note_slow_links(self) -> None:
         """Flag (and log, once per peer) a next-stage peer reachable only through a relay whose best
@@ -609,6 +621,7 @@ class SwarmService:
         doc = self.router.stats(time.time())
         for peer, entry in doc["peers"].items():
             entry["slow"] = self._slow.get(peer)
+        doc["partner"] = self.router.partners.get(self.stage + 1)  # None: last stage, affinity off, or no peer
         return doc
 
     async def doc_json(self, params: dict) -> dict:

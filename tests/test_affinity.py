@@ -1,0 +1,55 @@
+"""A training peer's affinity: the partner it picks each upkeep tick from the stage map, what
+``/api/swarm`` shows of it, and the ``P2PSWARM_AFFINITY=0`` ablation switch."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch")
+import trio  # noqa: E402
+
+from p2pswarm.dht.records import Capacity, StageRecord  # noqa: E402
+from p2pswarm.model.catalog import get_model  # noqa: E402
+from p2pswarm.swarm.service import AFFINITY_ENV, SwarmService  # noqa: E402
+
+SPEC = get_model("tiny-lm/2")
+
+
+class StageMapOf:
+    """The answered peers of each stage, as ``StageMap.candidates`` gives them."""
+
+    def __init__(self, peers: dict[int, list[str]]) -> None:
+        self.peers = peers
+
+    def candidates(self, stage: int) -> list[StageRecord]:
+        return [StageRecord(p, ("/ip4/127.0.0.1/tcp/1",), SPEC.name, stage, 0, 1, Capacity(100, 0, 0), 0.0, 30.0)
+                for p in self.peers.get(stage, [])]
+
+
+def partners_of(stage0: list[str], stage1: list[str]) -> dict[str, str | None]:
+    """Each stage-0 peer's partner, every one of them seeing only the others (not itself) in the map."""
+    async def main():
+        chosen = {}
+        for me in stage0:
+            stage_map = StageMapOf({0: [p for p in stage0 if p != me], 1: stage1})
+            svc = SwarmService(spec=SPEC, stage=0, me=me, pool=None, stage_map=stage_map, host=None)
+            svc._choose_partner(stage_map.candidates(1))
+            chosen[me] = svc._router_doc()["partner"]
+        return chosen
+    return trio.run(main)
+
+
+def test_two_by_two_forms_disjoint_chains(monkeypatch):
+    monkeypatch.delenv(AFFINITY_ENV, raising=False)
+    chosen = partners_of(["B", "A"], ["Y", "X"])
+    assert chosen == {"A": "X", "B": "Y"}
+
+
+def test_the_ablation_switch_turns_affinity_off(monkeypatch):
+    monkeypatch.setenv(AFFINITY_ENV, "0")
+    assert partners_of(["A", "B"], ["X", "Y"]) == {"A": None, "B": None}
+
+
+def test_no_next_stage_peer_means_no_partner(monkeypatch):
+    monkeypatch.delenv(AFFINITY_ENV, raising=False)
+    assert partners_of(["A"], []) == {"A": None}
