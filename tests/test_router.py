@@ -265,6 +265,8 @@ def test_the_partner_waits_for_room_rather_than_spilling_and_fails_over_when_tri
         router.observe_sent("b", 1000)
     assert router.next_after(1, (), 0.0) is None and not router.has_room(1, 0.0)  # "a" has room: not used
     assert router.next_after(1, ("b",), 0.0) == "a"  # tried (a Busy, a failure): the others as before
+    router.observe_ack("a", 0.01, now=0.0, size=1000)
+    assert [router.stats(0.0)["peers"][p]["acks"] for p in "ab"] == [1, 0]  # /api/swarm: which one took frames
     router.observe_failure("b", 0.0, Failure.ERROR)
     assert router.next_after(1, (), 0.0) == "a" and router.has_room(1, 0.0)  # backed off: not preferred
     router.set_partner(1, None)

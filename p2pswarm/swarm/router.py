@@ -102,6 +102,7 @@ class PeerState:
     srtt: float | None = None  # smoothed ack latency (the latency EMA); None before the first ack
     failures: int = 0  # consecutive failures since the last ack
     backoff_until: float = float("-inf")  # not routed to before this time
+    acks: int = 0  # frames it acked, a statistic for /api/swarm (which replicas a chain used)
 
     @property
     def latency(self) -> float:
@@ -183,7 +184,7 @@ class Router:
             return
         latency = max(0.0, latency)
         srtt = latency if state.srtt is None else state.srtt + RTT_ALPHA * (latency - state.srtt)
-        self.peers[peer] = replace(state, srtt=srtt, failures=0, backoff_until=float("-inf"))
+        self.peers[peer] = replace(state, srtt=srtt, failures=0, backoff_until=float("-inf"), acks=state.acks + 1)
         self.observe_capacity(peer, state.candidate.queue_depth if queue_depth is None else queue_depth, now)
 
     def observe_busy(self, peer: str, queue_depth: int, now: float) -> None:
@@ -285,7 +286,8 @@ class Router:
         return {"failovers": self.failovers, "peers": {
             p: {"stage": s.candidate.stage, "live": self.is_live(p, now), "queue_depth": s.candidate.queue_depth,
                 "latency_ms": None if s.srtt is None else round(s.srtt * 1000, 1), **self.link(p).doc(self.frame_size),
-                "failures": s.failures, "relayed": s.candidate.relayed} for p, s in sorted(self.peers.items())}}
+                "failures": s.failures, "acks": s.acks, "relayed": s.candidate.relayed}
+            for p, s in sorted(self.peers.items())}}
 
     def _rank(self, state: PeerState) -> tuple:
         c = state.candidate
