@@ -247,12 +247,10 @@ def test_idle_circuit_is_closed_at_its_duration():
         accept_circuits(destination, received, closed)
         assert await raw_reserve(destination, relay_host.get_id()) == STATUS_OK
         stream, reply = await open_circuit(source, relay_host.get_id(), destination.get_id())
-        assert reply.status == STATUS_OK
-        opened = trio.current_time()
-        with trio.fail_after(10):
+        assert reply.status == STATUS_OK and protocol.book.closed_at_duration == 0
+        with trio.fail_after(10):  # a failure guard: the circuit lasts 1 s
             await closed.wait()  # no byte ever flows, yet the relay ends the circuit
-        elapsed = trio.current_time() - opened
-        assert 0.8 <= elapsed < 5, elapsed
+        assert received == []
         with trio.fail_after(5):
             try:
                 assert await stream.read(100) == b""
@@ -261,7 +259,7 @@ def test_idle_circuit_is_closed_at_its_duration():
         with trio.fail_after(5):
             while protocol.book.circuits:  # released once both directions have stopped
                 await trio.sleep(0.02)
-        assert protocol.book.closed_at_duration == 1
+        assert protocol.book.closed_at_duration == 1  # its duration timer ended it, nothing else
 
     with_relay(RelayConfig(circuit_duration=1.0), test)
 
@@ -289,6 +287,7 @@ def test_circuit_is_closed_after_its_byte_budget():
 
 # ---------------------------------------------------------------- command line
 
+@pytest.mark.integration
 def test_relay_with_bad_config_exits_1_with_one_line(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("max_reservations = 0\n")
@@ -297,6 +296,7 @@ def test_relay_with_bad_config_exits_1_with_one_line(tmp_path):
     assert_one_line_error(run("relay", "--config", str(bad)), "unknown key")
 
 
+@pytest.mark.integration
 def test_relay_prints_its_address_and_stops_on_sigint(tmp_path):
     config = tmp_path / "relay.toml"
     config.write_text("max_reservations = 8\n")
@@ -334,9 +334,8 @@ def test_an_older_circuit_ending_leaves_the_newer_one_to_the_same_peer_alone():
         with trio.fail_after(10):
             assert await older.read(4) == b"pong"
             await closed.wait()  # the destination ended the older circuit
-            while len(protocol.book.circuits) > 1:
+            while len(protocol.book.circuits) > 1:  # released after the library's own clean-up ran
                 await trio.sleep(0.02)
-        await trio.sleep(0.5)
         await newer.write(b"still here")
         with trio.fail_after(5):
             while b"still here" not in received:
