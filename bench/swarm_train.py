@@ -1,15 +1,25 @@
-"""The swarm against one process: tokens/s and held-out loss at equal tokens, then compute-busy with 50 ms links.
+"""The swarm against one process at equal tokens: ablation arms, tokens/s, compute-busy with 50 ms links.
 
-Three arms in one run, one after the other on this machine (never at once: 2 cores):
+Arms, one after the other on this machine (never at once: 2 cores), each ``p2pswarm demo`` (real
+processes on loopback) for ``--seconds`` with ``--summary``, named STAGESxREPLICAS:
 
-1. **baseline** — one process trains tiny-lm (all 8 blocks, the same initial weights, the same
-   micro-batches of 8 x 128 bytes, AdamW with the engine's settings) for ``--seconds``; its
-   held-out loss is measured on the swarm's held-out set every ``EVAL_EVERY`` steps;
-2. **swarm** — ``p2pswarm demo`` (2 stages x 2 replicas of tiny-lm/2, real processes on
-   loopback) for the same ``--seconds``; tokens/s and the final held-out loss from its summary,
-   compared with the baseline's held-out loss when it had trained on as many tokens;
-3. **swarm, 50 ms links** — the same with ``P2PSWARM_LINK_DELAY_MS=50`` (every frame waits 50 ms
-   before it is written), for the compute-busy fraction.
+- ``1x2``: one stage of all 8 blocks, 2 replicas — DiLoCo alone;
+- ``2x1``: 2 stages, 1 replica each — the pipeline alone (each replica's outer rounds are alone);
+- ``2x2``: both (the default demo);
+- ``3x1``: 3 stages (3 + 3 + 2 blocks), 1 replica each — a middle stage forwarding and relaying;
+
+then the **baseline**: one process trains tiny-lm (all 8 blocks, the same initial weights, micro-batches
+of 8 x 128 bytes, AdamW with the run's settings) until it has seen as many tokens as the largest arm,
+its held-out loss measured on the swarm's held-out set every ``EVAL_EVERY`` steps. Each arm's held-out
+figure is that of the agreed weights after each DiLoCo outer round (the same through every chain, see
+``swarm/evaluation.py``), at the tokens the stage-0 replicas had trained by then; it is compared with
+the baseline at those tokens (interpolated). Printed per arm: tokens/s (steady, and against the
+baseline's), the held-out ratio at the last round and over the rounds of the second half, the spread
+between chains, compute-busy. Last, ``2x2`` with ``P2PSWARM_LINK_DELAY_MS=50`` (every frame waits 50 ms
+before it is written), for compute-busy (``--no-delay-arm`` skips it).
+
+Variables of the environment reach the peers: e.g. ``P2PSWARM_AFFINITY=0`` (no stage-to-stage affinity)
+for an ablation of that.
 
 With ``--links unshaped,home,...`` (names of ``p2pswarm.testing.linklab.PROFILES``, or ``relayed``)
 the same 2 x 2 swarm then runs in a shaped-link lab (root; network namespaces and ``tc tbf``), one
@@ -19,12 +29,13 @@ relay. Each prints tokens/s against the unshaped arm of the same run and against
 limit (what the links alone could carry), ack latency, timeouts per 100 sends, duplicates, lost
 micro-batches and compute-busy per peer.
 
-    python bench/swarm_train.py [--seconds 120] [--links unshaped,home [--links-only]]
+    python bench/swarm_train.py [--seconds 120] [--arms 1x2,2x1,2x2,3x1] [--links unshaped,home [--links-only]]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import re
@@ -38,40 +49,48 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 EVAL_EVERY = 50  # baseline steps between held-out evaluations
+ARMS = ("1x2", "2x1", "2x2", "3x1")  # stages x replicas
+BASELINE_CAP = 3.0  # the baseline trains at most this many times --seconds to match the largest arm's tokens
 
 
-def baseline(seconds: float) -> tuple[float, list[tuple[int, float]]]:
+def baseline(tokens_wanted: int, seconds_cap: float) -> tuple[float, list[tuple[int, float]]]:
+    """One process until ``tokens_wanted`` (or ``seconds_cap``): tokens per compute second, held-out curve."""
     import torch
 
     from p2pswarm.model.catalog import get_model
     from p2pswarm.model.corpus import batches, heldout_batches, stdlib_corpus
+    from p2pswarm.model.run import load_run
     from p2pswarm.model.transformer import build_model, run_stages
-    from p2pswarm.swarm.engine import BETAS, GRAD_CLIP, LEARNING_RATE, WEIGHT_DECAY, ids_tensor
+    from p2pswarm.swarm.engine import TrainConfig, ids_tensor, lr_at, param_groups
     from p2pswarm.swarm.evaluation import EVAL_BATCHES, EVAL_ROWS
 
+    config = TrainConfig(**load_run("tiny-lm").train_values())  # the demo's run: the same optimizer
     spec = get_model("tiny-lm")
     stages = build_model(spec, 0)
     params = [p for m in stages for p in m.parameters()]
-    opt = torch.optim.AdamW(params, lr=LEARNING_RATE, betas=BETAS, weight_decay=WEIGHT_DECAY)
+    groups = [g for m in stages for g in param_groups(m, config.weight_decay)]
+    opt = torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps)
     corpus = stdlib_corpus()
     held = [ids_tensor(b.rows) for b in heldout_batches(corpus, spec.context, EVAL_ROWS, EVAL_BATCHES * EVAL_ROWS)]
 
     def evaluate() -> float:
         with torch.no_grad():
-            nats = sum(torch.nn.functional.cross_entropy(run_stages(stages, h[:, :-1]).reshape(-1, 256),
+            nats = sum(torch.nn.functional.cross_entropy(run_stages(stages, h[:, :-1]).reshape(-1, spec.vocab),
                                                          h[:, 1:].reshape(-1), reduction="sum").item() for h in held)
         return nats / sum(h[:, 1:].numel() for h in held) / math.log(2)
 
     curve, tokens, step, compute = [(0, evaluate())], 0, 0, 0.0
-    it = batches(corpus, 0, 1, spec.context, 8, seed=1)
+    it = batches(corpus, 0, 1, spec.context, config.rows, seed=1)
     started = time.monotonic()
-    while time.monotonic() - started < seconds:
+    while tokens < tokens_wanted and time.monotonic() - started < seconds_cap:
         t0 = time.monotonic()
         ids = ids_tensor(next(it).rows)
         loss = stages[-1].loss(run_stages(stages, ids[:, :-1]), ids[:, 1:])
         opt.zero_grad()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, GRAD_CLIP)
+        torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, config.lr, config.warmup_steps, config.decay_steps, config.min_lr_ratio)
         opt.step()
         compute += time.monotonic() - t0
         tokens, step = tokens + ids[:, 1:].numel(), step + 1
@@ -89,35 +108,61 @@ def at_tokens(curve: list[tuple[int, float]], tokens: int) -> float:
     return curve[-1][1]
 
 
-def swarm(seconds: float, delay_ms: int = 0) -> dict:
+def swarm(seconds: float, stages: int = 2, replicas: int = 2, delay_ms: int = 0) -> dict:
+    """One ``p2pswarm demo`` arm: its --summary document plus the steady tokens/s of its progress lines."""
     env = dict(os.environ, P2PSWARM_LINK_DELAY_MS=str(delay_ms))
-    out = subprocess.run([sys.executable, "-m", "p2pswarm", "demo", "--duration", str(seconds)],
-                         capture_output=True, text=True, env=env, timeout=seconds + 200).stdout
-    summary = re.search(r"summary: (\d+) tokens in (\d+) s \((\d+) tok/s\)", out)
-    heldout = re.search(r"held-out loss ([\d.]+) -> ([\d.]+)", out)
-    busy = re.search(r"compute-busy fraction per peer ([\d., ]+) \(mean ([\d.]+)\)", out)
+    with tempfile.TemporaryDirectory(prefix="swarm-train-") as workdir:
+        summary = Path(workdir) / "summary.json"
+        out = subprocess.run([sys.executable, "-m", "p2pswarm", "demo", "--duration", str(seconds),
+                              "--stages", str(stages), "--peers", str(stages * replicas), "--summary", str(summary),
+                              "--dir", str(Path(workdir) / "demo")],
+                             capture_output=True, text=True, env=env, timeout=seconds + 300).stdout
+        if not summary.exists():
+            raise RuntimeError(f"the demo wrote no summary; its output ended: {out[-800:]}")
+        doc = json.loads(summary.read_text())
     rates = [float(x) for x in re.findall(r"bits/byte .*? (\d+) tok/s", out)]
-    return {"tokens": int(summary.group(1)), "tok_s": int(summary.group(3)),
-            "steady_tok_s": sum(rates[2:]) / max(1, len(rates[2:])),
-            "heldout": float(heldout.group(2)) if heldout else None,
-            "busy": busy.group(1) if busy else None, "busy_mean": float(busy.group(2)) if busy else None}
+    doc["steady_tok_s"] = sum(rates[2:]) / max(1, len(rates[2:]))
+    return doc
 
 
-def main_arms(seconds: float) -> None:
-    """The three arms above: baseline, swarm, swarm with 50 ms links."""
-    base_rate, curve = baseline(seconds)
+def arm_line(name: str, result: dict, base_rate: float, curve: list[tuple[int, float]]) -> str:
+    points = [p for p in result["curve"] if p["tokens"] is not None]
+    if len(points) < 2:
+        return f"arm {name}: {result['steady_tok_s']:.0f} tok/s, too few outer rounds evaluated ({len(points)})"
+    ratios = [p["bpb"] / at_tokens(curve, p["tokens"]) for p in points[1:]]
+    late = ratios[len(ratios) // 2:]
+    last = points[-1]
+    spreads = [p["spread"] for p in result["curve"] if p["chains"] > 1]
+    spread = f"max spread between chains {max(spreads):.3f}" if spreads else "one chain per round"
+    busy = result["busy"]
+    return (f"arm {name}: {result['steady_tok_s']:.0f} tok/s steady ({result['steady_tok_s'] / base_rate:.2f}x one "
+            f"process), {result['tokens']} tokens; held-out at round {last['round']} {last['bpb']:.3f} after "
+            f"{last['tokens']} tokens vs one process {at_tokens(curve, last['tokens']):.3f}: {ratios[-1]:.3f}x "
+            f"(rounds of the second half {sum(late) / len(late):.3f}x); curve "
+            + " ".join(f"{p['tokens'] // 1000}k:{p['bpb']:.2f}" for p in points)
+            + f"; {spread}; compute-busy mean {sum(busy) / max(1, len(busy)):.2f}")
+
+
+def main_arms(seconds: float, arms: list[str], delay_arm: bool) -> None:
+    """The ablation arms, then the baseline to as many tokens, then 2x2 with 50 ms links."""
+    results = {}
+    for name in arms:
+        stages, replicas = (int(x) for x in name.split("x"))
+        try:
+            results[name] = swarm(seconds, stages, replicas)
+        except Exception as exc:  # noqa: BLE001 - one broken arm must not hide the others
+            print(f"arm {name}: failed: {exc}", flush=True)
+    wanted = max([r["tokens"] for r in results.values()] + [1])
+    base_rate, curve = baseline(wanted, BASELINE_CAP * seconds)
     print(f"baseline: one process, {base_rate:.0f} tok/s, held-out {curve[0][1]:.3f} -> {curve[-1][1]:.3f} "
           f"bits/byte after {curve[-1][0]} tokens", flush=True)
-    result = swarm(seconds)
-    equal = at_tokens(curve, result["tokens"])
-    print(f"swarm 2x2: {result['tok_s']} tok/s over the run ({result['steady_tok_s']:.0f} steady), "
-          f"{result['tokens']} tokens, held-out {result['heldout']} bits/byte; baseline at equal tokens "
-          f"{equal:.3f}", flush=True)
-    print(f"  ratio tokens/s (steady) {result['steady_tok_s'] / base_rate:.2f}x; held-out at equal tokens "
-          f"{result['heldout'] / equal:.3f}x the baseline's; compute-busy {result['busy']}", flush=True)
-    slow = swarm(seconds, delay_ms=50)
-    print(f"swarm 2x2, 50 ms links: {slow['tok_s']} tok/s, held-out {slow['heldout']}, compute-busy per peer "
-          f"{slow['busy']} (mean {slow['busy_mean']})", flush=True)
+    for name, result in results.items():
+        print(arm_line(name, result, base_rate, curve), flush=True)
+    if delay_arm:
+        slow = swarm(seconds, delay_ms=50)
+        busy = slow["busy"]
+        print(f"arm 2x2, 50 ms links: {slow['steady_tok_s']:.0f} tok/s steady, compute-busy per peer "
+              f"{', '.join(f'{b:.3f}' for b in busy)} (mean {sum(busy) / max(1, len(busy)):.3f})", flush=True)
 
 
 def link_arms(names: list[str], seconds: float) -> None:
@@ -183,6 +228,9 @@ def main() -> int:
     parser.add_argument("--links", default="", metavar="NAMES",
                         help="comma list of link profiles (unshaped, dc100, home, weak) or relayed: one lab arm each")
     parser.add_argument("--links-only", action="store_true", help="run only the --links arms")
+    parser.add_argument("--arms", default=",".join(ARMS), metavar="SxR,...",
+                        help=f"ablation arms, stages x replicas (default {','.join(ARMS)})")
+    parser.add_argument("--no-delay-arm", action="store_true", help="skip the 2x2 arm with 50 ms links")
     args = parser.parse_args()
     links = [n.strip() for n in args.links.split(",") if n.strip()]
     if links:
@@ -196,8 +244,11 @@ def main() -> int:
             parser.error(reason)
     elif args.links_only:
         parser.error("--links-only needs --links")
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    if any(not re.fullmatch(r"[1-9]x[1-9]", a) for a in arms):
+        parser.error(f"--arms: each arm is STAGESxREPLICAS, e.g. 2x2, not {args.arms!r}")
     if not args.links_only:
-        main_arms(args.seconds)
+        main_arms(args.seconds, arms, not args.no_delay_arm)
     if links:
         link_arms(links, args.seconds)
     return 0

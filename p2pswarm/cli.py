@@ -135,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
                           description="Start a bootstrap node and N peers on this machine, spread over the "
                                       "stages of tiny-lm, and show the held-out loss falling as they train.")
     demo.add_argument("--peers", type=int, default=4, help="joining peers to start (default 4)")
-    demo.add_argument("--stages", type=int, default=2, help="stages to cut tiny-lm into (default 2: 1, 2, 4 or 8)")
+    demo.add_argument("--stages", type=int, default=2, help="stages to cut tiny-lm into (default 2: 1, 2, 3, 4 or 8)")
     demo.add_argument("--duration", type=float, default=150.0, help="seconds of training (default 150)")
     demo.add_argument("--kill-one", action="store_true",
                       help="SIGKILL one replica halfway through and restart it 10 s later (it reloads its stage "
@@ -143,6 +143,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--inner-steps", type=int, default=DEMO_INNER_STEPS, metavar="H",
                       help="local steps between DiLoCo outer rounds (default 40: a round every ~10-15 s)")
     demo.add_argument("--dir", type=Path, default=None, help="where peers keep keys and logs (default: a temp dir)")
+    demo.add_argument("--rounds", type=int, default=None, metavar="N",
+                      help="train until the held-out figure of outer round N is in (--duration is then the limit; "
+                           "--kill-one kills after round N/2)")
+    demo.add_argument("--summary", type=Path, default=None, metavar="PATH",
+                      help="also write the run's figures (tokens, rates, held-out by outer round) to PATH as JSON")
     demo.add_argument("--run", metavar="NAME|PATH.toml",
                       help="train this run as it is (its model and [diloco] values; --stages and --inner-steps "
                            "then do not apply); default: tiny-lm with the demo's DiLoCo values")
@@ -436,7 +441,8 @@ def main(argv: list[str] | None = None) -> int:
             from p2pswarm.demo import run_demo
 
             return run_demo(args.peers, args.duration, args.dir, stages=args.stages, kill_one=args.kill_one,
-                            inner_steps=args.inner_steps, run=args.run)
+                            inner_steps=args.inner_steps, run=args.run, summary=args.summary,
+                            rounds=args.rounds)
         config = config_from_args(args)
         if argv is None:  # run as the program (not called from Python): memory that comes back
             use_system_malloc(sys.argv[1:])

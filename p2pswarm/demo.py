@@ -2,9 +2,10 @@
 
 Starts one ``p2pswarm bootstrap`` and N ``p2pswarm join`` peers, spread evenly over the S stages
 of ``tiny-lm/S`` (default 4 peers: 2 stages x 2 replicas), waits until every stage is served,
-then shows training as it happens: the held-out loss in bits per byte (evaluated by the last
-stage on the fixed held-out set; the mean over stage-0 replicas of each one's latest round, whose
-weights differ until DiLoCo averages them), tokens/s, peers per stage, failovers and lost micro-batches.
+then shows training as it happens: the held-out loss in bits per byte after each DiLoCo outer
+round (the agreed weights of that round, evaluated by the last stage on the fixed held-out set
+through every chain of replicas, with the spread between chains: 0 when the replicas agree),
+tokens/s, peers per stage, failovers and lost micro-batches.
 Replicas of a stage meet every ``--inner-steps`` local steps for a DiLoCo outer round; the demo
 prints each round as it completes (members, seconds, bytes, rejected contributions). Peers train
 the default run (``p2pswarm.model.run``) on ``tiny-lm/S`` with the demo's DiLoCo values, or with
@@ -13,7 +14,10 @@ the default run (``p2pswarm.model.run``) on ``tiny-lm/S`` with the demo's DiLoCo
 restarts it ``RESTART_AFTER`` seconds later: it loads its stage's current state from the other
 replica (a hot snapshot) and rejoins the rounds. At the end it prints a summary and stops every
 process it started (by pid). Exit code 0 when the
-held-out loss fell and no process crashed (the one it killed aside), 1 otherwise.
+held-out loss of the last evaluated outer round is below round 0's (the untrained model) and no
+process crashed (the one it killed aside), 1 otherwise. ``--rounds N`` trains until round N's
+figure is in (``--duration`` is then a limit, and ``--kill-one`` kills after round N/2);
+``--summary PATH`` writes the figures as JSON (``bench/swarm_train.py`` reads them).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from pathlib import Path
 from p2pswarm.errors import ConfigError, StartupError
 from p2pswarm.model.catalog import DEFAULT_MODEL, get_model
 from p2pswarm.model.run import load_run
+from p2pswarm.swarm.evaluation import EvalRound, RoundAgreement, agreement
 
 FORM_TIMEOUT = 90.0  # seconds for every stage to be served and found on a loaded 2-core machine
 POLL_PERIOD = 1.0  # seconds between looks while the swarm forms
@@ -149,13 +154,55 @@ class Progress:
     latest: dict[str, tuple[int, float, float]] = field(default_factory=dict)  # stage-0 replica -> (round, at, bpb)
     outer: dict[tuple[int, int], dict] = field(default_factory=dict)  # (stage, round) -> a member's account
     loads: dict[int, dict] = field(default_factory=dict)  # peer -> where it loaded its stage from
+    evaluations: dict[tuple, EvalRound] = field(default_factory=dict)  # every evaluation seen, by who and what
+    round_tokens: dict[tuple[int, int], int] = field(default_factory=dict)  # (stage-0 peer, outer round) -> its tokens
+    shown: set[int] = field(default_factory=set)  # outer rounds whose held-out line was printed
+
+    def curve(self) -> list[RoundAgreement]:
+        """The held-out figure per outer round: every chain on that round's agreed weights (``agreement``)."""
+        return agreement(list(self.evaluations.values()))
+
+    def tokens_at(self, round_: int) -> int | None:
+        """Tokens the stage-0 replicas had trained when they finished outer ``round_`` (round 0: none)."""
+        if round_ == 0:
+            return 0
+        counts = [n for (_, r), n in self.round_tokens.items() if r == round_]
+        return sum(counts) if counts else None
 
     def heldout_text(self) -> str:
-        """The mean over stage-0 replicas of their latest held-out round, and each one's."""
+        """The newest outer round's figure and spread; without outer rounds, the mean over stage-0
+        replicas of their latest held-out round (live weights), and each one's."""
+        curve = self.curve()
+        if curve:
+            last = curve[-1]
+            return f"{last.bits_per_byte:.3f} (round {last.round}, {len(last.chains)} chain(s), spread {last.spread:.3f})"
         if not self.heldout:
             return "  -  "
         each = ", ".join(f"{b:.2f}" for *_, b in sorted(self.latest.values(), key=lambda v: v[1]))
         return f"{self.heldout[-1][1]:.3f} ({each})" if len(self.latest) > 1 else f"{self.heldout[-1][1]:.3f}"
+
+    def new_round_lines(self) -> list[str]:
+        """A line for each outer round whose held-out figure came in since the last look (its chains
+        may still grow: a round is shown once at least two chains, or every stage-0 replica, measured it)."""
+        lines = []
+        for a in self.curve()[:-1] if len(self.curve()) > 1 else []:  # the newest may be missing chains yet
+            if a.round in self.shown:
+                continue
+            self.shown.add(a.round)
+            tokens = self.tokens_at(a.round)
+            each = ", ".join(f"{b:.3f}" for b in a.chains.values())
+            lines.append(f"demo: held-out after outer round {a.round}: {a.bits_per_byte:.3f} bits/byte "
+                         f"({'?' if tokens is None else tokens} tokens; {len(a.chains)} chain(s): {each}; "
+                         f"spread {a.spread:.3f})")
+        return lines
+
+    def remember(self, entries: list[dict]) -> None:
+        """Keep every evaluation a last-stage peer reports (a killed one's stay, for the curve)."""
+        for e in entries:
+            rounds, chain = e.get("rounds"), e.get("chain")
+            r = EvalRound(e["source"].encode(), e["round"], e["bpb"], e["tokens"], 1, e["at"],
+                          rounds=None if rounds is None else tuple(rounds), chain=None if chain is None else tuple(chain))
+            self.evaluations[(e["source"], e["round"], r.chain)] = r
 
     def look(self, peers: list[Peer], n_stages: int, since: float) -> dict:
         docs = {p.index: get_json(p.api, "/api/swarm") for p in peers if not p.killed}
@@ -171,6 +218,7 @@ class Progress:
         self.busy.update({i: d["engine"]["busy_fraction"] for i, d in docs.items()})
         losses = [d["train_loss_bpb"] for d in last if d.get("train_loss_bpb") is not None]
         self.train_bpb = sum(losses) / len(losses) if losses else self.train_bpb
+        self.remember([r for d in last for r in d.get("heldout", [])])
         self.latest = newest(self.latest, latest_rounds([r for d in last for r in d.get("heldout", [])]))
         if self.latest:
             mean = sum(b for *_, b in self.latest.values()) / len(self.latest)
@@ -187,6 +235,8 @@ class Progress:
                 self.loads[peer.index] = doc["loaded_from"]
                 lines.append(_loaded_text(peer, doc["loaded_from"]))
             for r in doc.get("rounds", []):
+                if doc.get("stage") == 0 and "tokens" in r:
+                    self.round_tokens[(peer.index, r["round"] + 1)] = r["tokens"]  # round r agreed weights r + 1
                 key = (doc["stage"], r["round"])
                 if key not in self.outer:
                     self.outer[key] = r
@@ -204,7 +254,8 @@ def _loaded_text(peer: Peer, loaded: dict) -> str:
 
 
 def run_demo(peers: int, duration: float, directory: Path | None, *, stages: int = DEFAULT_STAGES,
-             kill_one: bool = False, inner_steps: int = DEMO_INNER_STEPS, run: str | None = None) -> int:
+             kill_one: bool = False, inner_steps: int = DEMO_INNER_STEPS, run: str | None = None,
+             summary: Path | None = None, rounds: int | None = None) -> int:
     """Without ``run`` the default run on tiny-lm/``stages`` with the demo's DiLoCo values; with it, that
     run as it is (its model and [diloco] table: ``stages`` and ``inner_steps`` do not apply)."""
     model = load_run(run).spec() if run else get_model(f"{DEFAULT_MODEL}/{stages}")
@@ -219,6 +270,8 @@ def run_demo(peers: int, duration: float, directory: Path | None, *, stages: int
         raise ConfigError(f"--duration must be positive, not {duration:g}")
     if inner_steps < 1:
         raise ConfigError(f"--inner-steps must be at least 1, not {inner_steps}")
+    if rounds is not None and rounds < 1:
+        raise ConfigError(f"--rounds must be at least 1, not {rounds}")
     workdir = Path(directory or tempfile.mkdtemp(prefix="p2pswarm-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
     threads = max(1, (os.cpu_count() or 1) // peers)
@@ -243,7 +296,7 @@ def run_demo(peers: int, duration: float, directory: Path | None, *, stages: int
             print(f"demo: peer {i} trains stage {stage} (blocks [{start}, {end})), status API {api}", flush=True)
         if not _wait_formed(members, processes, model.n_stages):
             return 1
-        return _train(members, processes, model.n_stages, duration, kill_one)
+        return _train(members, processes, model.n_stages, duration, kill_one, summary, rounds)
     except KeyboardInterrupt:
         print("\ndemo: interrupted", flush=True)
         return 0
@@ -260,9 +313,9 @@ def _crashed(processes: list[subprocess.Popen], members: list[Peer]) -> list[sub
 _KILLED: list[subprocess.Popen] = []  # processes the demo SIGKILLed on purpose (--kill-one)
 
 
-def _kill_and_restart(victim: Peer, processes: list[subprocess.Popen], elapsed: float, duration: float) -> None:
+def _kill_and_restart(victim: Peer, processes: list[subprocess.Popen], elapsed: float, halfway: bool) -> None:
     """--kill-one: SIGKILL the victim halfway through, start it again RESTART_AFTER seconds later."""
-    if not victim.killed and not victim.restarted and elapsed >= duration / 2:
+    if not victim.killed and not victim.restarted and halfway:
         victim.process.kill()
         _KILLED.append(victim.process)
         victim.killed, victim.killed_at = True, elapsed
@@ -293,13 +346,19 @@ def _wait_formed(members: list[Peer], processes: list[subprocess.Popen], n_stage
 
 
 def _train(members: list[Peer], processes: list[subprocess.Popen], n_stages: int, duration: float,
-           kill_one: bool) -> int:
+           kill_one: bool, summary: Path | None = None, rounds: int | None = None) -> int:
+    """Until ``duration`` passes, or with ``rounds`` until that outer round's held-out figure is in (and a
+    killed peer is back): then ``duration`` is only the limit."""
     progress, started = Progress(), time.time()
     victim = next(p for p in reversed(members) if p.stage == n_stages - 1) if kill_one else None
     while (elapsed := time.time() - started) < duration:
         time.sleep(SHOW_PERIOD)
+        evaluated = max((a.round for a in progress.curve()), default=-1)
+        if rounds is not None and evaluated >= rounds and not (victim and not victim.restarted):
+            break
         if victim:
-            _kill_and_restart(victim, processes, time.time() - started, duration)
+            halfway = evaluated >= rounds // 2 if rounds is not None else time.time() - started >= duration / 2
+            _kill_and_restart(victim, processes, time.time() - started, halfway)
         crashed = _crashed(processes, members)
         if crashed:
             print(f"demo: a process exited with code {crashed[0].returncode}; see the logs", file=sys.stderr)
@@ -309,13 +368,16 @@ def _train(members: list[Peer], processes: list[subprocess.Popen], n_stages: int
         print(f"demo: t={time.time() - started:5.0f}s  held-out {progress.heldout_text()} bits/byte  train {train}  "
               f"{progress.tokens_per_s:7.0f} tok/s  stages {' '.join(f'S{s}:{n}' for s, n in per_stage.items())}  "
               f"failovers {progress.failovers}  lost {progress.lost}", flush=True)
-        for line in progress.outer_rounds(members):
+        for line in progress.outer_rounds(members) + progress.new_round_lines():
             print(line, flush=True)
-    return _summary(progress, time.time() - started, bool(victim))
+    if rounds is not None and max((a.round for a in progress.curve()), default=-1) < rounds:
+        print(f"demo: outer round {rounds} was not evaluated within {duration:.0f} s", file=sys.stderr)
+        _summary(progress, time.time() - started, bool(victim), summary)
+        return 1
+    return _summary(progress, time.time() - started, bool(victim), summary)
 
 
-def _summary(progress: Progress, seconds: float, killed: bool) -> int:
-    heldout = progress.heldout
+def _summary(progress: Progress, seconds: float, killed: bool, path: Path | None = None) -> int:
     print(f"demo: summary: {progress.tokens} tokens in {seconds:.0f} s ({progress.tokens / seconds:.0f} tok/s), "
           f"{progress.failovers} failovers, {progress.timeouts} timeouts, {progress.lost} micro-batches lost, "
           f"{progress.duplicates} duplicates dropped"
@@ -325,10 +387,39 @@ def _summary(progress: Progress, seconds: float, killed: bool) -> int:
         per_stage[stage] = per_stage.get(stage, 0) + 1
     print(f"demo: outer rounds completed: {', '.join(f'stage {s}: {n}' for s, n in sorted(per_stage.items())) or 'none'}",
           flush=True)
-    if progress.busy:
-        busy = sorted(progress.busy.values())
+    busy = sorted(progress.busy.values())
+    if busy:
         print(f"demo: compute-busy fraction per peer {', '.join(f'{b:.3f}' for b in busy)} "
               f"(mean {sum(busy) / len(busy):.3f})", flush=True)
+    curve = [(progress.tokens_at(a.round), a) for a in progress.curve()]
+    if path is not None:
+        _write_summary(path, progress, seconds, curve)
+    if curve:
+        return _round_verdict(curve)
+    return _live_verdict(progress.heldout)
+
+
+def _round_verdict(curve: list[tuple[int | None, RoundAgreement]]) -> int:
+    """The held-out figure of the agreed weights round after round: it learned if the last round is
+    below the first (round 0: the untrained model, the same on every replica)."""
+    print("demo: held-out by outer round (agreed weights, every chain): " + ", ".join(
+        f"{a.round}: {a.bits_per_byte:.3f}" for _, a in curve), flush=True)
+    spreads = [a.spread for _, a in curve if len(a.chains) > 1]
+    if spreads:
+        print(f"demo: spread between chains after a round: at most {max(spreads):.3f} bits/byte "
+              f"over {len(spreads)} round(s) measured by 2 or more chains", flush=True)
+    if len(curve) < 2:
+        print("demo: too few outer rounds evaluated to tell whether the model learned", file=sys.stderr)
+        return 1
+    first, last = curve[0][1].bits_per_byte, curve[-1][1].bits_per_byte
+    tokens = curve[-1][0]
+    print(f"demo: held-out loss {first:.3f} -> {last:.3f} bits/byte at outer round {curve[-1][1].round}"
+          f"{'' if tokens is None else f' after {tokens} tokens'} (8 = knowing nothing)", flush=True)
+    return 0 if last < first else 1
+
+
+def _live_verdict(heldout: list[tuple[float, float]]) -> int:
+    """Without outer rounds (live weights): the mean of the last RECENT_ROUNDS rounds below the first."""
     if len(heldout) < 2:
         print("demo: too few held-out evaluations to tell whether the model learned", file=sys.stderr)
         return 1
@@ -339,3 +430,16 @@ def _summary(progress: Progress, seconds: float, killed: bool) -> int:
     print(f"demo: held-out loss {first:.3f} -> {last:.3f} bits/byte (mean of the last {len(recent)} rounds "
           f"{late:.3f}, best {best:.3f}; 8 = knowing nothing)", flush=True)
     return 0 if late < first else 1
+
+
+def _write_summary(path: Path, progress: Progress, seconds: float,
+                   curve: list[tuple[int | None, RoundAgreement]]) -> None:
+    """The run as JSON (--summary), for benches: tokens, rates, the held-out curve by outer round."""
+    doc = {"tokens": progress.tokens, "seconds": round(seconds, 1), "tokens_per_s": progress.tokens / seconds,
+           "failovers": progress.failovers, "lost": progress.lost, "timeouts": progress.timeouts,
+           "busy": sorted(progress.busy.values()),
+           "outer_rounds": sorted(f"{s}:{r}" for s, r in progress.outer),
+           "curve": [{"round": a.round, "tokens": tokens, "bpb": a.bits_per_byte, "spread": a.spread,
+                      "chains": len(a.chains)} for tokens, a in curve],
+           "live": [{"at": at, "bpb": bpb} for at, bpb in progress.heldout]}
+    Path(path).write_text(json.dumps(doc, indent=1))

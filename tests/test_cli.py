@@ -310,3 +310,27 @@ def test_demo_keeps_each_replicas_newest_heldout_when_survivors_report_older_rou
     # (whose last part it finished late, after a's round 3 completed elsewhere)
     merged = newest(seen, {"a": (0, 31.0, 7.93), "b": (3, 35.0, 4.4), "c": (0, 36.0, 5.0)})
     assert merged == {"a": (3, 30.0, 4.5), "b": (3, 35.0, 4.4), "c": (0, 36.0, 5.0)}
+
+
+def test_the_demo_curve_is_one_figure_per_outer_round_with_the_spread_between_chains(capsys):
+    from p2pswarm.demo import Progress, _round_verdict
+
+    progress = Progress()
+    entry = {"tokens": 8192, "at": 0.0}
+    progress.remember([  # two last-stage peers, one chain each; round 2 only partly agreed
+        {**entry, "source": "a", "round": 0, "bpb": 7.93, "rounds": [0, 0], "chain": ["A", "X"]},
+        {**entry, "source": "b", "round": 0, "bpb": 7.93, "rounds": [0, 0], "chain": ["B", "Y"]},
+        {**entry, "source": "a", "round": 1, "bpb": 5.10, "rounds": [1, 1], "chain": ["A", "X"]},
+        {**entry, "source": "b", "round": 1, "bpb": 5.14, "rounds": [1, 1], "chain": ["B", "Y"]},
+        {**entry, "source": "b", "round": 2, "bpb": 4.90, "rounds": [2, 1], "chain": ["B", "Y"]},  # mixed: left out
+        {**entry, "source": "a", "round": 2, "bpb": 4.60, "rounds": [2, 2], "chain": ["A", "X"]},
+    ])
+    progress.round_tokens.update({(0, 1): 40_000, (2, 1): 41_000, (0, 2): 80_000})
+    curve = progress.curve()
+    assert [(a.round, len(a.chains)) for a in curve] == [(0, 2), (1, 2), (2, 1)]
+    assert curve[1].spread == pytest.approx(0.04) and progress.tokens_at(1) == 81_000 and progress.tokens_at(0) == 0
+    lines = progress.new_round_lines()  # the newest round may still be missing chains: not shown yet
+    assert len(lines) == 2 and "outer round 1: 5.120 bits/byte (81000 tokens" in lines[1] and "spread 0.040" in lines[1]
+    assert progress.new_round_lines() == []
+    assert _round_verdict([(progress.tokens_at(a.round), a) for a in curve]) == 0
+    assert "held-out loss 7.930 -> 4.600 bits/byte at outer round 2 after 80000 tokens" in capsys.readouterr().out

@@ -9,7 +9,9 @@ thread touches the engine's tensors. What one call does:
   gradient of its input for the stage before;
 - a backward runs the kept graph back with the gradient that came from the next stage and
   returns the gradient of this stage's input (stage 0 has none to return);
-- an evaluation forward runs without a graph; the last stage returns its summed loss.
+- an evaluation forward runs without a graph, on the agreed weights of the DiLoCo outer round it
+  asks for (``agree``: the last two rounds kept as flat host vectors; the live weights when no
+  round was ever agreed); the last stage returns its summed loss.
 
 **Weight stashing.** Micro-batches are pipelined: a stage may take optimizer steps between a
 micro-batch's forward and its backward. Each forward therefore runs on a frozen copy of the

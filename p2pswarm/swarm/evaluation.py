@@ -10,6 +10,12 @@ arrived, or when a later round of the same session starts (a round cut short by 
 micro-batch still counts, over the bytes that arrived). A straggler of a round already closed
 (late or duplicated) is ignored.
 
+With DiLoCo, a round evaluates the *agreed* weights of one outer round at every stage (the same
+bit-equal weights on every replica of a stage), and its micro-batches say which round each stage
+used and through which peers they went (``rounds``, ``chain``). ``agreement`` groups completed
+rounds by the outer round every stage used: per outer round, one figure per chain and their
+spread, which is 0 when the replicas agree.
+
 Pure: no trio, no torch; ``now`` is seconds. Bounded: at most ``MAX_OPEN_ROUNDS`` open rounds.
 """
 

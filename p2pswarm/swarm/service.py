@@ -13,9 +13,11 @@
 - **outbound**: ``SENDERS`` tasks deliver forwards to the next stage with failover and
   gradients back to the peer each micro-batch came from (``swarm/sender.py``);
 - **stage 0** cuts micro-batches from its own offset of the corpus, keeps ``MAX_IN_FLIGHT`` of
-  them in flight, and every ``EVAL_PERIOD`` (longer where a round takes over 1/EVAL_SHARE of the
-  time to compute and send) sends the fixed held-out set through the swarm; the
-  last stage turns those into held-out bits per byte (``swarm/evaluation.py``);
+  them in flight, and after each DiLoCo outer round (every ``EVAL_PERIOD`` without DiLoCo; later
+  where a round takes over 1/EVAL_SHARE of the time to compute and send) sends the fixed held-out
+  set through the swarm, to be evaluated on that round's agreed weights at every stage (a stage
+  not there yet holds it, ``EVAL_HOLD`` at most); the last stage turns those into held-out bits
+  per byte per chain (``swarm/evaluation.py``);
 - **upkeep**: candidates of the next stage from the stage map into the router, our partner among
   them (``router.partner_for``: fixed chains of replicas), streams to the best of them kept warm,
   micro-batches whose path died given up (``swarm/inflight.py``).
