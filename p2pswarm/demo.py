@@ -38,7 +38,7 @@ from p2pswarm.model.catalog import DEFAULT_MODEL, get_model
 from p2pswarm.model.run import load_run
 from p2pswarm.swarm.evaluation import EvalRound, RoundAgreement, agreement
 
-FORM_TIMEOUT = 90.0  # seconds for every stage to be served and found on a loaded 2-core machine
+FORM_TIMEOUT = 180.0  # seconds for every stage to be served and found: a guard (a loaded 2-core machine took > 90)
 POLL_PERIOD = 1.0  # seconds between looks while the swarm forms
 SHOW_PERIOD = 5.0  # seconds between progress lines while it trains
 STOP_TIMEOUT = 15.0  # seconds a peer gets to shut down cleanly after SIGTERM
