@@ -16,12 +16,12 @@ SPEC = get_model("tiny-lm/2")
 
 
 class StageMapOf:
-    """The answered peers of each stage, as ``StageMap.candidates`` gives them."""
+    """The fresh records of each stage, as ``StageMap.pool`` gives them."""
 
     def __init__(self, peers: dict[int, list[str]]) -> None:
         self.peers = peers
 
-    def candidates(self, stage: int) -> list[StageRecord]:
+    def pool(self, stage: int) -> list[StageRecord]:
         return [StageRecord(p, ("/ip4/127.0.0.1/tcp/1",), SPEC.name, stage, 0, 1, Capacity(100, 0, 0), 0.0, 30.0)
                 for p in self.peers.get(stage, [])]
 
@@ -33,7 +33,7 @@ def partners_of(stage0: list[str], stage1: list[str]) -> dict[str, str | None]:
         for me in stage0:
             stage_map = StageMapOf({0: [p for p in stage0 if p != me], 1: stage1})
             svc = SwarmService(spec=SPEC, stage=0, me=me, pool=None, stage_map=stage_map, host=None)
-            svc._choose_partner(stage_map.candidates(1))
+            svc._choose_partner()
             chosen[me] = svc._router_doc()["partner"]
         return chosen
     return trio.run(main)

@@ -515,7 +515,7 @@ class SwarmService:
                 if not self.is_last:
                     candidates = self._stage_map.candidates(self.stage + 1)
                     self.router.offer([Candidate.from_record(r) for r in candidates], now)
-                    self._choose_partner(candidates)
+                    self._choose_partner()
                     for peer in self.router.choose(self.stage + 1, now):
                         if peer not in warming:
                             warming.add(peer)
@@ -529,13 +529,15 @@ class SwarmService:
                 self._banned = {p: t for p, t in self._banned.items() if t > trio.current_time()}
                 await trio.sleep(UPKEEP_PERIOD)
 
-    def _choose_partner(self, next_stage) -> None:
-        """Our partner in the next stage (affinity, ``router.partner_for``) from the peers of our own
-        stage and of the next that answered us; none when affinity is off."""
+    def _choose_partner(self) -> None:
+        """Our partner in the next stage (affinity, ``router.partner_for``); none when affinity is off.
+        Both lists are the stage map's fresh records, which every replica reads alike, not the peers
+        that answered *us* (on a loaded machine those flicker per observer, and two replicas that
+        miss each other pick the same partner); the router still sends only to a live partner."""
         if not self.affinity:
             return self.router.set_partner(self.stage + 1, None)
-        mine = [r.peer_id for r in self._stage_map.candidates(self.stage)]
-        self.router.set_partner(self.stage + 1, partner_for(self.me, mine, [r.peer_id for r in next_stage]))
+        mine, nexts = ([r.peer_id for r in self._stage_map.pool(s)] for s in (self.stage, self.stage + 1))
+        self.router.set_partner(self.stage + 1, partner_for(self.me, mine, nexts))
 
     def _note_slow_links(self) -> None:
         """Flag (and log, once per peer) a next-stage peer reachable only through a relay whose best
