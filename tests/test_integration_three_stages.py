@@ -140,9 +140,9 @@ def test_a_middle_stage_relays_activations_and_gradients(swarm):
     assert trained_last <= trained_middle <= cut, (trained_last, trained_middle, cut)
     duplicates = [count(swarm_doc(api), "duplicates_dropped") for api in (first, middle, last)]
     print(f"3 stages: first loss {trained_at - began:.1f} s after the start, {done} done "
-          f"{time.monotonic() - trained_at:.1f} s later; stage 0 done {done}, middle passed {passed} gradients of {trained_middle} forwards, last "
-          f"trained {trained_last}, stage 0 cut {cut}; duplicates dropped per stage {duplicates}; held-out "
-          f"{[(r['round'], r['bpb']) for r in heldout]}")
+          f"{time.monotonic() - trained_at:.1f} s later; stage 0 done {done}, middle passed {passed} gradients "
+          f"of {trained_middle} forwards, last trained {trained_last}, stage 0 cut {cut}; duplicates dropped "
+          f"per stage {duplicates}; held-out {[(r['round'], r['bpb']) for r in heldout]}")
 
     def learned():
         loss = peek(last).get("train_loss_bpb")
@@ -177,10 +177,11 @@ def test_training_goes_on_through_the_surviving_middle_replica(swarm):
     given_up = count(first_doc, "given_up") - given_up_before
     lost_backward = count(last_doc, "lost_backward") - lost_before
     delivery = first_doc["delivery"]
-    print(f"middle replica SIGKILLed {killed_at - began:.1f} s after the start, at stage 0's {at_kill} micro-batches: {MORE_AFTER_KILL} more within "
-          f"{time.monotonic() - killed_at:.1f} s, {relayed} gradients relayed by the survivor; stage 0 gave up "
-          f"{given_up}, rerouted {delivery['rerouted']}, lost {delivery['lost']} (failover ms p50/p99 "
-          f"{delivery['failover_ms_p50']}/{delivery['failover_ms_p99']}); the last stage lost {lost_backward} gradients")
+    print(f"middle replica SIGKILLed {killed_at - began:.1f} s after the start, at stage 0's {at_kill} "
+          f"micro-batches: {MORE_AFTER_KILL} more within {time.monotonic() - killed_at:.1f} s, {relayed} gradients "
+          f"relayed by the survivor; stage 0 gave up {given_up}, rerouted {delivery['rerouted']}, lost "
+          f"{delivery['lost']} (failover ms p50/p99 {delivery['failover_ms_p50']}/{delivery['failover_ms_p99']}); "
+          f"the last stage lost {lost_backward} gradients")
     assert given_up <= LOST_AT_KILL, first_doc  # only what was on the dead path: no stalled swarm
     assert lost_backward <= LOST_AT_KILL, last_doc  # gradients of micro-batches the victim had forwarded
     assert_alive(swarm, killed=[victim])
