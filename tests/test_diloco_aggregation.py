@@ -265,25 +265,31 @@ def test_verify_figures():
     small = verify(0.01 * reference, reference)
     assert not small.accepted and "norm ratio 0.01 outside" in small.reason
     same = verify(reference.clone(), reference)
-    assert same == Verdict(True, "", same.cosine, same.norm_ratio, same.var_ratio)
+    assert same == Verdict(True, "", same.cosine, same.norm_ratio, same.var_ratio, same.projection)
     assert same.cosine == pytest.approx(1.0) and same.norm_ratio == 1.0 and same.var_ratio == 1.0
+    assert same.projection == pytest.approx(1.0) and flipped.projection == pytest.approx(-10.0, rel=1e-5)
+    # a result check: no cosine bar, no lower bounds, only pulling back too far or growing too long
+    results = VerifyConfig(min_cosine=-1.0, min_projection=-1.0, refuse_short=False)
+    assert verify(0.01 * reference, reference, results).accepted
+    assert verify(-0.5 * reference, reference, results).accepted
+    assert "projection -2 < -1" in verify(-2 * reference, reference, results).reason
 
 
 def test_verify_variance_check_alone():
-    # same norm and a passing cosine (0.3), but most of the norm moved into a constant offset
+    # same norm and a passing cosine (0.22), but most of the norm moved into a constant offset
     reference = torch.randn(10000, generator=torch.Generator().manual_seed(1))
     reference -= reference.mean()
     norm = float(torch.linalg.vector_norm(reference))
-    offset = math.sqrt(1 - 0.3**2) * norm / math.sqrt(reference.numel())
-    verdict = verify(0.3 * reference + offset, reference)
-    assert verdict.cosine == pytest.approx(0.3, abs=1e-3) and verdict.norm_ratio == pytest.approx(1.0, abs=1e-3)
-    assert not verdict.accepted and verdict.reason.startswith("variance ratio 0.09 outside")
+    offset = math.sqrt(1 - 0.22**2) * norm / math.sqrt(reference.numel())
+    verdict = verify(0.22 * reference + offset, reference)
+    assert verdict.cosine == pytest.approx(0.22, abs=1e-3) and verdict.norm_ratio == pytest.approx(1.0, abs=1e-3)
+    assert not verdict.accepted and verdict.reason.startswith("variance ratio 0.0484 outside")
 
 
 def test_verify_zero_and_constant_vectors():
     zero = torch.zeros(100)
     ones = torch.ones(100)
-    assert verify(zero, zero) == Verdict(True, "", 1.0, 1.0, 1.0)
+    assert verify(zero, zero) == Verdict(True, "", 1.0, 1.0, 1.0, 0.0)
     moved = verify(ones * 1e-6, zero)
     assert not moved.accepted and moved.norm_ratio == math.inf and moved.cosine == 0.0
     still = verify(zero, ones)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -42,8 +42,11 @@ MIN_VERIFIED = 3  # contributions needed before any is judged: with two, neither
 NETWORK_MAX = 8  # contributions sorted by a min/max network (28 comparators at 8) rather than torch.sort
 BLOCK_ELEMENTS = 1 << 18  # coordinates sorted at once: temporaries ~16 B * n * 256K (64 MiB at n=16)
 MIN_COSINE = 0.2  # honest replicas descend the same loss from the same start; noise has cosine ~0
-MAX_NORM_RATIO = 3.0  # same steps and lr give norms within tens of %; 3x leaves room for data skew
-MAX_VAR_RATIO = 9.0  # MAX_NORM_RATIO squared: variance scales as the square of magnitude
+COSINE_SHARE = 0.2  # ...but a group that disagrees (cold start, skewed data) lowers the bar: see _group_bar
+AGREEING = 0.5  # a group whose median cosine with the reference is below this does not agree
+COSINE_FLOOR = -0.1  # the bar in a group that does not agree: honest ones at pairwise -1/(n-1) measured -0.02
+MAX_NORM_RATIO = 4.0  # honest vectors lie within 3x (data skew, more steps); a shard's slice a few % more
+MAX_VAR_RATIO = 16.0  # MAX_NORM_RATIO squared: variance scales as the square of magnitude
 
 
 def aggregate(contributions: list[torch.Tensor], method: str) -> torch.Tensor:
@@ -73,10 +76,14 @@ class VerifyConfig:
     min_cosine: float = MIN_COSINE  # must point roughly the same way as the reference
     max_norm_ratio: float = MAX_NORM_RATIO  # ||c|| / ||ref|| within [1/r, r]
     max_var_ratio: float = MAX_VAR_RATIO  # var(c) / var(ref) within [1/r, r]
+    min_projection: float = -math.inf  # dot(c, ref) / ||ref||^2: how far c may pull back along ref
+    refuse_short: bool = True  # False: a short or flat c (ratios below 1/r) passes; it can do little harm
 
     def __post_init__(self) -> None:
         if not -1.0 <= self.min_cosine <= 1.0:
             raise ValueError(f"min_cosine must lie in [-1, 1], got {self.min_cosine}")
+        if math.isnan(self.min_projection):
+            raise ValueError("min_projection must be a number")
         if not (self.max_norm_ratio >= 1.0 and self.max_var_ratio >= 1.0):
             raise ValueError("max_norm_ratio and max_var_ratio must be at least 1")
 
@@ -90,6 +97,7 @@ class Verdict:
     cosine: float
     norm_ratio: float
     var_ratio: float
+    projection: float = math.nan  # dot(c, ref) / ||ref||^2 (0 for a zero reference)
 
 
 def verify(contribution: torch.Tensor, reference: torch.Tensor,
@@ -109,22 +117,25 @@ def verify(contribution: torch.Tensor, reference: torch.Tensor,
         return Verdict(False, "non-finite values", nan, nan, nan)
     norm_c = float(torch.linalg.vector_norm(contribution))
     norm_r = float(torch.linalg.vector_norm(reference))
+    dot = float(torch.dot(contribution, reference)) if norm_c and norm_r else 0.0
     if norm_c == 0.0 or norm_r == 0.0:
         cosine = 1.0 if norm_c == norm_r else 0.0
     else:
-        cosine = float(torch.dot(contribution, reference)) / (norm_c * norm_r)
+        cosine = dot / (norm_c * norm_r)
+        cosine = min(1.0, max(-1.0, cosine)) if math.isfinite(cosine) else cosine  # (float32: -1.0000001)
+    projection = dot / norm_r / norm_r if norm_r else 0.0
     norm_ratio = _ratio(norm_c, norm_r)
     var_ratio = _ratio(_variance(contribution), _variance(reference))
     failed = []
     if not cosine >= config.min_cosine:  # written so that a NaN (an overflowed dot) fails
         failed.append(f"cosine {cosine:.3g} < {config.min_cosine:g}")
-    if not 1.0 / config.max_norm_ratio <= norm_ratio <= config.max_norm_ratio:
-        failed.append(f"norm ratio {norm_ratio:.3g} outside [{1 / config.max_norm_ratio:.3g}, "
-                      f"{config.max_norm_ratio:g}]")
-    if not 1.0 / config.max_var_ratio <= var_ratio <= config.max_var_ratio:
-        failed.append(f"variance ratio {var_ratio:.3g} outside [{1 / config.max_var_ratio:.3g}, "
-                      f"{config.max_var_ratio:g}]")
-    return Verdict(not failed, "; ".join(failed), cosine, norm_ratio, var_ratio)
+    if not projection >= config.min_projection:
+        failed.append(f"projection {projection:.3g} < {config.min_projection:g}")
+    for name, ratio, bound in (("norm", norm_ratio, config.max_norm_ratio), ("variance", var_ratio, config.max_var_ratio)):
+        low = 1.0 / bound if config.refuse_short else 0.0
+        if not low <= ratio <= bound:
+            failed.append(f"{name} ratio {ratio:.3g} outside [{low:.3g}, {bound:g}]")
+    return Verdict(not failed, "; ".join(failed), cosine, norm_ratio, var_ratio, projection)
 
 
 @dataclass(frozen=True)
@@ -164,9 +175,10 @@ def combine(contributions: dict[str, torch.Tensor], own: str, method: str = DEFA
     if verify_config is not None and len(tensors) >= MIN_VERIFIED:
         median, unrejected = _median_and(tensors, method)  # one sort serves the reference and the result
         reference = _scaled_to_median_norm(median, tensors)
+        config = _group_bar(verify_config, [verify(tensor, reference, verify_config).cosine for tensor in tensors])
         for name, tensor in zip(names, tensors):
             if name != own:
-                verdict = verify(tensor, reference, verify_config)
+                verdict = verify(tensor, reference, config)
                 if not verdict.accepted:
                     rejected[name] = verdict.reason
     accepted = tuple(name for name in names if name not in rejected)
@@ -176,6 +188,24 @@ def combine(contributions: dict[str, torch.Tensor], own: str, method: str = DEFA
 
 
 # --- helpers ----------------------------------------------------------------------------
+
+
+def _group_bar(config: VerifyConfig, cosines: list[float]) -> VerifyConfig:
+    """``config`` with its cosine bar lowered to ``COSINE_SHARE`` of the group's median cosine
+    with the reference when that is lower, and to ``COSINE_FLOOR`` in a group whose median
+    cosine is below ``AGREEING``. Honest pseudo-gradients that disagree (pairwise
+    cosine 0 or below: a cold start, skewed data) agree with their own median only a little
+    (cosine ~0.1 measured for 6 to 8 of them at pairwise -1/(n-1)), so a fixed bar refuses honest
+    ones; a bar relative to the group's own agreement refuses only what agrees far less than a
+    typical member (a minority cannot move the median); in a group that does not agree, honest
+    members can sit at cosine ~0 (noise level), so only one pointing against the group is refused. (Noise of an honest norm then
+    passes in a group that disagrees: there it is what an honest orthogonal member looks like.)"""
+    finite = sorted(c for c in cosines if math.isfinite(c))
+    if not finite:
+        return config
+    typical = statistics.median(finite)
+    bar = min(config.min_cosine, COSINE_SHARE * typical if typical >= AGREEING else COSINE_FLOOR)
+    return config if bar >= config.min_cosine else replace(config, min_cosine=bar)
 
 
 def _median_and(tensors: list[torch.Tensor], method: str) -> tuple[torch.Tensor, torch.Tensor | None]:

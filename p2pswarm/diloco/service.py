@@ -32,7 +32,6 @@ import collections
 import dataclasses
 import functools
 import logging
-import math
 import os
 from collections import Counter
 from pathlib import Path
@@ -533,12 +532,20 @@ def _poisoned(shard: torch.Tensor, attack: str) -> torch.Tensor:
     return -10.0 * shard
 
 
+RESULT_MIN_PROJECTION = -1.0  # an aggregate may not undo more than all of our own step (honest: >= -0.6)
+RESULT_MAX_NORM_RATIO = aggregation.MAX_NORM_RATIO  # honest: <= 3 (a mean of shards within 3x of ours); -10x of 2: ~5
+
+
 def result_check(members: int) -> aggregation.VerifyConfig:
-    """How far an owner's aggregate may be from our own shard before we call it a lie. The mean of
-    n honest pseudo-gradients contains ours: even when they are nearly orthogonal (a cold start,
-    a few dozen Adam steps) its cosine with ours is about 1/sqrt(n) and its length about
-    1/sqrt(n) of ours; more when they agree. So it must point at least half that way, and be
-    neither n times longer nor shorter; noise or a -10x aggregate fails."""
-    ratio = max(aggregation.MAX_NORM_RATIO, float(members))
-    return aggregation.VerifyConfig(min_cosine=0.5 / math.sqrt(members), max_norm_ratio=ratio,
-                                    max_var_ratio=ratio * ratio)
+    """How far an owner's aggregate m may be from our own shard a before we call it a lie. Only
+    what would harm us is refused: m longer than RESULT_MAX_NORM_RATIO times a, or pulling back
+    along a by more than a itself (m.a / a.a < RESULT_MIN_PROJECTION), which a -10x aggregate
+    does. No cosine bar and no lower bound on length: honest pseudo-gradients may be orthogonal
+    or opposed (pairwise cosine down to -0.2 early on, norms 3x apart), and then their aggregate
+    can be short and point anywhere but far back (m.a / a.a >= (1 - 0.6 (n - 1)) / n for the mean
+    of n within 3x and at cosine >= -0.2); the old bar 0.5/sqrt(n) refused such an honest owner
+    (2 members, cosine 0, norms 2.7x apart: cosine 1/sqrt(10) < 0.354). A short aggregate does
+    little harm, and with 2 members nothing tells an honest owner from one that sends noise."""
+    ratio = RESULT_MAX_NORM_RATIO  # (whatever the group's size: an aggregate is no longer than its longest part)
+    return aggregation.VerifyConfig(min_cosine=-1.0, max_norm_ratio=ratio, max_var_ratio=ratio * ratio,
+                                    min_projection=RESULT_MIN_PROJECTION, refuse_short=False)
