@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -159,34 +158,31 @@ def test_every_heavy_step_of_a_round_runs_in_a_worker_thread(monkeypatch):
 
 def test_the_loop_keeps_ticking_while_owners_combine_4m_element_shards(monkeypatch):
     """A probe task ticks every millisecond through a round of two replicas, each owning a
-    4M-element shard: it keeps ticking while the combines run, and its longest gap stays below
-    the time one combine takes (measured in this same run: no absolute wall-clock figure)."""
-    spans: list[tuple[float, float]] = []
+    4M-element shard: the loop ticks while each combine runs (counted, no clock read). That
+    every heavy step runs off the loop is the thread test above."""
+    ticks_during: list[tuple[int, int]] = []  # the probe's tick count when a combine began, ended
+    ticks = [0]
     combine_shard = offload.combine_shard
 
-    def timed(*args, **kwargs):
-        began = time.perf_counter()
+    def counted(*args, **kwargs):
+        began = ticks[0]
         try:
             return combine_shard(*args, **kwargs)
         finally:
-            spans.append((began, time.perf_counter()))
+            ticks_during.append((began, ticks[0]))
 
-    monkeypatch.setattr(offload, "combine_shard", timed)
+    monkeypatch.setattr(offload, "combine_shard", counted)
     services = replicas(2, 2 * 4 * 1024 * 1024)
-    ticks: list[float] = []
 
     async def probe():
         while True:
-            ticks.append(time.perf_counter())
+            ticks[0] += 1
             await trio.sleep(0.001)
 
     trio.run(one_round, services, probe)
-    assert len(spans) == 2 and all(len(s.history[-1]["members"]) == 2 for s in services)
-    combine_s = min(end - began for began, end in spans)
-    for began, end in spans:
-        assert sum(began < t < end for t in ticks) >= 2, "the loop did not run while a combine did"
-    longest = max(b - a for a, b in zip(ticks, ticks[1:]))  # over the whole round
-    assert longest < combine_s, (longest, combine_s)
+    assert len(ticks_during) == 2 and all(len(s.history[-1]["members"]) == 2 for s in services)
+    for began, ended in ticks_during:
+        assert ended - began >= 2, "the loop did not run while a combine did"
 
 
 def test_an_owner_refuses_a_part_that_does_not_decode_and_combines_the_rest():
