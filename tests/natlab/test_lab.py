@@ -173,14 +173,12 @@ def test_unsolicited_inbound_tcp(lab, kind, reachable):
     outsider, home = lab.public_host("outsider"), lab.nat_host("home", kind)
     listener = lab.run(home, [sys.executable, "-c", TCP_LISTEN], timeout=PROC_TIMEOUT)
     assert read_line(listener, 10).strip() == "ready"
-    started = time.monotonic()
     result = lab.exec(outsider, [sys.executable, "-c", TCP_CONNECT, lab.router(home).ip]).stdout.strip()
     if reachable:
         assert result == "connected"
         assert read_line(listener, 5).strip() == outsider.ip  # dnat keeps the caller's address
     else:
-        assert result == "failed: timed out", result  # dropped silently, no RST
-        assert time.monotonic() - started >= CONNECT_TIMEOUT
+        assert result == "failed: timed out", result  # dropped silently: no RST ("refused"), no answer
 
 
 def test_stun_host_reports_the_mapping(lab):
