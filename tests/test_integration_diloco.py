@@ -26,7 +26,7 @@ import pytest
 from tests.procs import Swarm, get_json, wait_until
 
 pytest.importorskip("torch")
-pytestmark = pytest.mark.timeout(420)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
 DILOCO = ("--model", "tiny-lm/1", "--inner-steps", "8", "--gather", "8", "--snapshot-period", "20")
 LAYERS = "0:8"  # tiny-lm/1: one stage of all 8 blocks
