@@ -36,9 +36,14 @@ class Engine:
         gen = torch.Generator().manual_seed(0)  # the same start weights on every replica
         self.params = {"a": torch.randn(numel // 2, generator=gen), "b": torch.randn(numel - numel // 2, generator=gen)}
         self.step = 0
+        self.tokens = 0  # trained into the weights (a round's account records it)
 
     def weights_changed(self) -> None:
         pass
+
+    def agree(self, round_: int, flat: torch.Tensor) -> None:
+        """An outer round's agreed weights (the real engine keeps them for held-out evaluation)."""
+        self.agreed = (round_, flat)
 
 
 class Swarm:
