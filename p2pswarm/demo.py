@@ -250,7 +250,8 @@ class Progress:
 
 def _loaded_text(peer: Peer, loaded: dict) -> str:
     return (f"demo: peer {peer.index} loaded stage {peer.stage} from {loaded['peer'][-8:]}: outer round "
-            f"{loaded['round']}, inner step {loaded['step']}, {loaded['bytes'] / 1e6:.1f} MB in {loaded['seconds']:.1f} s")
+            f"{loaded['round']}, inner step {loaded['step']}, {loaded['bytes'] / 1e6:.1f} MB in {loaded['seconds']:.1f} s"
+            + ("; its own progress kept (rebased)" if loaded.get("rebased") else ""))
 
 
 def run_demo(peers: int, duration: float, directory: Path | None, *, stages: int = DEFAULT_STAGES,

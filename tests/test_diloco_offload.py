@@ -36,7 +36,7 @@ class Engine:
         gen = torch.Generator().manual_seed(0)  # the same start weights on every replica
         self.params = {"a": torch.randn(numel // 2, generator=gen), "b": torch.randn(numel - numel // 2, generator=gen)}
         self.step = 0
-        self.tokens = 0  # trained into the weights (a round's account records it)
+        self.tokens = self.micro_batches = 0  # trained into the weights (a round's account records them)
 
     def weights_changed(self) -> None:
         pass

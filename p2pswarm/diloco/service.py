@@ -41,7 +41,7 @@ import trio
 
 from p2pswarm import checkpoint, wire
 from p2pswarm.diloco import aggregation, compression, messages as msgs, offload, snapshots
-from p2pswarm.diloco.outer import OuterConfig, OuterOptimizer, flatten
+from p2pswarm.diloco.outer import OuterConfig, OuterOptimizer, flatten, shift_flat
 from p2pswarm.diloco.round import OuterRound, Phase, RoundTiming
 from p2pswarm.diloco import round as rnd
 from p2pswarm.diloco.settings import DilocoSettings
@@ -135,7 +135,7 @@ class DilocoService:
             # (a round that is DONE is still applying its outer step: load only after it, not under it)
             (peer, their_round), self._behind = self._behind, None
             if their_round > self.outer.rounds:  # not caught up meanwhile by our own round
-                await self._catch_up([peer])
+                await self._catch_up([peer], rebase=True)
             return
         if self.round is None and self.outer.due(self.swarm.engine.step) and now >= self._retry_at:
             if not self._replicas():  # none known yet (a swarm starting up): look again before going alone
@@ -405,22 +405,23 @@ class DilocoService:
                          key=lambda r: -r.capacity.outer_round)
         return await self._catch_up([r.peer_id for r in records]) if records else False
 
-    async def _catch_up(self, peers: list[str]) -> bool:
+    async def _catch_up(self, peers: list[str], rebase: bool = False) -> bool:
         for peer in peers:
             try:
                 fetched = await snapshots.fetch_snapshot(
                     self._pool, peer, self.spec.name, self.stage, run=self.run_id,
                     max_bytes=plan.snapshot_plan(self.spec, self.stage).total_bytes)
                 state = await trio.to_thread.run_sync(checkpoint.decode_state, fetched.data)
-                await self._load_state(state, ours=False)
+                rebased = await self._load_state(state, ours=False, rebase=rebase)
             except (DialError, ProtocolError) as exc:
                 log.warning("could not load stage %d from %s: %s", self.stage, peer, exc)
                 continue
             self.counts["catch_ups"] += 1
             self.loaded_from = {"peer": peer, "round": fetched.round, "step": fetched.step,
-                                "bytes": len(fetched.data), "seconds": round(fetched.seconds, 2)}
-            log.info("loaded stage %d from %s: outer round %d, inner step %d, %.1f MB in %.1f s", self.stage, peer,
-                     fetched.round, fetched.step, len(fetched.data) / 1e6, fetched.seconds)
+                                "bytes": len(fetched.data), "seconds": round(fetched.seconds, 2), "rebased": rebased}
+            log.info("loaded stage %d from %s: outer round %d, inner step %d, %.1f MB in %.1f s%s", self.stage, peer,
+                     fetched.round, fetched.step, len(fetched.data) / 1e6, fetched.seconds,
+                     "; our own progress since our last round kept on top (rebased)" if rebased else "")
             return True
         return False
 
@@ -440,18 +441,31 @@ class DilocoService:
         log.info("loaded stage %d from %s (outer round %d)", self.stage, path, self.outer.rounds)
         return True
 
-    async def _load_state(self, state: dict, ours: bool) -> None:
-        """Take a snapshot's state as ours (RemoteProtocolError if it is not a state of our stage).
+    async def _load_state(self, state: dict, ours: bool, rebase: bool = False) -> bool:
+        """Take a snapshot's state as ours (RemoteProtocolError if it is not a state of our stage); True if
+        it was rebased.
 
         The error-feedback residual is taken only from our own snapshot: a neighbour's is what *it*
-        still has to send (carried parts included), and sending it too would count it twice."""
+        still has to send (carried parts included), and sending it too would count it twice.
+
+        **Rebase.** A replica left out of exactly one round (``rebase``, and the snapshot is one round
+        ahead of us: it missed the gather by seconds) takes only the outer state, the round's new
+        start and momentum, and keeps its own work: its live weights move by ``new start - our start``
+        (``shift_flat``), its AdamW state and step stay, and its progress since our last round goes
+        into its next pseudo-gradient. Replacing its weights with the replica's would throw away the
+        tokens it trained in the round it missed."""
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT or \
                 state.get("model") != self.spec.name or state.get("stage") != self.stage:
             raise RemoteProtocolError("the snapshot is not of our model and stage")
 
+        rebased = rebase and isinstance(state.get("diloco"), dict) \
+            and state["diloco"].get("rounds") == self.outer.rounds + 1
+
         def load(engine):
             mine = (engine.micro_batches, engine.tokens)
             try:
+                if rebased:
+                    return self._rebase(engine, state["diloco"])
                 engine.load_state_dict(state["engine"])
                 self.outer.load_state_dict(state["diloco"])
                 self.outer.config = self._outer_config()  # our flags, not the neighbour's
@@ -466,6 +480,17 @@ class DilocoService:
 
         async with self._state_lock:
             await self.swarm.with_engine(load)
+        return rebased
+
+    def _rebase(self, engine, outer_state: dict) -> None:
+        """Compute thread: the outer state of the round we missed, with our live progress kept (``_load_state``)."""
+        ours = self.outer.start
+        self.outer.load_state_dict(outer_state)
+        self.outer.config = self._outer_config()
+        self.outer.round_started_step = engine.step  # our next round comes after H more of our steps
+        shift_flat(engine.params, ours, self.outer.start)
+        engine.weights_changed()
+        engine.agree(self.outer.rounds, self.outer.start.clone())
 
     async def _make_snapshot(self) -> snapshots.Snapshot:
         def take(engine):  # on the compute thread: host copies (of device tensors on a GPU), nothing more
