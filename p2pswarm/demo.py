@@ -163,11 +163,18 @@ class Progress:
         return agreement(list(self.evaluations.values()))
 
     def tokens_at(self, round_: int) -> int | None:
-        """Tokens the stage-0 replicas had trained when they finished outer ``round_`` (round 0: none)."""
+        """Tokens the stage-0 replicas had trained when outer ``round_`` was agreed (round 0: none): each
+        replica's count when it finished that round, or (left out of it) the first round after; a
+        replica with no round since counts its last. An upper bound: the comparison is never flattered."""
         if round_ == 0:
             return 0
-        counts = [n for (_, r), n in self.round_tokens.items() if r == round_]
-        return sum(counts) if counts else None
+        per_peer: dict[int, dict[int, int]] = {}
+        for (peer, r), n in self.round_tokens.items():
+            per_peer.setdefault(peer, {})[r] = n
+        if not any(r >= round_ for rounds in per_peer.values() for r in rounds):
+            return None
+        return sum(rounds[min((r for r in rounds if r >= round_), default=max(rounds))]
+                   for rounds in per_peer.values())
 
     def heldout_text(self) -> str:
         """The newest outer round's figure and spread; without outer rounds, the mean over stage-0
@@ -201,7 +208,8 @@ class Progress:
         for e in entries:
             rounds, chain = e.get("rounds"), e.get("chain")
             r = EvalRound(e["source"].encode(), e["round"], e["bpb"], e["tokens"], 1, e["at"],
-                          rounds=None if rounds is None else tuple(rounds), chain=None if chain is None else tuple(chain))
+                          rounds=None if rounds is None else tuple(rounds), chain=None if chain is None else tuple(chain),
+                          complete=e.get("complete", True))
             self.evaluations[(e["source"], e["round"], r.chain)] = r
 
     def look(self, peers: list[Peer], n_stages: int, since: float) -> dict:

@@ -333,4 +333,4 @@ def test_the_demo_curve_is_one_figure_per_outer_round_with_the_spread_between_ch
     assert len(lines) == 2 and "outer round 1: 5.120 bits/byte (81000 tokens" in lines[1] and "spread 0.040" in lines[1]
     assert progress.new_round_lines() == []
     assert _round_verdict([(progress.tokens_at(a.round), a) for a in curve]) == 0
-    assert "held-out loss 7.930 -> 4.600 bits/byte at outer round 2 after 80000 tokens" in capsys.readouterr().out
+    assert "held-out loss 7.930 -> 4.600 bits/byte at outer round 2 after 121000 tokens" in capsys.readouterr().out

@@ -181,3 +181,11 @@ def test_agreement_groups_chains_by_the_outer_round_every_stage_evaluated(evals)
         assert a.spread == max(newest.values()) - min(newest.values()) >= 0
         assert min(newest.values()) <= a.bits_per_byte <= max(newest.values())
     assert agreement(list(reversed(rounds))) == found
+
+
+def test_a_round_cut_short_is_no_figure_of_its_outer_round():
+    book = EvalBook(expected=2)
+    book.record(b"a", 0, 1.0, 8, 0.0, rounds=(1, 1), chain=("p", "q"))  # its second micro-batch was lost
+    short = book.record(b"a", 1, 2.0, 8, 1.0, rounds=(2, 2), chain=("p", "q"))  # round 1 starts: round 0 closes
+    assert short.round == 0 and not short.complete
+    assert agreement(book.history) == []

@@ -46,6 +46,7 @@ class EvalRound:
     bytes: int | None = None  # None: as tokens
     rounds: tuple[int, ...] | None = ()  # the outer round each stage evaluated; None: its micro-batches disagreed
     chain: tuple[str, ...] | None = ()  # the peers that computed it, stage by stage; None: more than one chain
+    complete: bool = True  # every micro-batch of the round arrived (else it was cut short: another figure)
 
     @property
     def agreed_round(self) -> int | None:
@@ -121,10 +122,11 @@ class EvalBook:
         per_token = entry.nats / entry.tokens / math.log(2)
         if entry.bytes == entry.tokens:  # byte tokens: one figure, the record as it always was
             done = EvalRound(key[0], key[1], per_token, entry.tokens, entry.batches, now,
-                             rounds=entry.rounds, chain=entry.chain)
+                             rounds=entry.rounds, chain=entry.chain, complete=entry.batches >= self.expected)
         else:
             done = EvalRound(key[0], key[1], entry.nats / entry.bytes / math.log(2), entry.tokens, entry.batches,
-                             now, per_token, entry.bytes, rounds=entry.rounds, chain=entry.chain)
+                             now, per_token, entry.bytes, rounds=entry.rounds, chain=entry.chain,
+                             complete=entry.batches >= self.expected)
         self.history.append(done)
         del self.history[:-HISTORY]
         return done
@@ -150,10 +152,11 @@ class RoundAgreement:
 def agreement(rounds: list[EvalRound]) -> list[RoundAgreement]:
     """Per outer round, oldest first, the chains that evaluated it on agreed weights at every stage
     (``EvalRound.agreed_round``): rounds of one chain but mixed outer rounds, or of mixed chains, are left
-    out, as they measure no one model. Pure: the same evaluations give the same answer, in any order."""
+    out, as they measure no one model, and so are rounds cut short (another set of held-out text).
+    Pure: the same evaluations give the same answer, in any order."""
     chains: dict[int, dict[tuple[str, ...], EvalRound]] = {}
     for r in rounds:
-        if r.agreed_round is None or not r.chain:
+        if r.agreed_round is None or not r.chain or not r.complete:
             continue
         seen = chains.setdefault(r.agreed_round, {})
         if r.chain not in seen or (r.at, r.round) > (seen[r.chain].at, seen[r.chain].round):

@@ -607,7 +607,7 @@ class SwarmService:
             "heldout": [{"source": r.session.hex()[:8], "round": r.round, "bpb": round(r.bits_per_byte, 4),
                          "tokens": r.tokens, "at": r.at, "outer_round": r.agreed_round,
                          "rounds": None if r.rounds is None else list(r.rounds),
-                         "chain": None if r.chain is None else list(r.chain)}
+                         "chain": None if r.chain is None else list(r.chain), "complete": r.complete}
                         for r in self.evals.history],  # source: the stage-0 peer's evaluation session
             "heldout_by_round": [{"outer_round": a.round, "bpb": round(a.bits_per_byte, 4),
                                   "spread": round(a.spread, 4), "chains": len(a.chains)}
