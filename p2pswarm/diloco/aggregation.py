@@ -131,7 +131,8 @@ def verify(contribution: torch.Tensor, reference: torch.Tensor,
         failed.append(f"cosine {cosine:.3g} < {config.min_cosine:g}")
     if not projection >= config.min_projection:
         failed.append(f"projection {projection:.3g} < {config.min_projection:g}")
-    for name, ratio, bound in (("norm", norm_ratio, config.max_norm_ratio), ("variance", var_ratio, config.max_var_ratio)):
+    for name, ratio, bound in (("norm", norm_ratio, config.max_norm_ratio),
+                               ("variance", var_ratio, config.max_var_ratio)):
         low = 1.0 / bound if config.refuse_short else 0.0
         if not low <= ratio <= bound:
             failed.append(f"{name} ratio {ratio:.3g} outside [{low:.3g}, {bound:g}]")
@@ -158,8 +159,9 @@ def combine(contributions: dict[str, torch.Tensor], own: str, method: str = DEFA
     the others', while the median vector itself is shorter than any of them). With fewer, nothing
     can tell an honest replica from a liar, and a replica's own pseudo-gradient is no reference:
     honest replicas' pseudo-gradients after a few dozen Adam steps are nearly orthogonal (cosine
-    ~0 measured in the demo). ``verify_config=None`` aggregates everything unchecked. ValueError on local misuse (missing or non-finite own,
-    unknown method, tensors that do not match).
+    ~0 measured in the demo). The cosine bar follows the group's own agreement (``_group_bar``).
+    ``verify_config=None`` aggregates everything unchecked. ValueError on local misuse (missing
+    or non-finite own, unknown method, tensors that do not match).
     """
     if own not in contributions:
         raise ValueError(f"own contribution {own!r} is missing")
@@ -193,13 +195,13 @@ def combine(contributions: dict[str, torch.Tensor], own: str, method: str = DEFA
 def _group_bar(config: VerifyConfig, cosines: list[float]) -> VerifyConfig:
     """``config`` with its cosine bar lowered to ``COSINE_SHARE`` of the group's median cosine
     with the reference when that is lower, and to ``COSINE_FLOOR`` in a group whose median
-    cosine is below ``AGREEING``. Honest pseudo-gradients that disagree (pairwise
-    cosine 0 or below: a cold start, skewed data) agree with their own median only a little
-    (cosine ~0.1 measured for 6 to 8 of them at pairwise -1/(n-1)), so a fixed bar refuses honest
-    ones; a bar relative to the group's own agreement refuses only what agrees far less than a
-    typical member (a minority cannot move the median); in a group that does not agree, honest
-    members can sit at cosine ~0 (noise level), so only one pointing against the group is refused. (Noise of an honest norm then
-    passes in a group that disagrees: there it is what an honest orthogonal member looks like.)"""
+    cosine is below ``AGREEING``. Honest pseudo-gradients that disagree (pairwise cosine 0 or
+    below: a cold start, skewed data) agree with their own median only a little (down to cosine
+    ~0 measured for 6 to 8 of them at pairwise -1/(n-1)), so a fixed bar refuses honest ones. A
+    bar relative to the group's own agreement refuses only what agrees far less than a typical
+    member (a minority cannot move the median); in a group that does not agree, only what points
+    against it is refused. (Noise of an honest norm then passes in such a group: there it is
+    what an honest orthogonal member looks like, and it harms no more.)"""
     finite = sorted(c for c in cosines if math.isfinite(c))
     if not finite:
         return config
