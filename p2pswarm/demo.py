@@ -150,7 +150,7 @@ class Progress:
     duplicates: int = 0  # re-sent micro-batches a receiver dropped (never computed twice)
     timeouts: int = 0
     train_bpb: float | None = None
-    busy: dict[int, float] = field(default_factory=dict)  # peer -> compute-busy fraction
+    busy: dict[int, float] = field(default_factory=dict)  # peer -> compute-busy fraction since its first micro-batch
     latest: dict[str, tuple[int, float, float]] = field(default_factory=dict)  # stage-0 replica -> (round, at, bpb)
     outer: dict[tuple[int, int], dict] = field(default_factory=dict)  # (stage, round) -> a member's account
     loads: dict[int, dict] = field(default_factory=dict)  # peer -> where it loaded its stage from
@@ -223,7 +223,8 @@ class Progress:
         self.lost = max(self.lost, sum(d["delivery"].get("lost", 0) for d in docs.values()))
         self.duplicates = max(self.duplicates, sum(d["counts"].get("duplicates_dropped", 0) for d in docs.values()))
         self.timeouts = max(self.timeouts, sum(d["delivery"].get("timeouts", 0) for d in docs.values()))
-        self.busy.update({i: d["engine"]["busy_fraction"] for i, d in docs.items()})
+        self.busy.update({i: d["engine"].get("busy_since_first", d["engine"]["busy_fraction"])
+                          for i, d in docs.items()})  # since its first micro-batch: forming is no idle compute
         losses = [d["train_loss_bpb"] for d in last if d.get("train_loss_bpb") is not None]
         self.train_bpb = sum(losses) / len(losses) if losses else self.train_bpb
         self.remember([r for d in last for r in d.get("heldout", [])])
@@ -398,7 +399,7 @@ def _summary(progress: Progress, seconds: float, killed: bool, path: Path | None
           flush=True)
     busy = sorted(progress.busy.values())
     if busy:
-        print(f"demo: compute-busy fraction per peer {', '.join(f'{b:.3f}' for b in busy)} "
+        print(f"demo: compute-busy fraction per peer since its first micro-batch {', '.join(f'{b:.3f}' for b in busy)} "
               f"(mean {sum(busy) / len(busy):.3f})", flush=True)
     curve = [(progress.tokens_at(a.round), a) for a in progress.curve()]
     if path is not None:

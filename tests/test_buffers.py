@@ -172,6 +172,10 @@ def test_busy_fraction_on_hand_built_timelines():
     stats = ledger.stats(110)  # busy 4 + 1 of 10
     assert stats.busy_fraction == 0.5 and stats.drops == 1 and stats.steps == 1
     assert stats.elapsed == 10
+    late = EngineLedger(0)  # the swarm formed at 10: idle before it is not the engine's
+    late.begin(10)
+    late.finish(14, Outcome.SENT)
+    assert late.stats(15).busy_since_first == 0.8 and late.stats(15).busy_fraction == 4 / 15
 
 
 @given(st.lists(st.tuples(st.integers(0, 5), st.integers(0, 5), st.sampled_from(list(Outcome))), max_size=30),
@@ -192,6 +196,10 @@ def test_busy_fraction_is_the_exact_share_and_within_bounds(work, tail, end_busy
     stats = ledger.stats(end)
     assert 0.0 <= stats.busy_fraction <= 1.0
     assert stats.busy_fraction == (busy / end if end else 0.0)
+    first = next((sum(i for i, _, _ in work[:k + 1]) + sum(n for _, n, _ in work[:k])
+                  for k in range(len(work))), now if end_busy else None)  # the first begin
+    since = end - first if first is not None else 0
+    assert stats.busy_since_first == (busy / since if since else 0.0) >= stats.busy_fraction - 1e-12
     assert stats.steps == counts[Outcome.SENT] + counts[Outcome.LOCAL_ONLY]
     assert stats.local_only == counts[Outcome.LOCAL_ONLY] and stats.drops == counts[Outcome.DROPPED]
     assert 0.0 <= stats.local_only_rate <= 1.0

@@ -260,6 +260,7 @@ class EngineStats:
     local_only_rate: float  # local_only / steps, 0 before the first step
     busy_fraction: float  # share of wall time the worker had a micro-batch, in [0, 1]
     elapsed: float
+    busy_since_first: float = 0.0  # the same share since the first micro-batch (the swarm formed), in [0, 1]
 
 
 def hand_on(outbound: PriorityBuffer, item: Any, priority: Priority, now: float, size: int = 0) -> Outcome:
@@ -278,6 +279,7 @@ class EngineLedger:
     def __init__(self, start: float) -> None:
         self._busy = TimeWeighted(start)
         self._counts = {o: 0 for o in Outcome}
+        self._first: float | None = None  # when the worker picked up its first micro-batch
 
     @property
     def busy(self) -> bool:
@@ -287,6 +289,7 @@ class EngineLedger:
         """The worker picked up a micro-batch; it is busy from ``now``."""
         if self.busy:
             raise ValueError("the worker already has a micro-batch")
+        self._first = now if self._first is None else self._first
         self._busy.set(now, 1)
 
     def finish(self, now: float, outcome: Outcome) -> None:
@@ -307,7 +310,9 @@ class EngineLedger:
         sent, local = self._counts[Outcome.SENT], self._counts[Outcome.LOCAL_ONLY]
         steps = sent + local
         elapsed = now - self._busy.start
-        busy = self._busy.area_until(now) / elapsed if elapsed > 0 else 0.0
+        area = self._busy.area_until(now)
+        busy = area / elapsed if elapsed > 0 else 0.0
+        since = now - self._first if self._first is not None else 0.0
         return EngineStats(
             steps=steps,
             local_only=local,
@@ -315,4 +320,5 @@ class EngineLedger:
             local_only_rate=local / steps if steps else 0.0,
             busy_fraction=min(1.0, max(0.0, busy)),
             elapsed=elapsed,
+            busy_since_first=min(1.0, max(0.0, area / since)) if since > 0 else 0.0,
         )

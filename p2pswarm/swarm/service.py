@@ -614,6 +614,7 @@ class SwarmService:
                                  for a in agreement(self.evals.history)],  # the chains this last stage saw
             "engine": {"steps": ledger.steps, "local_only": ledger.local_only, "drops": ledger.drops,
                        "local_only_rate": ledger.local_only_rate, "busy_fraction": round(ledger.busy_fraction, 4),
+                       "busy_since_first": round(ledger.busy_since_first, 4),
                        "kept_graphs": engine.kept if engine else 0},
             "in_flight": len(self.inflight), "counts": dict(self.counts),
             "inbound": _fill_doc(self.inbound.stats(now)), "outbound": _fill_doc(self.outbound.stats(now)),
