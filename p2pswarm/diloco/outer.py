@@ -182,6 +182,16 @@ class OuterOptimizer:
         self.rounds += 1
         self.round_started_step = step
 
+    def adopt(self, at: torch.Tensor, step: int) -> None:
+        """A round of one that applies no outer step: the weights at its close become the start as they
+        are (the live ones stay), the momentum is kept for the next round with others."""
+        self._check_vector(at, "at")
+        if type(step) is not int or step < self.round_started_step:
+            raise ValueError(f"step {step!r} is before the round began at {self.round_started_step}")
+        self.start.copy_(at)
+        self.rounds += 1
+        self.round_started_step = step
+
     def _check_vector(self, vector: torch.Tensor, name: str) -> None:
         if not isinstance(vector, torch.Tensor) or vector.dim() != 1 or vector.numel() != self.numel:
             raise ValueError(f"{name} must be a 1-D tensor of {self.numel} elements")

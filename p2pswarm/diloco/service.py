@@ -61,6 +61,7 @@ HISTORY = 20  # outer rounds kept for /api/diloco
 STRIKES = 3  # a peer whose contributions we refused in this many of the last STRIKE_ROUNDS rounds...
 STRIKE_ROUNDS = 10  # ...is left out of our groups (its Hellos get our status, nothing more)
 STATE_FORMAT = 1  # the layout of a snapshot's state tree
+ALONE_ENV = "P2PSWARM_DILOCO_ALONE"  # benches only: "adopt" makes a round of one take its weights as they are
 ATTACK_VARIABLE = "P2PSWARM_DILOCO_ATTACK"  # tests and benches only: "negate10" or "noise" poisons what we send
 
 
@@ -75,6 +76,7 @@ class DilocoService:
         self._pool, self._stage_map = pool, stage_map
         self.store = checkpoint.SnapshotStore(snapshot_dir) if snapshot_dir else None
         self.swarm = None
+        self._alone_adopts = os.environ.get(ALONE_ENV, "step") == "adopt"  # benches: a lone round's ablation
         self.outer: OuterOptimizer | None = None
         self.residual: torch.Tensor | None = None  # error feedback: what compression left out, carried on
         self.round: OuterRound | None = None
@@ -296,8 +298,13 @@ class DilocoService:
         aggregated, missing, refused = done.aggregated, done.missing, list(done.refused)
         assembled = trio.current_time()
 
+        alone = len(outcome.group) == 1 and self._alone_adopts
+
         def apply(engine):
-            self.outer.outer_step(aggregated, pending["at"], engine.params, engine.step)
+            if alone:  # nothing to agree with: our weights at the close are the round's start
+                self.outer.adopt(pending["at"], engine.step)
+            else:
+                self.outer.outer_step(aggregated, pending["at"], engine.params, engine.step)
             engine.weights_changed()
             engine.agree(self.outer.rounds, self.outer.start.clone())  # the same on every member: evaluated
 

@@ -37,7 +37,9 @@ CHUNK_SIZE = 1 << 16  # 64 KiB reads: few syscalls, and memory stays bounded wha
 HELDOUT_PERMILLE = 20  # ~2 % held out: ~600 KB of the stdlib, enough for a stable loss estimate
 PERMILLE = 1000  # the hash bucket range the split draws from
 SNIFF_BYTES = 4096  # how much of a file decides "text or binary": a NUL or invalid UTF-8 means binary
-SHUFFLE_WINDOWS = 256  # shuffle-buffer size: mixes windows from files far apart at bounded memory
+SHUFFLE_WINDOWS = 1024  # shuffle-buffer size: mixes windows of the pieces read at a time (132 KB of bytes)
+PIECE_BYTES = 64 * 1024  # an epoch reads the training part in pieces of files this big, in a random order
+MAX_PIECES = 1 << 16  # pieces at most (larger ones for a corpus over 4 GB): the order list stays small
 STDLIB_SUFFIX = ".py"  # the embedded corpus is the standard library's Python source
 EXCLUDED_DIRS = frozenset({  # not the standard library proper, or test suites (huge, repetitive data)
     "site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test",
@@ -86,9 +88,14 @@ class Corpus:
     def describe(self) -> str:
         return f"{self.name}: {self.train_bytes / 1e6:.1f} MB to train on, {self.heldout_bytes / 1e6:.1f} MB held out"
 
-    def train_windows(self, length: int, offset: int = 0) -> Iterator[bytes]:
-        """The training part's consecutive windows, starting at training file ``offset`` (mod their count)."""
-        segments = self.train[offset % len(self.train):] + self.train[:offset % len(self.train)]
+    def train_windows(self, length: int, offset: int = 0, order: random.Random | None = None) -> Iterator[bytes]:
+        """The training part's consecutive windows, starting at training file ``offset`` (mod their count);
+        with ``order``, its pieces (``PIECE_BYTES``) in an order drawn from it, starting at piece ``offset``."""
+        segments = list(self.train) if order is None else _pieces(self.train, self.train_bytes)
+        if order is not None:
+            order.shuffle(segments)
+        k = offset % max(1, len(segments))
+        segments = segments[k:] + segments[:k]
         return windows(read_segments(segments, self.chunk_size), length)
 
     def heldout_windows(self, length: int) -> Iterator[bytes]:
@@ -107,6 +114,12 @@ class MicroBatch:
     @property
     def targets(self) -> list[list[int]]:
         return [list(r[1:]) for r in self.rows]
+
+
+def _pieces(segments: tuple[Segment, ...], total: int) -> list[Segment]:
+    """The segments cut into pieces of PIECE_BYTES (more where there would be over MAX_PIECES)."""
+    size = max(PIECE_BYTES, -(-total // MAX_PIECES))
+    return [Segment(s.file, a, min(a + size, s.stop)) for s in segments for a in range(s.start, s.stop, size)]
 
 
 def is_heldout(rel: str) -> bool:
@@ -252,8 +265,9 @@ def _check_shape(shard: int, n_shards: int, seq_len: int, batch_size: int) -> No
         raise ValueError(f"seq_len and batch_size must be positive, got {seq_len}, {batch_size}")
 
 
-def _shard_windows(corpus, shard: int, n_shards: int, length: int, offset: int = 0) -> Iterator[bytes]:
-    for i, w in enumerate(corpus.train_windows(length, offset)):
+def _shard_windows(corpus, shard: int, n_shards: int, length: int, offset: int,
+                   order: random.Random) -> Iterator[bytes]:
+    for i, w in enumerate(corpus.train_windows(length, offset, order)):
         if i % n_shards == shard:
             yield w
 
@@ -282,11 +296,14 @@ def batches(corpus, shard: int, n_shards: int, seq_len: int, batch_size: int,
 
     The training part is cut into consecutive windows of ``seq_len + 1`` tokens; shard ``s`` takes
     windows ``s, s + n_shards, s + 2 n_shards, …``, so shards are disjoint and each sees the whole
-    corpus. Within an epoch the windows pass through a bounded shuffle buffer seeded by
-    (seed, shard, epoch): deterministic, different every epoch. A batch may span two epochs.
-    ``offset`` starts the pass at training file ``offset`` (modulo their count) and wraps around:
-    replicas that share a shard but not an offset read different parts of the corpus at a time
-    (a tokenized corpus starts at token ``offset`` modulo its training tokens instead).
+    corpus. Each epoch reads the training part in pieces (``PIECE_BYTES`` of a file; 32 Ki tokens of a
+    tokenized corpus) in an order drawn from (seed, epoch), not file after file: a replica that has
+    trained on 1 % of the corpus has seen pieces of all of it, not 1 % of its files in a row (which
+    made the held-out loss stall where one process, reading other files, went on learning). The
+    windows then pass through a bounded shuffle buffer seeded by (seed, shard, epoch):
+    deterministic, different every epoch. A batch may span two epochs. ``offset`` starts the pass
+    at piece ``offset`` (modulo their count) and wraps around: replicas that share a shard and seed
+    but not an offset read different parts of the corpus at a time.
     """
     _check_shape(shard, n_shards, seq_len, batch_size)
     length = seq_len + 1
@@ -298,8 +315,9 @@ def batches(corpus, shard: int, n_shards: int, seq_len: int, batch_size: int,
     epoch = 0
     while True:
         rng = _epoch_rng(seed, shard, epoch)
+        order = _epoch_rng(seed, -1, epoch)  # the pieces' order: the same for every shard (they stay disjoint)
         got = False
-        for w in _shuffled(_shard_windows(corpus, shard, n_shards, length, offset), rng, SHUFFLE_WINDOWS):
+        for w in _shuffled(_shard_windows(corpus, shard, n_shards, length, offset, order), rng, SHUFFLE_WINDOWS):
             got = True
             rows.append(w)
             if len(rows) == batch_size:

@@ -53,6 +53,8 @@ SHARD_TOKENS = 1 << 28  # tokens per shard file: 512 MiB-1 GiB, a few files even
 PIECE_BYTES = 1 << 20  # text handed to the tokenizer per call: cut at a newline, bounded memory
 PROGRESS_BYTES = 16 << 20  # a log line every 16 MB tokenized
 SHORT_VOCAB = 1 << 16  # vocabularies up to here store ids as uint16, beyond as uint32
+PIECE_TOKENS = 1 << 15  # an epoch reads the training tokens in pieces this big, in a random order (model/corpus.py)
+MAX_PIECES = 1 << 16  # pieces at most (larger ones beyond 2^31 tokens): the order list stays small
 FILE_MODE = 0o644  # shards are a cache of public text: other local users (peers) may read them
 
 
@@ -87,8 +89,16 @@ class TokenCorpus:
         return (f"{self.name}: {self.train_size / 1e6:.2f} M tokens to train on, {self.heldout_size / 1e6:.2f} M "
                 f"held out ({self.dtype} shards in {self.folder})")
 
-    def train_windows(self, length: int, offset: int = 0) -> Iterator[np.ndarray]:
-        """The training tokens' consecutive windows, from token ``offset`` (mod their count) round to it."""
+    def train_windows(self, length: int, offset: int = 0, order=None) -> Iterator[np.ndarray]:
+        """The training tokens' consecutive windows, from token ``offset`` (mod their count) round to it; with
+        ``order`` (a ``random.Random``), pieces of PIECE_TOKENS in an order drawn from it, from piece ``offset``."""
+        if order is not None:
+            size = max(PIECE_TOKENS, -(-self.train_size // MAX_PIECES))
+            pieces = [r for shard, a, b in _ranges(self.train, 0, self.train_size)
+                      for r in ((shard, p, min(p + size, b)) for p in range(a, b, size))]
+            order.shuffle(pieces)
+            k = offset % max(1, len(pieces))
+            return token_windows(read_shards(pieces[k:] + pieces[:k], self.dtype, self.read_tokens), length)
         start = offset % max(1, self.train_size)
         ranges = _ranges(self.train, start, self.train_size) + _ranges(self.train, 0, start)
         return token_windows(read_shards(ranges, self.dtype, self.read_tokens), length)

@@ -63,11 +63,13 @@ log = logging.getLogger(__name__)
 
 BATCH_ROWS = 8  # sequences per training micro-batch: 8 x 128 bytes, ~1 MiB of activations
 MAX_ROWS = 256  # rows a peer may send us in one micro-batch
-MAX_IN_FLIGHT = 6  # stage-0 micro-batches between being cut and their gradient coming back
+MAX_IN_FLIGHT = int(os.environ.get("P2PSWARM_MAX_IN_FLIGHT", "6"))  # stage-0 micro-batches between being cut and
+#                 their gradient coming back (the variable: benches only, the staleness ablation)
 SENDERS = 4  # concurrent deliveries: a slow peer never holds up the others
 EVAL_PERIOD = 10.0  # seconds between held-out evaluation rounds sent by a stage-0 peer
-EVAL_SHARE = 5  # a round that takes t seconds to compute and send waits (EVAL_SHARE - 1) x t before the next:
-#                 8 x 32 rows are 16.8 MB of activations, 6.7 s of a 20 Mbit/s uplink every 10 s otherwise
+EVAL_SHARE = 10  # a round that takes t seconds to compute and send waits (EVAL_SHARE - 1) x t before the next:
+#                 8 x 32 rows are 16.8 MB of activations, 6.7 s of a 20 Mbit/s uplink every 10 s otherwise; on
+#                 tiny-lm a round costs about a quarter of 40 training steps (bench: 5 cost 0.57x one process's tok/s)
 UPKEEP_PERIOD = 0.5  # seconds between candidate refreshes, stream warming and in-flight checks
 WARM_STREAMS = 2  # idle streams kept open to each of the router's best candidates
 BAN_PERIOD = 60.0  # seconds a peer that sent us garbage is refused
