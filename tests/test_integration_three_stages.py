@@ -26,7 +26,7 @@ import pytest
 
 from p2pswarm.demo import DEMO_GATHER_S, DEMO_INNER_STEPS, DEMO_OUTER_MOMENTUM
 from p2pswarm.model.catalog import get_model
-from p2pswarm.swarm.service import MAX_IN_FLIGHT
+from p2pswarm.swarm.service import MIN_IN_FLIGHT
 from tests.procs import Swarm, get_json, wait_until
 
 pytest.importorskip("torch")
@@ -42,6 +42,7 @@ UNTRAINED_BPB = 8.0  # bits/byte of a model that knows nothing of bytes: log2(25
 API_DEADLINE = 30.0  # seconds for a peer's API to answer: its loop shares 2 cores with the others
 START_DEADLINE = 180.0  # guards against a hang only: seconds to start, find each other and train a first step
 TRAIN_DEADLINE = 180.0  # guards against a hang only: tens of micro-batches take seconds on an idle machine
+MAX_IN_FLIGHT = max(MIN_IN_FLIGHT, 3)  # stage 0's bound with 3 stages: one micro-batch per stage
 LOST_AT_KILL = 2 * MAX_IN_FLIGHT  # all stage 0 had in flight at the kill, and as many again overdue on a loaded machine
 
 

@@ -229,7 +229,7 @@ def test_stage_0_feeds_bpe_micro_batches_whose_targets_cross_the_wire(bpe, tmp_p
     from p2pswarm.swarm.activation import SESSION_BYTES, Ack, Forward
     from p2pswarm.swarm.buffers import Priority
     from p2pswarm.swarm.engine import Output, TrainConfig, targets_to_bytes
-    from p2pswarm.swarm.service import MAX_IN_FLIGHT, SwarmService
+    from p2pswarm.swarm.service import SwarmService
 
     data = write_corpus(tmp_path / "data")
     config = TrainConfig(rows=3, seq=16)
@@ -242,16 +242,16 @@ def test_stage_0_feeds_bpe_micro_batches_whose_targets_cross_the_wire(bpe, tmp_p
                               data=str(data), tokenizer=bpe)
         receiver = SwarmService(spec=last, stage=1, me="you", pool=None, stage_map=None, host=None, config=config,
                                 tokenizer=bpe)
-        receiver.evals = EvalBook(expected=MAX_IN_FLIGHT)
+        receiver.evals = EvalBook(expected=feeder.max_in_flight)
         corpus = await trio.to_thread.run_sync(feeder._load_corpus)
         assert corpus.unit == "tokens" and corpus.folder.parent == tmp_path / "data.p2ptok"
         with trio.fail_after(60):
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(feeder._feed, corpus)
-                while len(feeder.inbound) < MAX_IN_FLIGHT:
+                while len(feeder.inbound) < feeder.max_in_flight:
                     await trio.sleep(0.01)  # polled: _feed offers from a worker thread
                 nursery.cancel_scope.cancel()
-        for i in range(MAX_IN_FLIGHT):
+        for i in range(feeder.max_in_flight):
             work = feeder.inbound.take(trio.current_time()).item.work
             assert work.tensor.shape == (3, 16) and work.targets.shape == (3, 16)
             assert torch.equal(work.tensor[:, 1:], work.targets[:, :-1]) and int(work.targets.max()) < VOCAB

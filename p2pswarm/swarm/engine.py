@@ -61,6 +61,7 @@ GRAD_CLIP = 1.0  # global norm of a stage's gradient before a step
 ACCUMULATE = 1  # micro-batches per optimizer step
 ACTIVATION_DTYPE = "float32"  # what hidden states and their gradients travel as
 EPS = 1e-8  # AdamW's usual epsilon
+PREDICT_WEIGHTS = True  # weight prediction against pipeline staleness (docs/benchmarks.md: the 2x1 arm)
 AGREED_KEPT = 2  # outer rounds whose agreed weights are kept for evaluation: ours and the one before
 
 
@@ -82,6 +83,7 @@ class TrainConfig:
     rows: int = 8  # sequences per training micro-batch
     seq: int | None = None  # tokens per sequence; None: the model's context
     activation_dtype: str = ACTIVATION_DTYPE  # what hidden states and their gradients travel as
+    predict_weights: bool = PREDICT_WEIGHTS  # forwards run on the weights predicted for when their gradient lands
 
 
 @dataclass(frozen=True)
@@ -244,10 +246,31 @@ class StageEngine:
     # --- weights and optimizer -----------------------------------------------------------------
 
     def _current_version(self) -> dict[str, torch.Tensor]:
-        """The weights forwards run on until the next step: a frozen copy that graphs may keep."""
+        """The weights forwards run on until the next step: a frozen copy that graphs may keep.
+
+        **Weight prediction.** A micro-batch's gradient lands after the optimizer steps of the ones
+        still waiting for theirs (the kept graphs): ``ahead`` steps late. Its forward therefore runs on
+        the weights AdamW will have by then, extrapolated along its current update direction
+        (``m̂ / (√v̂ + eps)``, ``ahead`` steps of the current lr; SpecTrain's rule), and its gradient is
+        taken there. Without it, a stage whose micro-batches come back 5 steps late learned 18 %
+        less per token than one process (bench/swarm_train.py, docs/benchmarks.md)."""
         if self._version is None:
-            self._version = {n: p.detach().clone().requires_grad_(True) for n, p in self.params.items()}
+            ahead = len(self._kept) // self.config.accumulate if self.config.predict_weights else 0
+            with torch.no_grad():
+                self._version = {n: self._predicted(p, ahead).requires_grad_(True) for n, p in self.params.items()}
         return self._version
+
+    def _predicted(self, p: torch.Tensor, ahead: int) -> torch.Tensor:
+        """``p`` after ``ahead`` more AdamW steps in its current direction (a copy; ``p`` itself at 0)."""
+        state = self.optimizer.state.get(p)
+        if not ahead or not state or "exp_avg" not in state:
+            return p.detach().clone()
+        beta1, beta2 = self.config.betas
+        t = float(state["step"])
+        lr = self.optimizer.param_groups[0]["lr"]
+        direction = (state["exp_avg"] / (1 - beta1 ** t)) / ((state["exp_avg_sq"] / (1 - beta2 ** t)).sqrt()
+                                                            + self.config.eps)
+        return p.detach() - (lr * ahead) * direction
 
     def _absorb(self, weights: dict[str, torch.Tensor], tokens: int) -> None:
         """Add a micro-batch's gradients (on its weight version) to the live parameters; maybe step."""

@@ -12,8 +12,8 @@
   worker goes on;
 - **outbound**: ``SENDERS`` tasks deliver forwards to the next stage with failover and
   gradients back to the peer each micro-batch came from (``swarm/sender.py``);
-- **stage 0** cuts micro-batches from its own offset of the corpus, keeps ``MAX_IN_FLIGHT`` of
-  them in flight, and after each DiLoCo outer round (every ``EVAL_PERIOD`` without DiLoCo; later
+- **stage 0** cuts micro-batches from its own offset of the corpus, keeps one in flight per stage
+  (``MIN_IN_FLIGHT`` at least: more is more staleness, see the engine's weight prediction), and after each DiLoCo outer round (every ``EVAL_PERIOD`` without DiLoCo; later
   where a round takes over 1/EVAL_SHARE of the time to compute and send) sends the fixed held-out
   set through the swarm, to be evaluated on that round's agreed weights at every stage (a stage
   not there yet holds it, ``EVAL_HOLD`` at most); the last stage turns those into held-out bits
@@ -63,8 +63,9 @@ log = logging.getLogger(__name__)
 
 BATCH_ROWS = 8  # sequences per training micro-batch: 8 x 128 bytes, ~1 MiB of activations
 MAX_ROWS = 256  # rows a peer may send us in one micro-batch
-MAX_IN_FLIGHT = int(os.environ.get("P2PSWARM_MAX_IN_FLIGHT", "6"))  # stage-0 micro-batches between being cut and
-#                 their gradient coming back (the variable: benches only, the staleness ablation)
+IN_FLIGHT_ENV = "P2PSWARM_MAX_IN_FLIGHT"  # benches only: stage 0's in-flight bound (the staleness ablation)
+MIN_IN_FLIGHT = 2  # stage-0 micro-batches between being cut and their gradient coming back: one per stage (1F1B),
+#                 two at least. Each one more is one optimizer step of staleness: 5 cost 18 % per token (bench)
 SENDERS = 4  # concurrent deliveries: a slow peer never holds up the others
 EVAL_PERIOD = 10.0  # seconds between held-out evaluation rounds sent by a stage-0 peer
 EVAL_SHARE = 10  # a round that takes t seconds to compute and send waits (EVAL_SHARE - 1) x t before the next:
@@ -136,6 +137,7 @@ class SwarmService:
         self._compute_s = 0.05  # EMA of one job's compute time: the basis of Busy's retry-after
         self._rate: collections.deque = collections.deque()
         self.session = os.urandom(SESSION_BYTES)
+        self.max_in_flight = int(os.environ.get(IN_FLIGHT_ENV) or max(MIN_IN_FLIGHT, spec.n_stages))
 
     # --- running --------------------------------------------------------------------------------
 
@@ -435,7 +437,7 @@ class SwarmService:
                 await trio.sleep(UPKEEP_PERIOD)  # no live peer serves the next stage: nothing to compute for
             while not self.is_last and not self.router.has_room(self.stage + 1, time.time()):
                 await self.deliverer.wait_for_room()  # paced: cut only what the next stage absorbs
-            while self._local_queued + self.inflight.waiting_from(None) >= MAX_IN_FLIGHT:
+            while self._local_queued + self.inflight.waiting_from(None) >= self.max_in_flight:
                 await self._next_progress()
             try:
                 batch = await trio.to_thread.run_sync(next, batches)
