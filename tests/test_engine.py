@@ -199,3 +199,30 @@ def test_evaluation_runs_on_the_agreed_weights_of_the_round_asked_for():
     assert again.round == 2 and again.loss_nats == live.loss_nats  # round 2's weights are b's live ones
     downstream = b.compute(Work("eval", (b"k", 2), ids, targets, 9, (1,)))  # stage 0 asked for round 1
     assert downstream.round == 1
+
+
+def test_a_forward_whose_gradient_lands_late_runs_on_the_predicted_weights():
+    """With micro-batches waiting for their gradients, a new forward's weights are the live ones moved
+    ``ahead`` AdamW steps along the current update direction; with none waiting, the live ones."""
+    first = StageEngine(SPEC, 0)
+    ids, targets = batch(3)
+    first.compute(Work("forward", (b"a", 0), ids, targets))
+    first.compute(Work("backward", (b"a", 0), torch.ones(2, 16, SPEC.width), None))  # one step: Adam has state
+    assert first.step == 1
+    version = first._current_version()
+    assert all(torch.equal(version[n], p) for n, p in first.params.items())  # nothing waits: no prediction
+    first.compute(Work("forward", (b"a", 1), ids, targets))  # one graph kept: the next version looks 1 step ahead
+    first.weights_changed()
+    predicted = first._current_version()
+    name, p = next(iter(first.params.items()))
+    state = first.optimizer.state[p]
+    beta1, beta2 = first.config.betas
+    direction = (state["exp_avg"] / (1 - beta1)) / ((state["exp_avg_sq"] / (1 - beta2)).sqrt() + first.config.eps)
+    lr = first.optimizer.param_groups[0]["lr"]
+    assert torch.allclose(predicted[name], p - lr * direction, atol=1e-7) and not torch.equal(predicted[name], p)
+    off = StageEngine(SPEC, 0, TrainConfig(predict_weights=False))
+    off.compute(Work("forward", (b"a", 0), ids, targets))
+    off.compute(Work("backward", (b"a", 0), torch.ones(2, 16, SPEC.width), None))
+    off.compute(Work("forward", (b"a", 1), ids, targets))
+    off.weights_changed()
+    assert all(torch.equal(off._current_version()[n], q) for n, q in off.params.items())
