@@ -24,7 +24,7 @@ import time
 
 import pytest
 
-from p2pswarm.demo import DEMO_GATHER_S, DEMO_INNER_STEPS, DEMO_OUTER_MOMENTUM
+from p2pswarm.demo import DEMO_GATHER_S, DEMO_INNER_STEPS, DEMO_OUTER_LR, DEMO_OUTER_MOMENTUM
 from p2pswarm.model.catalog import get_model
 from p2pswarm.swarm.service import MIN_IN_FLIGHT
 from tests.procs import Swarm, get_json, wait_until
@@ -34,7 +34,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 MODEL = get_model("tiny-lm/3")  # 3 + 3 + 2 blocks: stage 1 is a middle stage
 AGREED = ("--model", MODEL.name, "--inner-steps", str(DEMO_INNER_STEPS),
-          "--outer-momentum", str(DEMO_OUTER_MOMENTUM), "--gather", str(DEMO_GATHER_S))  # as `p2pswarm demo`
+          "--outer-momentum", str(DEMO_OUTER_MOMENTUM), "--outer-lr", str(DEMO_OUTER_LR), "--gather", str(DEMO_GATHER_S))  # as `p2pswarm demo`
 DONE = 20  # micro-batches stage 0 completes end to end before the counts are compared
 BEFORE_KILL = 10  # micro-batches stage 0 completes before a middle replica is SIGKILLed: training is under way
 MORE_AFTER_KILL = 20  # micro-batches stage 0 must complete after the SIGKILL
