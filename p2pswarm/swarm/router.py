@@ -125,12 +125,13 @@ def backoff_delay(failures: int, rng: random.Random, config: RouterConfig = Rout
 def partner_for(me: str, my_stage_peers: Iterable[str], next_stage_peers: Iterable[str]) -> str | None:
     """Our partner in the next stage: the (i mod n)-th of its n sorted peer ids, where i is our index
     among our own stage's sorted peer ids (``me`` counted whether listed or not); None when the next
-    stage has no peer. Every replica computing this from the same lists gives each next-stage peer a
-    share within one of the others, with no coordination."""
+    stage has no peer, or more peers than ours (a partner each would leave some idle: then every one
+    of them is used, as without affinity). Every replica computing this from the same lists gives
+    each next-stage peer a share within one of the others, with no coordination."""
     nexts = sorted(set(next_stage_peers))
-    if not nexts:
-        return None
     mine = sorted(set(my_stage_peers) | {me})
+    if not nexts or len(nexts) > len(mine):
+        return None
     return nexts[mine.index(me) % len(nexts)]
 
 
