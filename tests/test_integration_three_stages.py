@@ -157,9 +157,11 @@ def test_a_middle_stage_relays_activations_and_gradients(swarm):
 def test_training_goes_on_through_the_surviving_middle_replica(swarm):
     began = time.monotonic()
     [(_, first)], middles, [(_, last)] = start_swarm(swarm, [1, 2, 1])
-    wait_for(swarm, lambda: all(count(peek(api), "gradients_passed") > 0 for _, api in middles), START_DEADLINE,
-             about=first)  # both middle replicas carry training both ways
-    (victim, _), (_, survivor) = middles
+    wait_for(swarm, lambda: any(count(peek(api), "gradients_passed") > 0 for _, api in middles), START_DEADLINE,
+             about=first)  # a middle replica carries training both ways (stage 0's few micro-batches in flight
+    # may all go to the best one: the other is then the spare that must take over)
+    passed = [count(peek(api), "gradients_passed") for _, api in middles]
+    (victim, _), (_, survivor) = middles if passed[0] >= passed[1] else middles[::-1]
     wait_done(swarm, first, BEFORE_KILL)
 
     given_up_before, lost_before = count(swarm_doc(first), "given_up"), count(swarm_doc(last), "lost_backward")
