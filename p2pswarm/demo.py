@@ -192,8 +192,8 @@ class Progress:
     def new_round_lines(self) -> list[str]:
         """A line for each outer round whose held-out figure came in since the last look (its chains
         may still grow: a round is shown once at least two chains, or every stage-0 replica, measured it)."""
-        lines = []
-        for a in self.curve()[:-1] if len(self.curve()) > 1 else []:  # the newest may be missing chains yet
+        lines, curve = [], self.curve()
+        for a in curve[:-1]:  # the newest may be missing chains yet
             if a.round in self.shown:
                 continue
             self.shown.add(a.round)
