@@ -12,7 +12,8 @@ module that talks to the foreign library.
     ├── DialError              a peer or address could not be reached
     │   └── CircuitExhausted     a relay circuit cannot carry the next frame: try another peer
     ├── NoCandidates           no fresh peer serves what was asked for
-    └── StartupError           the node could not start (port in use, no bootstrap reachable)
+    ├── StartupError           the node could not start (port in use, no bootstrap reachable)
+    └── Overloaded             a valid request that cannot be served now (too many sessions): retry later
 """
 
 
