@@ -33,6 +33,14 @@ separately computes exactly the same function as the same model built as one sta
 included) start N(0, 0.02), the residual writes (o_proj, down_proj) N(0, 0.02 / sqrt(2 x
 layers)), the norms at 1.
 
+**Cached decode** (generation, ``swarm/inference.py``): ``forward(x, cache=KVCache())`` runs
+the new positions ``cache.length .. cache.length + n - 1`` of one sequence (batch 1) against the
+keys and values the cache holds (causal within the new positions, full over the cached ones),
+appends theirs to it, and, at the last stage, returns the logits of the last position only
+(``[1, vocab]``). Prefix then one token at a time equals the full forward (tests/test_kv_cache.py).
+It works under ``functional_call`` (the cache is a keyword argument); the training forward
+(no cache) takes the same path as before.
+
 This module imports torch; only ``p2pswarm/model/`` and the compute engine import it.
 """
 
@@ -41,6 +49,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -128,6 +137,36 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
 
 
+@dataclass
+class KVCache:
+    """One sequence's keys and values at one stage: per layer (k, v), each [1, kv_heads, length, head_dim]."""
+
+    layers: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    length: int = 0  # positions held: the next forward's first position
+
+    @property
+    def nbytes(self) -> int:
+        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.layers)
+
+
+def kv_bytes(spec: ModelSpec, stage: int, tokens: int, itemsize: int) -> int:
+    """The KV cache of ``tokens`` positions at ``stage``: 2 (k and v) x layers x tokens x kv_width x itemsize."""
+    start, end = spec.stage_range(stage)
+    return 2 * (end - start) * tokens * spec.kv_width * itemsize
+
+
+def _cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, gqa: bool) -> torch.Tensor:
+    """q [1, heads, n, d] at positions past..past+n-1 over k, v [1, kv_heads, past+n, d]."""
+    n = q.shape[2]
+    if n == 1:  # one new position sees every key: no mask
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+    if past == 0:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    keys = torch.arange(past + n, device=q.device)
+    mask = keys[None, :] <= (past + torch.arange(n, device=q.device))[:, None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
 class Attention(nn.Module):
     """Causal self-attention with rotary positions and grouped key/value heads (HF's names)."""
 
@@ -139,15 +178,24 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(spec.width, spec.kv_width, bias=False)
         self.o_proj = nn.Linear(spec.width, spec.width, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                past: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, tuple | None]:
+        """Output, and with ``past`` (a cached decode: the cached k, v) the k, v extended by x's."""
         batch, seq, width = x.shape
         q = self.q_proj(x).view(batch, seq, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(batch, seq, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, seq, self.kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = cos.to(q.dtype), sin.to(q.dtype)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.heads)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, width))
+        gqa = self.kv_heads != self.heads
+        if past is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            return self.o_proj(out.transpose(1, 2).reshape(batch, seq, width)), None
+        held = past[0].shape[2]
+        if held:
+            k, v = torch.cat((past[0], k), dim=2), torch.cat((past[1], v), dim=2)
+        out = _cached_attention(q, k, v, held, gqa)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, width)), (k, v)
 
 
 class MLP(nn.Module):
@@ -173,9 +221,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.width, spec.norm_eps)
         self.mlp = MLP(spec)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                past: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, tuple | None]:
+        attended, kv = self.self_attn(self.input_layernorm(x), cos, sin, past)
+        x = x + attended
+        return x + self.mlp(self.post_attention_layernorm(x)), kv
 
     def reset_parameters(self, generator: torch.Generator, n_layers: int) -> None:
         """N(0, 0.02) matrices, residual writes scaled down by depth, norms at 1."""
@@ -219,8 +269,12 @@ class StageModule(nn.Module):
                 self.norm.weight.fill_(1.0)
                 self.lm_head.weight.normal_(0.0, INIT_STD, generator=_generator(name, seed, "head"))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Token ids [B, T] (stage 0) or hidden states [B, T, width] → hidden states, or logits (last stage)."""
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """Token ids [B, T] (stage 0) or hidden states [B, T, width] → hidden states, or logits (last stage).
+
+        With ``cache``: a cached decode of one sequence (module docstring); the cache is extended."""
+        if cache is not None:
+            return self._decode(x, cache)
         if self.is_first:
             x = self._embed(x)
         elif x.dim() != 3 or x.shape[-1] != self.spec.width or not x.is_floating_point():
@@ -228,10 +282,32 @@ class StageModule(nn.Module):
                              f"not {x.dtype} {tuple(x.shape)}")
         cos, sin = rotary(self.spec, x.shape[1], x.device)
         for layer in self.layers:
-            x = layer(x, cos, sin)
+            x = layer(x, cos, sin)[0]
         if self.is_last:
             x = self.lm_head(self.norm(x))
         return x
+
+    def _decode(self, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        past, n = cache.length, x.shape[1]
+        if x.shape[0] != 1 or not 0 < past + n <= self.spec.context:
+            raise ValueError(f"a cached decode takes one sequence within the context of {self.spec.context}, "
+                             f"not {tuple(x.shape)} after {past} positions")
+        x = self._embed(x) if self.is_first else x
+        cos, sin = rotary(self.spec, past + n, x.device)
+        cos, sin = cos[past:], sin[past:]
+        layers = []
+        for i, layer in enumerate(self.layers):
+            held = cache.layers[i] if cache.layers else self._empty_kv(x)
+            x, kv = layer(x, cos, sin, held)
+            layers.append(kv)
+        cache.layers, cache.length = layers, past + n
+        if self.is_last:
+            return self.lm_head(self.norm(x[:, -1]))
+        return x
+
+    def _empty_kv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        empty = x.new_empty(1, self.spec.kv_heads, 0, self.spec.head_dim)
+        return empty, empty
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         if ids.dim() != 2 or ids.dtype != torch.int64:
