@@ -58,6 +58,11 @@ class StartupError(P2PSwarmError):
     """The node could not start: a port in use, no bootstrap peer reachable."""
 
 
+class Overloaded(P2PSwarmError):
+    """A valid request that cannot be served now (too many sessions, a session past its memory
+    budget): the client may retry later."""
+
+
 def first_error(exc: BaseException) -> BaseException:
     """The first P2PSwarmError inside (possibly nested) exception groups, or ``exc`` itself.
 
