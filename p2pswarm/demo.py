@@ -452,5 +452,6 @@ def _write_summary(path: Path, progress: Progress, seconds: float,
            "outer_rounds": sorted(f"{s}:{r}" for s, r in progress.outer),
            "curve": [{"round": a.round, "tokens": tokens, "bpb": a.bits_per_byte, "spread": a.spread,
                       "chains": len(a.chains)} for tokens, a in curve],
-           "live": [{"at": at, "bpb": bpb} for at, bpb in progress.heldout]}
+           "live": [{"at": at, "bpb": bpb} for at, bpb in progress.heldout],
+           "sources": sorted({source for source, _, _ in progress.evaluations})}  # stage-0 replicas evaluated
     Path(path).write_text(json.dumps(doc, indent=1))
