@@ -152,6 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="train this run as it is (its model and [diloco] values; --stages and --inner-steps "
                            "then do not apply); default: tiny-lm with the demo's DiLoCo values")
     _tokenizer_parser(sub)
+    from p2pswarm.export import add_parser as _export_parser
+
+    _export_parser(sub)
     models = sub.add_parser("models", help="list the models, their tiers and the packaged runs",
                             description="List the catalog's models with the tier table and the packaged runs "
                                         "(name, model, identity, tokenizer, lr, micro-batch, dtype); with --run, "
@@ -433,6 +436,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_ping(args)
         if args.command == "models":
             return cmd_models(args)
+        if args.command == "export":
+            from p2pswarm.export import cmd_export
+
+            return cmd_export(args)
         if args.command == "tokenizer":
             from p2pswarm.model.tokenizer import cmd_train
 
