@@ -6,6 +6,9 @@ per thread, and so are the caches torch keeps behind them: the engine must run e
 thread: jobs run one at a time, in the order submitted, so whatever goes through it never runs
 concurrently with the engine's other work.
 
+Two lanes: a job submitted with ``urgent=True`` (an inference step, ``swarm/inference.py``)
+runs before every ordinary job still queued, after the job running now; FIFO within a lane.
+
 ``await thread.run(fn, *args)`` submits ``fn(*args)`` and waits for its result (or exception)
 without blocking the trio loop: the thread wakes the waiting task through the loop's trio token.
 When the waiting task is cancelled, the job still runs to its end (a half-done optimizer step
@@ -16,6 +19,7 @@ queued by then run first); the thread is a daemon, so a process that exits does 
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 from collections.abc import Callable
@@ -28,6 +32,7 @@ import trio
 from p2pswarm.errors import LocalProtocolError
 
 _STOP = object()  # the sentinel that ends the thread's loop
+URGENT, ORDINARY, LAST = 0, 1, 2  # lanes: inference steps, the rest, the stop sentinel after both
 
 
 class ComputeThread:
@@ -35,7 +40,8 @@ class ComputeThread:
 
     def __init__(self, name: str = "p2pswarm-compute") -> None:
         self.name = name
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._jobs: queue.PriorityQueue = queue.PriorityQueue()  # (lane, submission number, job)
+        self._numbers = itertools.count()
         self._thread: threading.Thread | None = None
         self._stopping = False  # stop() was called: a job submitted now would never run
 
@@ -49,7 +55,7 @@ class ComputeThread:
         """Let the queued jobs run, then end the thread (without waiting for it)."""
         if self._thread is not None and not self._stopping:
             self._stopping = True
-            self._jobs.put(_STOP)
+            self._jobs.put((LAST, next(self._numbers), _STOP))
 
     @property
     def ident(self) -> int | None:
@@ -58,13 +64,14 @@ class ComputeThread:
 
     def _loop(self) -> None:
         while True:
-            job = self._jobs.get()
+            job = self._jobs.get()[2]
             if job is _STOP:
                 return
             job()
 
-    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(*args)`` on the thread; its result, or its exception raised here."""
+    async def run(self, fn: Callable[..., Any], *args: Any, urgent: bool = False) -> Any:
+        """``fn(*args)`` on the thread; its result, or its exception raised here. ``urgent``: ahead of
+        the ordinary jobs queued (module docstring)."""
         if self._thread is None or self._stopping:
             raise LocalProtocolError(f"{self.name} is not running")
         token = trio.lowlevel.current_trio_token()
@@ -78,7 +85,7 @@ class ComputeThread:
             except trio.RunFinishedError:  # the loop is gone: nobody waits for this result
                 pass
 
-        self._jobs.put(job)
+        self._jobs.put((URGENT if urgent else ORDINARY, next(self._numbers), job))
         await done.wait()  # (cancelled: the job still runs; its result is dropped)
         return box[0].unwrap()
 

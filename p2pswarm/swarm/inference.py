@@ -1,0 +1,213 @@
+"""Inference sessions, ``/p2pswarm/infer/1.0.0``: a generation client runs a sequence through a stage.
+
+Request and reply frames on a pooled stream (as the snapshot protocol):
+
+- ``infer.step`` (payload: the new positions' input: token ids as int64 ``[1, n]`` at stage 0,
+  hidden states ``[1, n, width]`` in the run's activation dtype otherwise): ``run``, ``model``,
+  ``stage``, ``session`` (16 random bytes), ``position`` (of the first new position), ``round``
+  (the DiLoCo outer round whose agreed weights the client wants; ``NO_ROUND``: the replica's
+  latest), ``dtype``, ``shape``;
+- reply ``infer.out`` (payload: the new positions' hidden states in the run's activation dtype,
+  or at the last stage the last position's logits ``[1, vocab]`` as float32): ``session``,
+  ``position``, ``round`` (the round whose agreed weights the replica used, ``NO_ROUND``: its live
+  weights, none agreed yet), ``dtype``, ``shape``; or ``wire.ErrorReply`` with a code:
+  ``unknown-session`` (expired, closed, never here, or its round no longer held: replay from 0),
+  ``bad-position``, ``busy``, ``overloaded`` (too many sessions or past a KV budget),
+  ``too-long`` (past the model's context), ``bad-input``, ``wrong-stage``, ``other-run``;
+- ``infer.close`` (no payload, no reply): ``session``; the replica drops its cache.
+
+A session pins the round of its first step: later steps decode with the same agreed weights
+(bit-equal on every replica of the stage) while the replica keeps that round
+(``engine.AGREED_KEPT``), so a replay on another replica gives the same output. The server runs
+each step as an urgent job of the engine's compute thread (``compute_thread``: ahead of every
+queued training job, ``Priority.INFERENCE_URGENT``); it never waits in the training buffers.
+The KV caches live on the engine's device; ``sessions.SessionTable`` checks the budgets before a
+step allocates. ``docs/protocols.md`` ("Inference sessions") is the normative description.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import trio
+
+from p2pswarm import wire
+from p2pswarm.dht.records import MAX_MODEL_CHARS, MAX_STAGES, RUN_BYTES
+from p2pswarm.errors import RemoteProtocolError
+from p2pswarm.swarm.activation import NO_ROUND, SESSION_BYTES
+from p2pswarm.swarm.sessions import Limits, SessionRefused, SessionTable
+
+log = logging.getLogger(__name__)
+
+PROTOCOL_ID = "/p2pswarm/infer/1.0.0"
+MAX_POSITIONS = 1 << 20  # far past any catalog context (1024); the spec's context is checked by the server
+IDS_DTYPE = "int64"  # token ids on the wire
+LOGITS_DTYPE = "float32"  # the last stage's reply
+
+
+def _check_head(kind: str, session: bytes, position: int, round_: int) -> None:
+    if len(session) != SESSION_BYTES:
+        raise RemoteProtocolError(f"{kind}: session id of {len(session)} bytes, not {SESSION_BYTES}")
+    if not 0 <= position < MAX_POSITIONS:
+        raise RemoteProtocolError(f"{kind}: position {position} out of range")
+    if not NO_ROUND <= round_ <= wire.INT_MAX:
+        raise RemoteProtocolError(f"{kind}: round {round_} out of range")
+
+
+def _check_shape(kind: str, dtype: str, shape: tuple[int, ...], position: int, payload_len: int) -> None:
+    if len(shape) not in (2, 3) or shape[0] != 1 or not 0 < shape[1] <= MAX_POSITIONS - position:
+        raise RemoteProtocolError(f"{kind}: shape {shape} is not one sequence [1, n(, width)] of new positions")
+    wire.check_tensor(dtype, shape, payload_len)
+
+
+@wire.message("infer.step")
+class InferStep(wire.Message):
+    """The input of positions ``position .. position + n - 1`` of ``session`` at ``stage``."""
+
+    run: bytes
+    model: str
+    stage: int
+    session: bytes
+    position: int
+    round: int  # wanted; NO_ROUND: the replica's latest
+    dtype: str
+    shape: tuple[int, ...]
+
+    def check(self, payload_len: int) -> None:
+        if len(self.run) != RUN_BYTES:
+            raise RemoteProtocolError(f"{self.TYPE}: run identity of {len(self.run)} bytes, not {RUN_BYTES}")
+        if not 0 < len(self.model) <= MAX_MODEL_CHARS or not 0 <= self.stage < MAX_STAGES:
+            raise RemoteProtocolError(f"{self.TYPE}: model of {len(self.model)} chars or stage {self.stage}")
+        _check_head(self.TYPE, self.session, self.position, self.round)
+        _check_shape(self.TYPE, self.dtype, self.shape, self.position, payload_len)
+
+
+@wire.message("infer.out")
+class InferOut(wire.Message):
+    """What ``stage`` made of a step: hidden states, or the last position's logits."""
+
+    session: bytes
+    position: int
+    round: int  # used; NO_ROUND: live weights
+    dtype: str
+    shape: tuple[int, ...]
+
+    def check(self, payload_len: int) -> None:
+        _check_head(self.TYPE, self.session, self.position, self.round)
+        _check_shape(self.TYPE, self.dtype, self.shape, self.position, payload_len)
+
+
+@wire.message("infer.close")
+class InferClose(wire.Message):
+    """The client is done with ``session``."""
+
+    session: bytes
+
+    def check(self, payload_len: int) -> None:
+        if payload_len:
+            raise RemoteProtocolError(f"{self.TYPE} carries no payload, got {payload_len} bytes")
+        if len(self.session) != SESSION_BYTES:
+            raise RemoteProtocolError(f"{self.TYPE}: session id of {len(self.session)} bytes")
+
+
+def max_step_bytes(spec, itemsize: int = 4) -> int:
+    """The largest step or reply payload for ``spec``: a whole context of hidden states (a replay),
+    or of token ids, or one position's logits."""
+    return max(spec.context * spec.width * itemsize, spec.context * 8, spec.vocab * 4)
+
+
+class RoundGone(Exception):
+    """The round a session pinned is no longer held: the session must be replayed."""
+
+
+class InferenceServer:
+    """Answers inference steps for our stage with the engine's agreed weights (module docstring)."""
+
+    def __init__(self, service, limits: Limits | None = None) -> None:
+        from p2pswarm.model.transformer import kv_bytes
+
+        self.service, self.spec, self.stage = service, service.spec, service.stage
+        self.wire_dtype = service.config.activation_dtype
+        itemsize = 2 if service.placement.autocast_dtype else 4  # the cache's dtype follows the forward's
+        self.table = SessionTable(limits or Limits(kv_bytes(self.spec, self.stage, 1, itemsize)))
+        self.steps = 0
+        self.refused = 0
+
+    async def on_frame(self, peer: str, message, payload: bytes):
+        if isinstance(message, InferClose):
+            self.table.close(message.session)
+            return None
+        if not isinstance(message, InferStep):
+            raise RemoteProtocolError(f"{message.TYPE} is not an inference request")
+        error = self._refusal(message)
+        if error is not None:
+            self.refused += 1
+            return error
+        now = trio.current_time()
+        try:
+            entry = self.table.begin(message.session, message.position, message.shape[1], now)
+        except SessionRefused as exc:
+            self.refused += 1
+            return wire.ErrorReply(exc.code, str(exc))
+        try:
+            round_, cache, reply = await self.service.compute.run(self._decode, entry, message, payload, urgent=True)
+        except RoundGone:
+            self.table.abandon(message.session)
+            return wire.ErrorReply("unknown-session", f"round {entry.round} is no longer held here: replay")
+        except (ValueError, RuntimeError) as exc:  # a token id past the vocabulary, or a bad tensor
+            self.table.abandon(message.session)
+            return wire.ErrorReply("bad-input", str(exc)[:wire.MAX_STR_BYTES // 4])
+        except BaseException:
+            self.table.abandon(message.session)
+            raise
+        entry.round = round_
+        self.table.finish(message.session, cache, trio.current_time())
+        self.steps += 1
+        dtype, shape, data = reply
+        return InferOut(message.session, message.position, round_, dtype, shape), data
+
+    def _refusal(self, m: InferStep) -> wire.ErrorReply | None:
+        if m.run != self.service.run_id:
+            return wire.ErrorReply("other-run", f"this peer serves run {self.service.run_id.hex()}")
+        if (m.model, m.stage) != (self.spec.name, self.stage):
+            return wire.ErrorReply("wrong-stage", f"this peer serves stage {self.stage} of {self.spec.name}")
+        n = m.shape[1]
+        if m.position + n > self.spec.context:
+            return wire.ErrorReply("too-long", f"positions up to {m.position + n} pass the context of "
+                                               f"{self.spec.context}")
+        want = (IDS_DTYPE, (1, n)) if self.stage == 0 else (self.wire_dtype, (1, n, self.spec.width))
+        if (m.dtype, m.shape) != want:
+            return wire.ErrorReply("bad-input", f"stage {self.stage} takes {want[0]} {list(want[1])}, "
+                                                f"not {m.dtype} {list(m.shape)}")
+        return None
+
+    def _decode(self, entry, message: InferStep, payload: bytes):
+        """Compute thread: one step of the session on the pinned (or wanted) round's weights."""
+        import torch
+        from torch.func import functional_call
+
+        from p2pswarm.model.transformer import KVCache
+        from p2pswarm.swarm import engine as eng
+
+        engine = self.service.engine
+        wanted = entry.round if entry.round is not None else message.round
+        round_, weights = engine._eval_weights(engine.agreed_round if wanted == NO_ROUND else wanted)
+        if entry.round is not None and round_ != entry.round:
+            raise RoundGone()
+        cache = entry.cache if entry.cache is not None else KVCache()
+        x = engine._input(eng.from_wire(message.dtype, message.shape, payload))
+        if self.stage == 0 and (int(x.min()) < 0 or int(x.max()) >= self.spec.vocab):
+            raise ValueError(f"a token id outside the vocabulary of {self.spec.vocab}")
+        with torch.no_grad(), engine._autocast():
+            y = engine.module(x, cache=cache) if weights is None else \
+                functional_call(engine.module, weights, (x,), {"cache": cache})
+        if self.service.is_last:
+            return round_, cache, eng.to_wire(y.float().cpu())
+        return round_, cache, engine.wire_out(y)
+
+    def expire(self, now: float) -> int:
+        return self.table.expire(now)
+
+    def doc(self) -> dict:
+        return {**self.table.doc(), "steps": self.steps, "refused": self.refused}
+

@@ -1,0 +1,235 @@
+"""The inference protocol: its messages (round trips, total decoding, bounds), the compute thread's
+urgent lane, and the server's answers on a real engine (no network)."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+import trio
+from hypothesis import given
+from hypothesis import strategies as st
+
+from p2pswarm import wire
+from p2pswarm.errors import LocalProtocolError, RemoteProtocolError
+from p2pswarm.model.catalog import ModelSpec
+from p2pswarm.model.transformer import build_model
+from p2pswarm.swarm import engine as eng
+from p2pswarm.swarm.activation import NO_ROUND, SESSION_BYTES, UNNAMED_RUN
+from p2pswarm.swarm.compute_thread import open_compute_thread
+from p2pswarm.swarm.device import Placement
+from p2pswarm.swarm.inference import MAX_POSITIONS, InferClose, InferenceServer, InferOut, InferStep
+from p2pswarm.swarm.sessions import Limits
+from p2pswarm.testing.strategies import (SMALL_DIM, decodes_or_raises_remote_error, register_frames, run_bytes,
+                                         unchecked_frame)
+
+def trio_test(fn):
+    """Run an async test under trio (no pytest plugin)."""
+    def test():
+        trio.run(fn)
+    test.__name__ = fn.__name__
+    return test
+
+
+SESSIONS = st.binary(min_size=SESSION_BYTES, max_size=SESSION_BYTES)
+ROUNDS = st.integers(NO_ROUND, wire.INT_MAX)
+POSITIONS = st.integers(0, MAX_POSITIONS - SMALL_DIM - 1)
+
+
+@st.composite
+def _tensor(draw):
+    dtype = draw(st.sampled_from(sorted(wire.DTYPE_SIZES)))
+    shape = (1, draw(st.integers(1, SMALL_DIM)), *draw(st.lists(st.integers(0, SMALL_DIM), max_size=1)))
+    count = 1
+    for dim in shape:
+        count *= dim
+    size = count * wire.DTYPE_SIZES[dtype]
+    return dtype, shape, draw(st.binary(min_size=size, max_size=size))
+
+
+@st.composite
+def steps(draw):
+    dtype, shape, payload = draw(_tensor())
+    return InferStep(draw(run_bytes), draw(st.text(min_size=1, max_size=20)), draw(st.integers(0, 63)),
+                     draw(SESSIONS), draw(POSITIONS), draw(ROUNDS), dtype, shape), payload
+
+
+@st.composite
+def outs(draw):
+    dtype, shape, payload = draw(_tensor())
+    return InferOut(draw(SESSIONS), draw(POSITIONS), draw(ROUNDS), dtype, shape), payload
+
+
+CLOSES = SESSIONS.map(lambda s: (InferClose(s), b""))
+for _cls, _strategy in ((InferStep, steps()), (InferOut, outs()), (InferClose, CLOSES)):
+    register_frames(_cls, _strategy)
+FRAMES = st.one_of(steps(), outs(), CLOSES)
+
+
+@given(FRAMES)
+def test_round_trip(pair):
+    assert wire.decode_frame(wire.encode_frame(*pair)) == pair
+
+
+@given(FRAMES, st.data())
+def test_every_truncation_is_refused(pair, data):
+    frame = wire.encode_frame(*pair)
+    with pytest.raises(RemoteProtocolError):
+        wire.decode_frame(frame[:data.draw(st.integers(0, len(frame) - 1))])
+
+
+@given(FRAMES, st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), min_size=1, max_size=3))
+def test_corrupted_frames_decode_or_raise_remote_error(pair, flips):
+    frame = bytearray(wire.encode_frame(*pair))
+    for pos, byte in flips:
+        frame[pos % len(frame)] = byte
+    decodes_or_raises_remote_error(bytes(frame))
+
+
+@given(FRAMES, st.sampled_from(["run", "model", "stage", "session", "position", "round", "dtype", "shape"]),
+       st.none() | st.integers() | st.binary(max_size=40) | st.text(max_size=8)
+       | st.lists(st.integers(-2, 2**40), max_size=10))
+def test_mutated_fields_decode_or_raise_remote_error(pair, field, value):
+    decodes_or_raises_remote_error(unchecked_frame(pair, fields={field: value}))
+
+
+@given(st.one_of(steps(), outs()), st.integers(-16, 16).filter(bool))
+def test_payload_not_matching_the_header_is_refused(pair, delta):
+    msg, payload = pair
+    wrong = payload + b"\0" * delta if delta > 0 else payload[:delta]
+    if len(wrong) == len(payload):
+        return
+    with pytest.raises(RemoteProtocolError):
+        wire.decode_frame(unchecked_frame(pair, wrong))
+    with pytest.raises(LocalProtocolError):
+        wire.encode_frame(msg, wrong)
+
+
+@pytest.mark.parametrize("fields", [
+    {"session": b"x" * 15}, {"position": -1}, {"position": MAX_POSITIONS}, {"round": -2},
+    {"shape": (2, 1)}, {"shape": (1, 0)}, {"shape": (1,)}, {"shape": (1, 1, 1, 1)}, {"run": b"r"}, {"stage": -1},
+    {"model": ""},
+])
+def test_out_of_bounds_steps_are_refused(fields):
+    pair = (InferStep(UNNAMED_RUN, "m", 0, b"s" * SESSION_BYTES, 0, NO_ROUND, "int64", (1, 1)), bytes(8))
+    with pytest.raises(RemoteProtocolError):
+        wire.decode_frame(unchecked_frame(pair, fields=fields))
+
+
+def test_a_close_carries_no_payload():
+    with pytest.raises(RemoteProtocolError):
+        wire.decode_frame(unchecked_frame((InferClose(b"s" * SESSION_BYTES), b""), b"x"))
+
+
+# --- the compute thread's urgent lane ------------------------------------------------------------------
+
+
+@trio_test
+async def test_an_urgent_job_runs_before_the_ordinary_jobs_queued():
+    order, gate = [], threading.Event()
+    async with open_compute_thread("test-lanes") as thread:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(thread.run, gate.wait)
+            await trio.sleep(0)  # (the waits below poll for the queue, never for a time)
+            for name, urgent in (("train-1", False), ("train-2", False), ("infer", True)):
+                nursery.start_soon(lambda n=name, u=urgent: thread.run(order.append, n, urgent=u))
+                while thread._jobs.qsize() < {"train-1": 1, "train-2": 2, "infer": 3}[name]:
+                    await trio.sleep(0.001)
+            gate.set()
+    assert order == ["infer", "train-1", "train-2"]
+
+
+# --- the server on a real engine --------------------------------------------------------------------------
+
+SPEC = ModelSpec("infer-lm", n_layers=2, stage_size=1, width=32, heads=4, kv_heads=2, ffn=64, context=16)
+
+
+def _service(stage, compute):
+    engine = eng.StageEngine(SPEC, stage)
+    return SimpleNamespace(spec=SPEC, stage=stage, config=eng.TrainConfig(), placement=Placement(),
+                           run_id=UNNAMED_RUN, engine=engine, compute=compute, is_last=stage == SPEC.last_stage)
+
+
+def _step(stage, session, position, tensor, round_=NO_ROUND):
+    dtype, shape, data = eng.to_wire(tensor)
+    return InferStep(UNNAMED_RUN, SPEC.name, stage, session, position, round_, dtype, shape), data
+
+
+async def _ask(server, pair):
+    """Through the wire's encoder and decoder, as a peer's frame would come."""
+    return await server.on_frame("peer", *wire.decode_frame(wire.encode_frame(*pair)))
+
+
+@trio_test
+async def test_steps_through_two_servers_equal_the_full_forward_and_say_their_round():
+    ids = torch.randint(0, 256, (1, 10), generator=torch.Generator().manual_seed(0))
+    stages = build_model(SPEC, seed=0)
+    with torch.no_grad():
+        full = stages[1](stages[0](ids))
+    session, got = b"s" * SESSION_BYTES, []
+    async with open_compute_thread("test-infer") as compute:
+        servers = [InferenceServer(_service(s, compute)) for s in range(2)]
+        for start, end in ((0, 6), (6, 7), (7, 8), (8, 10)):
+            out, data = await _ask(servers[0], _step(0, session, start, ids[:, start:end]))
+            assert (out.position, out.round, out.shape) == (start, NO_ROUND, (1, end - start, SPEC.width))
+            hidden = eng.from_wire(out.dtype, out.shape, data)
+            out, data = await _ask(servers[1], _step(1, session, start, hidden))
+            assert out.shape == (1, SPEC.vocab) and out.dtype == "float32"
+            got.append(eng.from_wire(out.dtype, out.shape, data))
+        assert servers[0].table.sessions[session].length == 10
+        assert await _ask(servers[0], (InferClose(session), b"")) is None
+        assert not servers[0].table.sessions
+    expected = full[0, [5, 6, 7, 9]]
+    assert (torch.cat(got) - expected).abs().max().item() <= 1e-5
+
+
+@trio_test
+async def test_the_server_refuses_what_it_cannot_serve_with_its_code():
+    session = b"t" * SESSION_BYTES
+    one = torch.zeros(1, 1, dtype=torch.int64)
+    async with open_compute_thread("test-infer-errors") as compute:
+        server = InferenceServer(_service(0, compute), Limits(bytes_per_token=1, max_sessions=1, session_bytes=4))
+        cases = [
+            (_step(0, session, 3, one), "unknown-session"),
+            (_step(0, session, 0, torch.zeros(1, SPEC.context + 1, dtype=torch.int64)), "too-long"),
+            (_step(0, session, 0, torch.zeros(1, 1, 4)), "bad-input"),
+            (_step(0, session, 0, torch.full((1, 1), SPEC.vocab, dtype=torch.int64)), "bad-input"),
+            (_step(0, session, 0, torch.zeros(1, 5, dtype=torch.int64)), "overloaded"),  # past the session's 4 bytes
+            ((InferStep(b"r" * 8, SPEC.name, 0, session, 0, NO_ROUND, "int64", (1, 1)), bytes(8)), "other-run"),
+            (_step(1, session, 0, one), "wrong-stage"),
+        ]
+        for pair, code in cases:
+            reply = await _ask(server, pair)
+            assert isinstance(reply, wire.ErrorReply) and reply.code == code, (code, reply)
+        assert isinstance((await _ask(server, _step(0, session, 0, one)))[0], InferOut)
+        reply = await _ask(server, _step(0, session, 2, one))
+        assert reply.code == "bad-position"
+        reply = await _ask(server, _step(0, b"u" * SESSION_BYTES, 0, one))
+        assert reply.code == "overloaded"  # one session at a time
+        assert not [s for s in server.table.sessions.values() if s.pending]
+
+
+@trio_test
+async def test_a_session_decodes_with_the_agreed_weights_of_its_first_round():
+    session = b"v" * SESSION_BYTES
+    async with open_compute_thread("test-infer-rounds") as compute:
+        service = _service(1, compute)
+        engine = service.engine
+        flat = torch.cat([p.detach().flatten() for p in engine.params.values()])
+        await compute.run(engine.agree, 3, flat * 2)
+        server = InferenceServer(service)
+        hidden = torch.randn(1, 7, SPEC.width, generator=torch.Generator().manual_seed(1))
+        out, _ = await _ask(server, _step(1, session, 0, hidden[:, :5]))
+        assert out.round == 3
+        await compute.run(engine.agree, 4, flat)
+        out, _ = await _ask(server, _step(1, session, 5, hidden[:, 5:6]))
+        assert out.round == 3  # pinned while it is kept
+        await compute.run(engine.agree, 5, flat)
+        reply = await _ask(server, _step(1, session, 6, hidden[:, 6:]))
+        assert reply.code == "unknown-session"  # round 3 is no longer kept: the client replays
+        reply = await _ask(server, _step(1, b"w" * SESSION_BYTES, 0, hidden[:, :1], round_=4))
+        assert reply[0].round == 4
+        reply = await _ask(server, _step(1, b"w" * SESSION_BYTES, 1, hidden[:, 1:2]))
+        assert reply[0].round == 4
