@@ -10,6 +10,8 @@
   the engine's one long-lived thread (``compute_thread``), so the trio loop never waits on torch;
   results go to the outbound queue, and when that is full the step counts as local-only and the
   worker goes on;
+- **inference**: ``/p2pswarm/infer/1.0.0`` steps of generation sessions (``swarm/inference.py``) run
+  as urgent jobs of the compute thread, ahead of the queued training work, never in its buffers;
 - **outbound**: ``SENDERS`` tasks deliver forwards to the next stage with failover and
   gradients back to the peer each micro-batch came from (``swarm/sender.py``);
 - **stage 0** cuts micro-batches from its own offset of the corpus, keeps one in flight per stage
@@ -55,6 +57,8 @@ from p2pswarm.swarm.compute_thread import ComputeThread, open_compute_thread
 from p2pswarm.swarm.device import Placement
 from p2pswarm.swarm.buffers import EngineLedger, Outcome, Priority, hand_on, inbound_buffer, outbound_queue
 from p2pswarm.swarm.evaluation import EVAL_BATCHES, EVAL_ROWS, EvalBook, agreement
+from p2pswarm.swarm.inference import PROTOCOL_ID as INFER_PROTOCOL
+from p2pswarm.swarm.inference import InferenceServer, max_step_bytes
 from p2pswarm.swarm.inflight import InFlight, RecentKeys
 from p2pswarm.swarm.router import Candidate, Router, partner_for
 from p2pswarm.swarm.sender import Deliverer, Send
@@ -119,6 +123,7 @@ class SwarmService:
         self.affinity = os.environ.get(AFFINITY_ENV, "1") != "0"  # prefer one partner of the next stage
         self.evals = EvalBook()
         self.engine: eng.StageEngine | None = None
+        self.inference: InferenceServer | None = None  # inference sessions (swarm/inference.py), once running
         self.engine_lock = trio.Lock()  # one user of the engine's tensors at a time: the worker, or DiLoCo
         self.extensions = list(extensions)  # e.g. DiLoCo: prepare(service) before training, run(service) beside it
         self.deliverer: Deliverer | None = None
@@ -158,6 +163,8 @@ class SwarmService:
             self.deliverer = Deliverer(self._pool, self.router, on_acked=self._sent,
                                        on_lost=self._send_lost, on_peer_error=self._downstream_failed)
             self._pool.serve(PROTOCOL_ID, self._on_frame, max_payload=self._max_payload())
+            self.inference = InferenceServer(self)  # generation's sessions: urgent jobs of the compute thread
+            self._pool.serve(INFER_PROTOCOL, self.inference.on_frame, max_payload=max_step_bytes(self.spec))
             nursery.start_soon(self._compute_worker)
             nursery.start_soon(self._release_held_evals)
             for _ in range(SENDERS):
@@ -528,6 +535,8 @@ class SwarmService:
                 for peer in {e.sent_to for e in self.inflight.entries() if e.sent_to} - connected:
                     self._downstream_failed(peer)
                 self._expire_in_flight()
+                if self.inference is not None:
+                    self.inference.expire(trio.current_time())  # idle sessions' KV caches freed
                 self._note_slow_links()
                 self._sample_rate()
                 self._banned = {p: t for p, t in self._banned.items() if t > trio.current_time()}
@@ -624,6 +633,7 @@ class SwarmService:
             "inbound": _fill_doc(self.inbound.stats(now)), "outbound": _fill_doc(self.outbound.stats(now)),
             "router": self._router_doc(),
             "delivery": self.deliverer.stats() if self.deliverer else {},
+            "inference": self.inference.doc() if self.inference else {},
         }
 
     def _router_doc(self) -> dict:
