@@ -83,6 +83,7 @@ class NodeState:
     load_sources: list[Callable[[], int]] = field(default_factory=list)  # queued work, summed in records
     swarm: object = None  # the SwarmService training our stage (p2pswarm.swarm.service), join only
     diloco: object = None  # its outer rounds and snapshots (p2pswarm.diloco.service), join only
+    completer: object = None  # text generation through the swarm (p2pswarm.swarm.generation), once joined
     started_at: float = field(default_factory=time.time)
 
     def addrs(self) -> list[str]:
@@ -158,6 +159,10 @@ async def _join_dht(state: NodeState, nursery: trio.Nursery, rng: random.Random,
     state.index = StageIndex(host, state.kad, state.control, RecordStore(), server=config.dht_server)
     state.nat.set_dht_server = state.index.set_server
     state.stage_map = StageMap(state.index, state.model, nursery, run=state.run.identity)
+    from p2pswarm.swarm.generation import SwarmCompleter  # no torch until a request samples
+
+    state.completer = SwarmCompleter(state.pool, state.stage_map, state.model, state.run,
+                                     load_tokenizer(state.run.tokenizer))  # any node with a map can generate
     reached = await join_network(host, state.kad, bootstrap_infos, BOOTSTRAP_DIAL_TIMEOUT)
     log.info("joined the DHT through %d bootstrap peer(s); routing table holds %d",
              reached, state.kad.get_routing_table_size())
