@@ -233,3 +233,133 @@ async def test_a_session_decodes_with_the_agreed_weights_of_its_first_round():
         assert reply[0].round == 4
         reply = await _ask(server, _step(1, b"w" * SESSION_BYTES, 1, hidden[:, 1:2]))
         assert reply[0].round == 4
+
+
+# --- the client, against in-process servers (no network) --------------------------------------------------
+
+from contextlib import asynccontextmanager  # noqa: E402
+
+from p2pswarm.completions import CompletionRequest  # noqa: E402
+from p2pswarm.errors import ConfigError, DialError, NoCandidates  # noqa: E402
+from p2pswarm.model.tokenizer import ByteTokenizer  # noqa: E402
+from p2pswarm.swarm.generation import SwarmCompleter  # noqa: E402
+
+
+class _Stream:
+    def __init__(self, pool, peer):
+        self.pool, self.peer, self.replies = pool, peer, []
+
+    async def write_frame(self, message, payload=b""):
+        if self.peer in self.pool.dead:
+            raise DialError(f"{self.peer} is dead")
+        reply = await self.pool.servers[self.peer].on_frame("client", *wire.decode_frame(
+            wire.encode_frame(message, payload)))
+        self.pool.steps.append((self.peer, getattr(message, "position", None)))
+        if reply is not None:
+            self.replies.append(reply if isinstance(reply, tuple) else (reply, b""))
+
+    async def read_frame(self, *, max_payload, timeout):
+        return wire.decode_frame(wire.encode_frame(*self.replies.pop(0)))
+
+
+class _Pool:
+    """Leases that hand frames to in-process servers, by peer id; peers in ``dead`` fail to dial."""
+
+    def __init__(self, servers):
+        self.servers, self.dead, self.steps = servers, set(), []
+
+    @asynccontextmanager
+    async def lease(self, peer, protocol):
+        yield _Stream(self, peer)
+
+
+class _Map:
+    def __init__(self, peers_by_stage):
+        self.peers = peers_by_stage
+
+    def candidates(self, stage):
+        return [SimpleNamespace(peer_id=p) for p in self.peers[stage]]
+
+    def pool(self, stage):
+        return self.candidates(stage)
+
+
+def _greedy_reference(prompt: bytes, new: int) -> list[int]:
+    stages, ids = build_model(SPEC, seed=0), list(prompt)
+    with torch.no_grad():
+        for _ in range(new):
+            logits = stages[1](stages[0](torch.tensor([ids])))
+            ids.append(int(logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+async def _generate(completer, **kw):
+    chunks = [c async for c in completer.stream(CompletionRequest(**kw))]
+    return chunks, [t for c in chunks for t in c.token_ids]
+
+
+@trio_test
+async def test_greedy_generation_through_servers_equals_the_full_model_and_survives_a_dead_replica():
+    prompt = b"hello"
+    expected = _greedy_reference(prompt, 6)
+    async with open_compute_thread("test-client") as compute:
+        servers = {"a0": InferenceServer(_service(0, compute)), "b0": InferenceServer(_service(0, compute)),
+                   "a1": InferenceServer(_service(1, compute))}
+        pool = _Pool(servers)
+        completer = SwarmCompleter(pool, _Map({0: ["a0", "b0"], 1: ["a1"]}), SPEC, None, ByteTokenizer())
+        chunks, tokens = await _generate(completer, prompt="hello", max_new_tokens=6)
+        assert tokens == expected
+        assert chunks[-1].finish_reason == "length" and all(c.finish_reason is None for c in chunks[:-1])
+        assert chunks[0].rounds == (NO_ROUND, NO_ROUND) and chunks[0].prompt_tokens == 5
+        assert not servers["a0"].table.sessions and not servers["a1"].table.sessions  # closed at the end
+
+        pool.steps.clear()
+
+        async def kill_a0_after_three_tokens():
+            async for chunk in completer.stream(CompletionRequest("hello", max_new_tokens=6)):
+                yield chunk
+                if len([p for p, _ in pool.steps if p == "a0"]) >= 3:
+                    pool.dead.add("a0")
+
+        tokens = [t async for c in kill_a0_after_three_tokens() for t in c.token_ids]
+        assert tokens == expected
+        replay = [pos for peer, pos in pool.steps if peer == "b0"]
+        assert replay and replay[0] == 0  # b0 was sent the whole prefix at position 0
+        pool.dead.add("b0")
+        with pytest.raises(NoCandidates):
+            await _generate(completer, prompt="hello", max_new_tokens=2)
+
+
+@trio_test
+async def test_an_expired_session_is_replayed_on_the_same_replica_and_limits_are_clear_errors():
+    async with open_compute_thread("test-client-expiry") as compute:
+        servers = {"a0": InferenceServer(_service(0, compute)), "a1": InferenceServer(_service(1, compute))}
+        pool = _Pool(servers)
+        completer = SwarmCompleter(pool, _Map({0: ["a0"], 1: ["a1"]}), SPEC, None, ByteTokenizer())
+        got = []
+        async for chunk in completer.stream(CompletionRequest("hi", max_new_tokens=5)):
+            got.extend(chunk.token_ids)
+            if len(got) == 2:
+                servers["a1"].table.sessions.clear()  # as if it expired
+        assert got == _greedy_reference(b"hi", 5)
+        with pytest.raises(ConfigError):
+            await _generate(completer, prompt="x" * SPEC.context, max_new_tokens=1)
+        chunks, tokens = await _generate(completer, prompt="x" * (SPEC.context - 3), max_new_tokens=10)
+        assert len(tokens) == 3 and chunks[-1].finish_reason == "length"  # stopped at the context
+
+
+@trio_test
+async def test_sampling_with_a_seed_is_repeatable_and_text_waits_for_whole_characters():
+    async with open_compute_thread("test-client-sampling") as compute:
+        servers = {"a0": InferenceServer(_service(0, compute)), "a1": InferenceServer(_service(1, compute))}
+        completer = SwarmCompleter(_Pool(servers), _Map({0: ["a0"], 1: ["a1"]}), SPEC, None, ByteTokenizer())
+        kw = dict(prompt="abc", max_new_tokens=12, temperature=1.5, top_p=0.9)
+        first = (await _generate(completer, seed=7, **kw))[1]
+        assert (await _generate(completer, seed=7, **kw))[1] == first
+        others = [(await _generate(completer, seed=s, **kw))[1] for s in (8, 9, 10)]
+        assert any(o != first for o in others)
+    from p2pswarm.swarm.generation import _TextTail
+
+    tail, euro = _TextTail(ByteTokenizer()), list("a€".encode())
+    pieces = [tail.add(euro[:i], final=False) for i in range(1, len(euro) + 1)]
+    assert pieces == ["a", "", "", "€"]
