@@ -128,11 +128,17 @@ def test_a_close_carries_no_payload():
 
 @trio_test
 async def test_an_urgent_job_runs_before_the_ordinary_jobs_queued():
-    order, gate = [], threading.Event()
+    order, gate, running = [], threading.Event(), threading.Event()
+
+    def blocker():
+        running.set()
+        gate.wait()
+
     async with open_compute_thread("test-lanes") as thread:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(thread.run, gate.wait)
-            await trio.sleep(0)  # (the waits below poll for the queue, never for a time)
+            nursery.start_soon(thread.run, blocker)
+            while not running.is_set():  # (the waits here poll for the state, never for a time)
+                await trio.sleep(0.001)
             for name, urgent in (("train-1", False), ("train-2", False), ("infer", True)):
                 nursery.start_soon(lambda n=name, u=urgent: thread.run(order.append, n, urgent=u))
                 while thread._jobs.qsize() < {"train-1": 1, "train-2": 2, "infer": 3}[name]:
