@@ -162,7 +162,8 @@ async def _join_dht(state: NodeState, nursery: trio.Nursery, rng: random.Random,
     from p2pswarm.swarm.generation import SwarmCompleter  # no torch until a request samples
 
     state.completer = SwarmCompleter(state.pool, state.stage_map, state.model, state.run,
-                                     load_tokenizer(state.run.tokenizer))  # any node with a map can generate
+                                     load_tokenizer(state.run.tokenizer), me=state.identity.peer_id_text,
+                                     local=lambda: getattr(state.swarm, "inference", None))  # any node with a map
     reached = await join_network(host, state.kad, bootstrap_infos, BOOTSTRAP_DIAL_TIMEOUT)
     log.info("joined the DHT through %d bootstrap peer(s); routing table holds %d",
              reached, state.kad.get_routing_table_size())

@@ -11,8 +11,9 @@ soon as it is whole UTF-8 (an incomplete character waits for the next token). It
 ``finish_reason`` "length" at ``max_new_tokens`` or at the model's context.
 
 **Replicas.** Per stage, the candidates of the stage map (``StageMap.candidates``: peers that
-answered us recently), then the rest of its records; a replica that answered before (in any
-session) first; the choice is sticky for the session.
+answered us recently), then the rest of its records; ourselves first where we serve the stage
+(our own server, no stream), then a replica that answered before (in any session); the choice is
+sticky for the session.
 
 **Replay.** When a replica fails (``DialError``, ``Stalled``, no reply within the step deadline,
 or an ``unknown-session`` / ``bad-position`` / ``busy`` / ``overloaded`` reply), the client picks the next
@@ -66,10 +67,13 @@ class _Stage:
 class SwarmCompleter:
     """Generation through the swarm's stages (module docstring)."""
 
-    def __init__(self, pool, stage_map, spec, run, tokenizer, *, rng=None) -> None:
+    def __init__(self, pool, stage_map, spec, run, tokenizer, *, me: str | None = None, local=None) -> None:
+        """``me``: our peer id; ``local()``: our own ``InferenceServer`` (or None), which serves our own
+        stage without a stream (a peer cannot dial itself)."""
         self.pool, self.stage_map, self.spec, self.tokenizer = pool, stage_map, spec, tokenizer
+        self.me, self._local = me, local
         self.run_id = getattr(run, "run_bytes", None) or (run if isinstance(run, bytes) else UNNAMED_RUN)
-        self.model_name = getattr(run, "name", None) or spec.name
+        self.model_name = spec.name  # the model as cut into stages (the id /v1/models lists)
         self._answered: dict[str, None] = {}  # replicas that answered a step, most recent last
         self._reply_bytes = max_step_bytes(spec)
 
@@ -174,10 +178,15 @@ class SwarmCompleter:
 
     async def _ask(self, peer: str, step: InferStep, data: bytes) -> tuple[wire.Message, bytes]:
         deadline = STEP_COMPUTE_S + frame_deadline(len(data)) + frame_deadline(self._reply_bytes)
+        server = self._local() if self._local is not None and peer == self.me else None
         with trio.move_on_after(deadline) as scope:
-            async with self.pool.lease(peer, PROTOCOL_ID) as stream:
-                await stream.write_frame(step, data)
-                reply, payload = await stream.read_frame(max_payload=self._reply_bytes, timeout=deadline)
+            if server is not None:  # our own stage: straight to our server
+                answer = await server.on_frame(peer, step, data)
+                reply, payload = answer if isinstance(answer, tuple) else (answer, b"")
+            else:
+                async with self.pool.lease(peer, PROTOCOL_ID) as stream:
+                    await stream.write_frame(step, data)
+                    reply, payload = await stream.read_frame(max_payload=self._reply_bytes, timeout=deadline)
         if scope.cancelled_caught:
             raise DialError(f"no inference reply from {peer} within {deadline:.0f} s")
         if isinstance(reply, InferOut) and (reply.session, reply.position) != (step.session, step.position):
@@ -195,11 +204,15 @@ class SwarmCompleter:
         checked = [r.peer_id for r in self.stage_map.candidates(index)]
         others = [r.peer_id for r in self.stage_map.pool(index) if r.peer_id not in checked]
         order = [p for p in checked + others if p not in stage.tried]
-        order.sort(key=lambda p: p not in self._answered)  # stable: the map's order within each group
+        order.sort(key=lambda p: (p != self.me, p not in self._answered))  # ourselves, then who answered
         return order[0] if order else None
 
     async def _close(self, session: bytes, stages: list[_Stage]) -> None:
         async def close(peer: str) -> None:
+            server = self._local() if self._local is not None and peer == self.me else None
+            if server is not None:
+                server.table.close(session)
+                return
             with trio.move_on_after(CLOSE_TIMEOUT):
                 try:
                     async with self.pool.lease(peer, PROTOCOL_ID) as stream:
