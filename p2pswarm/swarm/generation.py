@@ -17,8 +17,8 @@ sticky for the session.
 
 **Replay.** When a replica fails (``DialError``, ``Stalled``, no reply within the step deadline,
 or an ``unknown-session`` / ``bad-position`` / ``busy`` / ``overloaded`` reply), the client picks the next
-replica of that stage (the same one again only for ``unknown-session``: it is alive, it lost the
-session) and sends it the stage's whole stored input (positions 0..t) at position 0, which
+replica of that stage (the same one again at once only for ``unknown-session``: it is alive, it
+lost the session; another failure is forgiven once, after the others were tried) and sends it the stage's whole stored input (positions 0..t) at position 0, which
 rebuilds its cache, and goes on. It asks for the round the stage's earlier replies named, so
 the replay decodes with the same agreed weights while replicas keep them. No replica of a stage
 left: ``NoCandidates`` (``Overloaded`` if the last refusal was one). Sessions are closed at the
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -49,6 +50,7 @@ CLOSE_TIMEOUT = 2.0  # a best-effort close of a session at each replica at the e
 MAP_WAIT = 5.0  # how long a request waits for a stage map rebuild in progress before using the map it has
 REMEMBERED = 256  # replicas remembered as having answered (preferred first)
 RETRY_CODES = {"unknown-session", "bad-position", "busy", "overloaded"}  # replies after which we replay
+TRIES_PER_REPLICA = 2  # a replica that failed gets one more try once the others were tried (a dropped connection)
 
 
 @dataclass
@@ -61,7 +63,7 @@ class _Stage:
     replica: str | None = None
     held: int = 0  # positions the replica's cache holds
     round: int = NO_ROUND  # the outer round its replies named (asked for again on a replay)
-    tried: set = field(default_factory=set)  # replicas that failed this session
+    tried: Counter = field(default_factory=Counter)  # replica -> its failures in this session
 
 
 class SwarmCompleter:
@@ -140,7 +142,7 @@ class SwarmCompleter:
                 reply, payload = await self._ask(stage.replica, step, data)
             except (DialError, RemoteProtocolError) as exc:
                 log.info("stage %d replica %s failed (%s): replaying on another", index, stage.replica, exc)
-                stage.tried.add(stage.replica)
+                stage.tried[stage.replica] += 1
                 stage.replica, stage.held = None, 0
                 continue
             if isinstance(reply, wire.ErrorReply):
@@ -148,7 +150,7 @@ class SwarmCompleter:
                     raise ConfigError(f"stage {index}: {reply.detail}")
                 last_refusal = reply.code
                 if reply.code != "unknown-session" or replay:
-                    stage.tried.add(stage.replica)
+                    stage.tried[stage.replica] += 1
                     stage.replica = None
                 stage.held = 0
                 if reply.code not in RETRY_CODES:
@@ -203,8 +205,9 @@ class SwarmCompleter:
                 await current(MAP_WAIT)
         checked = [r.peer_id for r in self.stage_map.candidates(index)]
         others = [r.peer_id for r in self.stage_map.pool(index) if r.peer_id not in checked]
-        order = [p for p in checked + others if p not in stage.tried]
-        order.sort(key=lambda p: (p != self.me, p not in self._answered))  # ourselves, then who answered
+        order = [p for p in checked + others if stage.tried[p] < TRIES_PER_REPLICA]
+        # fewest failures first; then ourselves, then a replica that answered before
+        order.sort(key=lambda p: (stage.tried[p], p != self.me, p not in self._answered))
         return order[0] if order else None
 
     async def _close(self, session: bytes, stages: list[_Stage]) -> None:
