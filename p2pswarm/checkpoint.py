@@ -1,4 +1,4 @@
-"""Hot snapshots: the whole state of a replica as one self-checking byte string, on disk and on the wire.
+"""Hot snapshots: the whole state of a replica as one self-checking safetensors file, on disk and on the wire.
 
 A replica that restarts, or a new one joining a stage, must start from the stage's current weights,
 optimizer state and DiLoCo state, not from step 0. ``encode_state`` turns that nested state (dicts,
@@ -8,19 +8,24 @@ escapes, and nothing is allocated before the declared sizes are checked against 
 ``SnapshotStore`` keeps the newest few on disk, written atomically, so that a crash at any instant
 leaves a loadable snapshot. No pickle: a snapshot is data, never code.
 
-Layout (``docs/protocols.md``), all integers little-endian::
+A snapshot is a standard safetensors file (``docs/protocols.md``; ``safetensors.safe_open`` lists
+its tensors)::
 
-    MAGIC "P2PSNAP1" | u64 header length | header: canonical CBOR, no tags | zero padding to 8
-    | tensor data: each tensor's raw little-endian bytes, at 8-aligned offsets, zero-padded to 8
-    | sha256 of everything before it (32 bytes: the snapshot's digest)
+    u64 LE header length | header: JSON, padded with spaces to a multiple of 8 | tensor data
 
-The header is the map ``{"tree": node, "tensors": [[dtype, shape, offset, nbytes], ...]}``; offsets
-count from the start of the tensor data. A node is None, a bool, an int (signed 64-bit), a float,
-a str or bytes as itself, or an array whose first item says what it is: ``[0, item...]`` a list,
-``[1, item...]`` a tuple, ``[2, key, value, key, value...]`` a dict (keys str or int, kept in
-order), ``[3, i]`` the i-th tensor of the table. Exactly one encoding per state: the decoder
-requires canonical CBOR, tensors referenced once each in table order, the tightest layout and
-zero padding, so equal states have equal digests.
+The header is ``{"__metadata__": {"format": FORMAT, "sha256": hex, "tree": tree}, name: {"dtype",
+"shape", "data_offsets"}, ...}``, compact JSON in exactly that order, the tensors sorted by item size
+(largest first, so each is aligned) then name, their data packed in that order. ``tree`` is the
+state as canonical JSON, its tensors referenced by name, a name being the tensor's path in the
+state, e.g. ``engine/module/layers.0.mlp.up_proj.weight`` (``snapshot_tree.py``). ``sha256`` is
+the sha256 of the whole file with its own 64 hex digits read as ``0``: the snapshot's digest, at a
+fixed offset, checked before anything is parsed. Exactly one encoding per state: the decoder
+rebuilds the header from what it parsed and requires the same bytes.
+
+We write and read the layout ourselves, one pass and one copy of the tensor data each way: the
+``safetensors`` library writes ``__metadata__`` keys in a random order (not canonical), reads only
+``bytes`` and hands back read-only tensors, and its two extra copies made encoding about 2x slower.
+The tests hold every file we write, and every file we accept, to the library's reader.
 """
 
 from __future__ import annotations
@@ -32,46 +37,48 @@ import pathlib
 import re
 import sys
 import threading
-from collections.abc import Mapping
-from typing import Any, NoReturn
+from typing import Any
 
-import cbor2
 import torch
 
 from p2pswarm.errors import RemoteProtocolError
 from p2pswarm.files import write_atomic
 from p2pswarm.model import plan
+from p2pswarm.snapshot_tree import (  # noqa: F401 - the tree's limits are the snapshot's (tests import them here)
+    INT_MAX, INT_MIN, MAX_DEPTH, MAX_TENSORS, RESERVED_NAME, decode_tree, dumps, encode_tree, loads,
+)
 
-SNAPSHOT_MAGIC = b"P2PSNAP1"  # format and version at once: a new layout gets a new magic
-LENGTH_BYTES = 8  # u64 header length: fixed width, never the limit
-DIGEST_BYTES = 32  # sha256
-ALIGN = 8  # tensor data offsets: a multiple of every dtype's item size
+FORMAT = "p2pswarm-snapshot/2"  # the metadata's format id: a new layout gets a new id
+OLD_MAGIC = b"P2PSNAP1"  # the first format's magic: refused with a message that says so
+LENGTH_BYTES = 8  # u64 header length (safetensors): fixed width, never the limit
+DIGEST_HEX = 64  # sha256, as lowercase hex in the metadata
+ALIGN = 8  # the header is padded so the data starts 8-aligned (as safetensors writes it)
 MAX_SNAPSHOT_BYTES = plan.MAX_SNAPSHOT_BYTES  # the largest catalog stage's snapshot (model/plan.py), ~18 GiB
-MAX_HEADER_BYTES = 16 * 1024 * 1024  # ~6x MAX_TENSORS tensors' header (~40 B each); bounds the CBOR work
-MAX_TENSORS = 65536  # far above any stage's parameters x optimizer states; bounds the table
-MAX_DEPTH = 16  # containers deep; real snapshots are 5 deep (snapshot>engine>optimizer>state>param)
+MAX_HEADER_BYTES = 16 * 1024 * 1024  # ~1.3x MAX_TENSORS tensors' JSON (~200 B each, name twice); bounds the JSON work
 MAX_TENSOR_DIMS = 16  # model tensors have <= 4 dims; bounds the shape arithmetic
 KEEP = 5  # snapshots kept on disk: enough to step back past a few bad ones, bounded disk use
 SNAPSHOT_PERIOD = 120.0  # seconds between snapshots: a crash costs at most ~2 minutes of training
-INT_MIN, INT_MAX = -(2**63), 2**63 - 1  # ints are signed 64-bit, as on the wire
-DTYPES = {  # the tensor dtypes a snapshot holds, by their name in the header
+DTYPES = {  # the tensor dtypes a snapshot holds, by their torch name
     "float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
     "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32, "int16": torch.int16,
     "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool,
 }
-LIST, TUPLE, DICT, TENSOR = 0, 1, 2, 3  # the first item of a node array: what the node is
+SAFETENSORS_DTYPES = {  # their names in a safetensors header
+    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
+    "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
+}
+HEADER_START = ('{"__metadata__":{"format":"' + FORMAT + '","sha256":"').encode()  # every snapshot's
+TREE_START = b'","tree":'  # what follows the digest
 
-_PREFIX = len(SNAPSHOT_MAGIC) + LENGTH_BYTES
-_MIN_BYTES = _PREFIX + DIGEST_BYTES
-_CBOR_DEPTH = MAX_DEPTH + 2  # the header map, then a [3, i] tensor node inside the deepest container
-_SCALARS = (bool, float, str, bytes)
+_DIGEST_AT = LENGTH_BYTES + len(HEADER_START)  # the digest's hex digits: at a fixed offset
+_MIN_BYTES = _DIGEST_AT + DIGEST_HEX + len(TREE_START)
+_ZERO_DIGEST = "0" * DIGEST_HEX
+_HEX = re.compile(r"[0-9a-f]{64}")
+_FROM_SAFETENSORS = {code: name for name, code in SAFETENSORS_DTYPES.items()}
 _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+_ITEMSIZE = {name: dtype.itemsize for name, dtype in DTYPES.items()}
 
 log = logging.getLogger(__name__)
-
-
-def _align(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
 
 
 def _tensor_size(dtype: Any, shape: Any, error: type[Exception]) -> int:
@@ -95,11 +102,6 @@ def _tensor_size(dtype: Any, shape: Any, error: type[Exception]) -> int:
     return 0 if 0 in shape else extent
 
 
-def _is_key(key: Any) -> bool:
-    """Dict keys are str or signed 64-bit int (not bool: torch's optimizer state uses int keys)."""
-    return type(key) is str or (type(key) is int and INT_MIN <= key <= INT_MAX)
-
-
 def _swap_to_little_endian(raw: torch.Tensor, itemsize: int) -> torch.Tensor:
     """Byte-swap a flat uint8 tensor of ``itemsize`` elements on big-endian hosts (an involution)."""
     if sys.byteorder == "little" or itemsize == 1:
@@ -107,35 +109,20 @@ def _swap_to_little_endian(raw: torch.Tensor, itemsize: int) -> torch.Tensor:
     return raw.reshape(-1, itemsize).flip(-1).reshape(-1).contiguous()
 
 
+def _header_bytes(digest_hex: str, tree_json: str, table: list[tuple[str, str, list[int], int, int]]) -> bytes:
+    """The canonical header for a (name, dtype, shape, begin, end) table in data order; ValueError if
+    it cannot be UTF-8 (a str with lone surrogates)."""
+    header = {"__metadata__": {"format": FORMAT, "sha256": digest_hex, "tree": tree_json}}
+    for name, dtype, shape, begin, end in table:
+        header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": shape, "data_offsets": [begin, end]}
+    return _padded(dumps(header).encode("utf-8"))
+
+
+def _padded(header: bytes) -> bytes:
+    return header + b" " * (-(LENGTH_BYTES + len(header)) % ALIGN)
+
+
 # --- encoding ---------------------------------------------------------------------------------
-
-
-def _encode_node(node: Any, depth: int, tensors: list[torch.Tensor]) -> Any:
-    """The header node for ``node``; its tensors are appended to ``tensors``. ValueError if unsupported."""
-    if node is None or type(node) in _SCALARS:
-        return node
-    if type(node) is int:
-        if not INT_MIN <= node <= INT_MAX:
-            raise ValueError(f"int {node} is outside signed 64-bit")
-        return node
-    if isinstance(node, torch.Tensor):
-        if len(tensors) >= MAX_TENSORS:
-            raise ValueError(f"a snapshot holds at most {MAX_TENSORS} tensors")
-        tensors.append(node)
-        return [TENSOR, len(tensors) - 1]
-    if depth > MAX_DEPTH:
-        raise ValueError(f"state nested deeper than {MAX_DEPTH} containers")
-    if isinstance(node, dict):  # OrderedDict too (state_dict() returns one): decoded as a dict
-        items: list[Any] = [DICT]
-        for key, value in node.items():
-            if not _is_key(key):
-                raise ValueError(f"dict key {key!r:.40} is not a str or a signed 64-bit int")
-            items += [key, _encode_node(value, depth + 1, tensors)]
-        return items
-    if type(node) in (list, tuple):
-        kind = LIST if type(node) is list else TUPLE
-        return [kind, *(_encode_node(item, depth + 1, tensors) for item in node)]
-    raise ValueError(f"a snapshot cannot hold a {type(node).__name__}")
 
 
 def _tensor_bytes(tensor: torch.Tensor) -> tuple[str, list[int], torch.Tensor]:
@@ -154,181 +141,135 @@ def encode_state(state: dict) -> bytes:
     """The snapshot bytes of ``state`` (module docstring); ValueError if it cannot be one."""
     if not isinstance(state, dict):
         raise ValueError(f"a snapshot state is a dict, not a {type(state).__name__}")
-    tensors: list[torch.Tensor] = []
-    tree = _encode_node(state, 1, tensors)
-    table, raws, cursor = [], [], 0
-    for tensor in tensors:
-        name, shape, raw = _tensor_bytes(tensor)
-        nbytes = _tensor_size(name, shape, ValueError)
-        table.append([name, shape, cursor, nbytes])
-        raws.append(raw)
-        cursor = _align(cursor + nbytes)
+    tree_json, named = encode_tree(state)
+    raws = {}
+    for name, tensor in named:
+        dtype, shape, raw = _tensor_bytes(tensor)
+        raws[name] = (dtype, shape, raw, _tensor_size(dtype, shape, ValueError))
+    table, parts, cursor = [], [], 0
+    for name in sorted(raws, key=lambda n: (-_ITEMSIZE[raws[n][0]], n)):  # as _in_data_order
+        dtype, shape, raw, nbytes = raws[name]
+        table.append((name, dtype, shape, cursor, cursor + nbytes))
+        if nbytes:
+            parts.append(memoryview(raw.numpy()))
+        cursor += nbytes
     try:
-        header = cbor2.dumps({"tree": tree, "tensors": table}, canonical=True)
-    except (cbor2.CBOREncodeError, ValueError, TypeError) as e:  # e.g. a str with lone surrogates
+        zeroed = _header_bytes(_ZERO_DIGEST, tree_json, table)
+    except ValueError as e:  # e.g. a str with lone surrogates
         raise ValueError(f"state cannot be encoded: {e}") from e
-    if len(header) > MAX_HEADER_BYTES:
-        raise ValueError(f"snapshot header of {len(header)} bytes exceeds {MAX_HEADER_BYTES}")
-    data_start = _align(_PREFIX + len(header))
-    total = data_start + cursor + DIGEST_BYTES
-    if total > MAX_SNAPSHOT_BYTES:
-        raise ValueError(f"snapshot of {total} bytes exceeds {MAX_SNAPSHOT_BYTES}")
-    out = bytearray(total)
-    with memoryview(out) as view:
-        view[:_PREFIX] = SNAPSHOT_MAGIC + len(header).to_bytes(LENGTH_BYTES, "little")
-        view[_PREFIX:_PREFIX + len(header)] = header
-        for (_, _, offset, nbytes), raw in zip(table, raws):
-            if nbytes:
-                view[data_start + offset:data_start + offset + nbytes] = raw.numpy()
-        view[-DIGEST_BYTES:] = hashlib.sha256(view[:-DIGEST_BYTES]).digest()
-    return bytes(out)
+    if len(zeroed) > MAX_HEADER_BYTES:
+        raise ValueError(f"snapshot header of {len(zeroed)} bytes exceeds {MAX_HEADER_BYTES}")
+    prefix = len(zeroed).to_bytes(LENGTH_BYTES, "little") + zeroed
+    if len(prefix) + cursor > MAX_SNAPSHOT_BYTES:
+        raise ValueError(f"snapshot of {len(prefix) + cursor} bytes exceeds {MAX_SNAPSHOT_BYTES}")
+    hasher = hashlib.sha256(prefix)
+    for part in parts:
+        hasher.update(part)
+    at = _DIGEST_AT
+    prefix = prefix[:at] + hasher.hexdigest().encode("ascii") + prefix[at + DIGEST_HEX:]
+    return b"".join([prefix, *parts])  # the one copy of the tensor data
 
 
 def digest(data: bytes) -> bytes:
-    """The trailing sha256 of a snapshot: its integrity id (not verified here: ``decode_state`` does)."""
-    if len(data) < _MIN_BYTES or bytes(data[:len(SNAPSHOT_MAGIC)]) != SNAPSHOT_MAGIC:
+    """The sha256 a snapshot records: its integrity id (not verified here: ``decode_state`` does)."""
+    view = bytes(data[:_MIN_BYTES])
+    if len(view) < _MIN_BYTES or view[LENGTH_BYTES:_DIGEST_AT] != HEADER_START \
+            or not _HEX.fullmatch(view[_DIGEST_AT:_DIGEST_AT + DIGEST_HEX].decode("latin-1")):
         raise ValueError("not a snapshot")
-    return bytes(data[-DIGEST_BYTES:])
+    return bytes.fromhex(view[_DIGEST_AT:_DIGEST_AT + DIGEST_HEX].decode("ascii"))
 
 
 # --- decoding ---------------------------------------------------------------------------------
 
 
-def _reject_tag(*args: Any) -> NoReturn:
-    raise ValueError("CBOR tags are not allowed in a snapshot header")
-
-
-class _NoTags(Mapping):
-    """A semantic-decoder table that maps every tag to a rejection, overriding cbor2's own (as wire.py)."""
-
-    def __getitem__(self, tag: int) -> Any:
-        return _reject_tag
-
-    def __iter__(self):
-        return iter(())
-
-    def __len__(self) -> int:
-        return 0
-
-
-_NO_TAGS = _NoTags()
-
-
-def _loads(header: bytes) -> Any:
-    try:
-        raw = cbor2.loads(
-            header, semantic_decoders=_NO_TAGS, tag_hook=_reject_tag, max_depth=_CBOR_DEPTH,
-            allow_indefinite=False, allow_duplicate_keys=False, strict_hashable_types=True,
-        )
-        canonical = cbor2.dumps(raw, canonical=True)
-    # The boundary to cbor2: whatever it raises on these bytes means they are not a header.
-    except (cbor2.CBORError, ValueError, TypeError, LookupError, ArithmeticError, RecursionError,
-            MemoryError) as e:
-        raise RemoteProtocolError(f"snapshot header is not valid CBOR: {e}") from e
-    if canonical != header:  # one encoding per state: also rejects trailing bytes
-        raise RemoteProtocolError("snapshot header is not in canonical CBOR encoding")
-    return raw
-
-
 def _frame(view: memoryview, max_bytes: int) -> tuple[bytes, int]:
-    """Check magic, size and digest; return (header bytes, offset of the tensor data)."""
+    """Check size, format and digest; return (header bytes, offset of the tensor data)."""
     n = len(view)
     if n > min(max_bytes, MAX_SNAPSHOT_BYTES):
         raise RemoteProtocolError(f"snapshot of {n} bytes exceeds {min(max_bytes, MAX_SNAPSHOT_BYTES)}")
-    if n < _MIN_BYTES or view[:len(SNAPSHOT_MAGIC)] != SNAPSHOT_MAGIC:
-        raise RemoteProtocolError("not a snapshot (magic or size)")
-    if hashlib.sha256(view[:-DIGEST_BYTES]).digest() != view[-DIGEST_BYTES:]:
-        raise RemoteProtocolError("snapshot digest does not match its contents")
-    length = int.from_bytes(view[len(SNAPSHOT_MAGIC):_PREFIX], "little")
-    if length > MAX_HEADER_BYTES or _align(_PREFIX + length) > n - DIGEST_BYTES:
+    if view[:len(OLD_MAGIC)] == OLD_MAGIC:
+        raise RemoteProtocolError(f"an older snapshot format (P2PSNAP1): this version reads only {FORMAT}")
+    if n < _MIN_BYTES or view[LENGTH_BYTES:_DIGEST_AT] != HEADER_START:
+        raise RemoteProtocolError(f"not a snapshot (a safetensors file of format {FORMAT})")
+    length = int.from_bytes(view[:LENGTH_BYTES], "little")
+    if length > MAX_HEADER_BYTES or LENGTH_BYTES + length > n or LENGTH_BYTES + length < _MIN_BYTES:
         raise RemoteProtocolError(f"snapshot header length {length} is out of bounds")
-    data_start = _align(_PREFIX + length)
-    _check_zero(view, _PREFIX + length, data_start)
-    return bytes(view[_PREFIX:_PREFIX + length]), data_start
+    recorded = bytes(view[_DIGEST_AT:_DIGEST_AT + DIGEST_HEX])
+    hasher = hashlib.sha256(view[:_DIGEST_AT])
+    hasher.update(_ZERO_DIGEST.encode("ascii"))
+    hasher.update(view[_DIGEST_AT + DIGEST_HEX:])
+    if hasher.hexdigest().encode("ascii") != recorded:
+        raise RemoteProtocolError("snapshot digest does not match its contents")
+    return bytes(view[LENGTH_BYTES:LENGTH_BYTES + length]), LENGTH_BYTES + length
 
 
-def _check_zero(view: memoryview, start: int, end: int) -> None:
-    if any(view[start:end]):
-        raise RemoteProtocolError("snapshot padding is not zero")
+def _metadata(header: Any) -> tuple[str, str]:
+    """(digest hex, tree JSON) of a parsed header."""
+    if type(header) is not dict or next(iter(header), None) != RESERVED_NAME or type(header[RESERVED_NAME]) is not dict:
+        raise RemoteProtocolError("snapshot header is not a map with __metadata__")
+    metadata = header[RESERVED_NAME]
+    if list(metadata) != ["format", "sha256", "tree"] or not all(type(v) is str for v in metadata.values()):
+        raise RemoteProtocolError("snapshot metadata is not exactly the str keys format, sha256, tree")
+    if metadata["format"] != FORMAT or not _HEX.fullmatch(metadata["sha256"]):
+        raise RemoteProtocolError("snapshot metadata: unknown format or malformed sha256")
+    return metadata["sha256"], metadata["tree"]
 
 
-def _table(raw: Any, view: memoryview, data_start: int) -> list[tuple[str, list[int], int, int]]:
-    """The checked tensor table: the tightest layout, exactly filling the data section."""
-    if type(raw) is not dict or raw.keys() != {"tree", "tensors"}:
-        raise RemoteProtocolError("snapshot header is not a map with exactly the keys tree, tensors")
-    table = raw["tensors"]
-    if type(table) is not list or len(table) > MAX_TENSORS:
-        raise RemoteProtocolError(f"snapshot tensor table is not a list of <= {MAX_TENSORS} entries")
-    entries, cursor, data_len = [], 0, len(view) - DIGEST_BYTES - data_start
-    for entry in table:
-        if type(entry) is not list or len(entry) != 4:
-            raise RemoteProtocolError("a tensor entry is [dtype, shape, offset, nbytes]")
-        dtype, shape, offset, nbytes = entry
-        size = _tensor_size(dtype, shape, RemoteProtocolError)
-        if type(offset) is not int or offset != cursor or type(nbytes) is not int or nbytes != size:
-            raise RemoteProtocolError(f"tensor entry {len(entries)}: offset or size out of place")
-        if _align(offset + nbytes) > data_len:
-            raise RemoteProtocolError(f"tensor entry {len(entries)} ends past the data")
-        _check_zero(view, data_start + offset + nbytes, data_start + _align(offset + nbytes))
-        entries.append((dtype, shape, offset, nbytes))
-        cursor = _align(offset + nbytes)
+def _table(header: dict, data_len: int) -> dict[str, tuple[str, list[int], int, int]]:
+    """The checked tensor table, name -> (dtype, shape, begin, end): packed, and listed, in data order."""
+    if len(header) - 1 > MAX_TENSORS:
+        raise RemoteProtocolError(f"snapshot holds more than {MAX_TENSORS} tensors")
+    entries = {}
+    for name, info in header.items():
+        if name == RESERVED_NAME:
+            continue
+        if type(info) is not dict or list(info) != ["dtype", "shape", "data_offsets"]:
+            raise RemoteProtocolError(f"tensor {name!r:.60}: not exactly dtype, shape, data_offsets")
+        dtype = _FROM_SAFETENSORS.get(info["dtype"]) if type(info["dtype"]) is str else None
+        offsets = info["data_offsets"]
+        if type(offsets) is not list or len(offsets) != 2 or not all(type(o) is int for o in offsets):
+            raise RemoteProtocolError(f"tensor {name!r:.60}: data_offsets is not [begin, end]")
+        size = _tensor_size(dtype, info["shape"], RemoteProtocolError)
+        if offsets[1] - offsets[0] != size:
+            raise RemoteProtocolError(f"tensor {name!r:.60}: data_offsets do not span its shape")
+        entries[name] = (dtype, info["shape"], offsets[0], offsets[1])
+    cursor, listed = 0, iter(header)
+    next(listed)  # the metadata, first (checked by the caller)
+    for name, _, _, begin, end in _in_data_order(entries):
+        if begin != cursor or next(listed) != name:
+            raise RemoteProtocolError(f"tensor {name!r:.60} is out of place in the data or the header")
+        cursor = end
     if cursor != data_len:
         raise RemoteProtocolError(f"tensor data is {data_len} bytes, the table lays out {cursor}")
     return entries
 
 
+def _in_data_order(entries: dict[str, tuple[str, list[int], int, int]]) -> list[tuple[str, str, list[int], int, int]]:
+    """(name, dtype, shape, begin, end) by item size, largest first, then by name: how the data is laid out."""
+    return sorted(((name, *entry) for name, entry in entries.items()), key=lambda e: (-_ITEMSIZE[e[1]], e[0]))
+
+
 class _Tensors:
-    """Builds the table's tensors, each an independent copy, in the order the tree references them."""
+    """Builds the table's tensors, each an independent copy, as the tree references them by name."""
 
-    def __init__(self, view: memoryview, data_start: int, entries: list) -> None:
-        self.view, self.data_start, self.entries, self.used = view, data_start, entries, 0
+    def __init__(self, view: memoryview, data_start: int, entries: dict) -> None:
+        self.view, self.data_start, self.entries, self.used = view, data_start, entries, set()
 
-    def take(self, index: Any) -> torch.Tensor:
-        if type(index) is not int or index != self.used or index >= len(self.entries):
-            raise RemoteProtocolError(f"tensor reference {index!r:.40} is not the next of the table")
-        self.used += 1
-        dtype, shape, offset, nbytes = self.entries[index]
-        start = self.data_start + offset
+    def take(self, name: str) -> torch.Tensor:
+        if name not in self.entries or name in self.used:
+            raise RemoteProtocolError(f"tensor {name!r:.60} is not in the table or referenced twice")
+        self.used.add(name)
+        dtype, shape, begin, end = self.entries[name]
         try:  # the boundary to torch: the sizes are checked, so this is a second guard
-            raw = torch.empty(nbytes, dtype=torch.uint8)
-            if nbytes:
-                memoryview(raw.numpy())[:] = self.view[start:start + nbytes]
+            raw = torch.empty(end - begin, dtype=torch.uint8)
+            if end > begin:
+                memoryview(raw.numpy())[:] = self.view[self.data_start + begin:self.data_start + end]
             raw = _swap_to_little_endian(raw, DTYPES[dtype].itemsize)
-            if dtype == "bool" and nbytes and int(raw.max()) > 1:
+            if dtype == "bool" and end > begin and int(raw.max()) > 1:
                 raise RemoteProtocolError("a bool tensor holds a byte other than 0 or 1")
             return raw.view(DTYPES[dtype]).reshape(shape)
         except (RuntimeError, ValueError, TypeError, MemoryError) as e:
-            raise RemoteProtocolError(f"tensor {index} cannot be built: {e}") from e
-
-
-def _decode_node(node: Any, depth: int, tensors: _Tensors) -> Any:
-    if node is None or type(node) in _SCALARS:
-        return node
-    if type(node) is int:
-        if not INT_MIN <= node <= INT_MAX:
-            raise RemoteProtocolError(f"int {node} is outside signed 64-bit")
-        return node
-    if type(node) is not list or not node or type(node[0]) is not int:
-        raise RemoteProtocolError("a snapshot node is a scalar or a [kind, ...] array")
-    kind = node[0]
-    if kind == TENSOR and len(node) == 2:
-        return tensors.take(node[1])
-    if depth > MAX_DEPTH:
-        raise RemoteProtocolError(f"snapshot state nested deeper than {MAX_DEPTH} containers")
-    if kind in (LIST, TUPLE):
-        items = [_decode_node(item, depth + 1, tensors) for item in node[1:]]
-        return items if kind == LIST else tuple(items)
-    if kind != DICT or len(node) % 2 != 1:
-        raise RemoteProtocolError(f"snapshot node of unknown kind {kind} or length {len(node)}")
-    out = {}
-    for i in range(1, len(node), 2):
-        key = node[i]
-        if not _is_key(key):
-            raise RemoteProtocolError(f"dict key {key!r:.40} is not a str or a signed 64-bit int")
-        if key in out:
-            raise RemoteProtocolError(f"duplicate dict key {key!r:.40}")
-        out[key] = _decode_node(node[i + 1], depth + 1, tensors)
-    return out
+            raise RemoteProtocolError(f"tensor {name!r:.60} cannot be built: {e}") from e
 
 
 def decode_state(data: bytes, *, max_bytes: int = MAX_SNAPSHOT_BYTES) -> dict:
@@ -340,12 +281,20 @@ def decode_state(data: bytes, *, max_bytes: int = MAX_SNAPSHOT_BYTES) -> dict:
     except TypeError as e:
         raise ValueError(f"snapshot data must be a contiguous byte buffer: {e}") from e
     with view:
-        header, data_start = _frame(view, max_bytes)
-        raw = _loads(header)
-        tensors = _Tensors(view, data_start, _table(raw, view, data_start))
-        state = _decode_node(raw["tree"], 1, tensors)
-        if tensors.used != len(tensors.entries):
-            raise RemoteProtocolError(f"{len(tensors.entries) - tensors.used} tensors are never referenced")
+        header_bytes, data_start = _frame(view, max_bytes)
+        header = loads(header_bytes, "header")
+        digest_hex, tree_json = _metadata(header)
+        entries = _table(header, len(view) - data_start)
+        try:
+            canonical = _padded(dumps(header).encode("utf-8")) == header_bytes  # all in order: as written
+        except ValueError as e:  # a name or str that is not UTF-8 (a lone surrogate)
+            raise RemoteProtocolError(f"snapshot header cannot be re-encoded: {e}") from e
+        if not canonical:
+            raise RemoteProtocolError("snapshot header is not in its canonical form")
+        tensors = _Tensors(view, data_start, entries)
+        state = decode_tree(tree_json, tensors.take)
+        if len(tensors.used) != len(entries):
+            raise RemoteProtocolError(f"{len(entries) - len(tensors.used)} tensors are never referenced")
         if type(state) is not dict:
             raise RemoteProtocolError("a snapshot's state is a dict")
         return state
@@ -385,7 +334,7 @@ class SnapshotStore:
         """Write a snapshot as the newest, durably and atomically; prune to ``keep``; return its path."""
         if type(round) is not int or type(step) is not int or round < 0 or step < 0:
             raise ValueError(f"round and step must be non-negative ints, not {round!r}, {step!r}")
-        if bytes(data[:len(SNAPSHOT_MAGIC)]) != SNAPSHOT_MAGIC:
+        if bytes(data[LENGTH_BYTES:_DIGEST_AT]) != HEADER_START:
             raise ValueError("data is not a snapshot (encode_state makes one)")
         with self._lock:
             self._remove_temps()

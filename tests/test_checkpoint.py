@@ -1,9 +1,11 @@
-"""Hot snapshots: round trips of real and random states, totality of the decoder on garbage and on
-crafted headers with a valid digest, the store's rotation and fallback, and SIGKILL mid-write."""
+"""Hot snapshots: round trips of real and random states, the files as the safetensors library reads
+them, the store's rotation and fallback, and SIGKILL mid-write. The decoder's totality on garbage and
+on forged headers is in ``test_checkpoint_fuzz.py``."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import math
 import os
@@ -12,15 +14,16 @@ import subprocess
 import sys
 import time
 
-import cbor2
 import pytest
+import safetensors
+import safetensors.torch
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from p2pswarm.checkpoint import (
-    DTYPES, INT_MAX, INT_MIN, KEEP, MAX_DEPTH, MAX_TENSORS, SNAPSHOT_MAGIC, SnapshotStore, decode_state,
-    digest, encode_state,
+    DTYPES, FORMAT, INT_MAX, INT_MIN, KEEP, MAX_DEPTH, MAX_TENSORS, SnapshotStore, decode_state, digest,
+    encode_state,
 )
 from p2pswarm.diloco.outer import OuterOptimizer
 from p2pswarm.errors import RemoteProtocolError
@@ -50,18 +53,6 @@ def same(a, b) -> bool:
     if isinstance(a, float):
         return (math.isnan(a) and math.isnan(b)) or (a == b and math.copysign(1, a) == math.copysign(1, b))
     return a == b
-
-
-def wrap(header: bytes, data: bytes = b"", *, length: int | None = None, pad: bytes | None = None) -> bytes:
-    """A snapshot around ``header`` and ``data``, with a valid digest: only the structure is wrong."""
-    body = SNAPSHOT_MAGIC + (len(header) if length is None else length).to_bytes(8, "little") + header
-    body += pad if pad is not None else bytes(-len(body) % 8)
-    body += data
-    return body + hashlib.sha256(body).digest()
-
-
-def header(tree, table=(), **extra) -> bytes:
-    return cbor2.dumps({"tree": tree, "tensors": [list(e) for e in table], **extra}, canonical=True)
 
 
 def tensors_in(tree) -> list[torch.Tensor]:
@@ -112,13 +103,74 @@ def test_a_real_replica_state_round_trips_and_loads():
     assert all(torch.equal(a, b) for a, b in zip(module.state_dict().values(), twin.state_dict().values()))
 
 
-def test_encoding_is_canonical_and_digest_is_the_trailing_sha256():
+def metadata_of(data: bytes) -> dict:
+    length = int.from_bytes(data[:8], "little")
+    return json.loads(data[8:8 + length])["__metadata__"]
+
+
+def test_encoding_is_canonical_and_digest_is_the_sha256_with_its_own_digits_zeroed():
     _, _, state = replica_state()
     data = encode_state(state)
     assert encode_state(decode_state(data)) == data == encode_state(state)
-    assert digest(data) == hashlib.sha256(data[:-32]).digest() == data[-32:]
+    recorded = metadata_of(data)["sha256"]
+    zeroed = data.replace(recorded.encode(), b"0" * 64)
+    assert data.count(recorded.encode()) == 1 and digest(data) == hashlib.sha256(zeroed).digest()
+    assert digest(data).hex() == recorded
     with pytest.raises(ValueError):
         digest(b"not a snapshot")
+
+
+def test_a_snapshot_is_a_safetensors_file_with_readable_names(tmp_path):
+    module, _, state = replica_state()
+    data = encode_state(state)
+    path = tmp_path / "snapshot-00000001-r0-s1.p2ps"
+    path.write_bytes(data)
+    with safetensors.safe_open(str(path), "pt") as f:
+        names = set(f.keys())
+        assert f.metadata()["format"] == FORMAT and json.loads(f.metadata()["tree"])[0] == 2
+        for name, param in module.state_dict().items():
+            assert torch.equal(f.get_tensor(f"engine/module/{name}"), param)
+        assert torch.equal(f.get_tensor("engine/optimizer/state/0/exp_avg"),
+                           state["engine"]["optimizer"]["state"][0]["exp_avg"])
+    assert "engine/module/layers.0.mlp.up_proj.weight" in names and len(names) == len(tensors_in(state))
+    loaded = safetensors.torch.load(data)  # the library's reader of bytes agrees
+    assert loaded.keys() == names
+
+
+def test_tensor_names_are_paths_and_keys_that_would_collide_are_escaped():
+    state = {"a/b": torch.ones(1), "a": {"b": torch.zeros(1)}, 5: torch.ones(2), "5": torch.zeros(2),
+             "": torch.ones(3), "%": torch.zeros(3), "__metadata__": torch.ones(4), "l": [torch.ones(5)],
+             "-1": (torch.zeros(5),)}
+    data = encode_state(state)
+    assert same(state, decode_state(data))
+    assert set(safetensors.torch.load(data)) == {"a%2Fb", "a/b", "5", "%35", "%", "%25", "%5F_metadata__",
+                                                  "l/0", "%2D1/0"}
+
+
+@FAST
+@given(state=st.deferred(lambda: states))
+def test_the_safetensors_library_reads_what_we_write(state):
+    data = encode_state(state)
+    loaded = safetensors.torch.load(data)
+    tree = json.loads(metadata_of(data)["tree"])
+    names = []
+
+    def refs(node):
+        if isinstance(node, list) and node and node[0] == 3 and len(node) == 2 and isinstance(node[1], str):
+            names.append(node[1])
+        elif isinstance(node, list):
+            for item in node[1:]:
+                refs(item)
+    refs(tree)
+    assert sorted(names) == sorted(loaded) and len(names) == len(tensors_in(state))
+    decoded = decode_state(data)
+    assert all(same(t, loaded[name]) for name, t in zip(names, tensors_in(decoded)))
+
+
+def test_an_older_snapshot_format_is_refused_with_a_clear_message():
+    old = b"P2PSNAP1" + (9).to_bytes(8, "little") + bytes(80)
+    with pytest.raises(RemoteProtocolError, match="an older snapshot format"):
+        decode_state(old)
 
 
 def test_decoded_tensors_are_independent_writable_copies():
@@ -209,157 +261,6 @@ def test_encode_refuses_what_a_snapshot_cannot_hold(bad):
 def test_encode_refuses_more_than_max_tensors():
     with pytest.raises(ValueError):
         encode_state({"many": [torch.zeros(0)] * (MAX_TENSORS + 1)})
-
-
-# --- totality -----------------------------------------------------------------------------------
-
-
-@FAST
-@given(blob=st.binary(max_size=300) | st.binary(max_size=300).map(lambda b: SNAPSHOT_MAGIC + b))
-def test_arbitrary_bytes_raise_remote_protocol_error(blob):
-    with pytest.raises(RemoteProtocolError):
-        decode_state(blob)
-
-
-@FAST
-@given(state=states, change=st.data())
-def test_a_flipped_byte_a_truncation_or_an_extension_is_refused(state, change):
-    data = encode_state(state)
-    how = change.draw(st.sampled_from(["flip", "truncate", "extend"]))
-    if how == "flip":
-        index = change.draw(st.integers(0, len(data) - 1))
-        bad = bytearray(data)
-        bad[index] ^= change.draw(st.integers(1, 255))
-        with pytest.raises(RemoteProtocolError) as err:
-            decode_state(bytes(bad))
-        if index >= len(SNAPSHOT_MAGIC):
-            assert "digest" in str(err.value)  # caught by the hash, before anything is parsed
-    elif how == "truncate":
-        with pytest.raises(RemoteProtocolError):
-            decode_state(data[:change.draw(st.integers(0, len(data) - 1))])
-    else:
-        with pytest.raises(RemoteProtocolError):
-            decode_state(data + change.draw(st.binary(min_size=1, max_size=40)))
-
-
-cbor_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**64), 2**64 - 1) | st.floats() | st.text(max_size=4)
-    | st.binary(max_size=4),
-    lambda c: st.lists(c, max_size=4) | st.dictionaries(st.integers(-2, 2) | st.text(max_size=2), c, max_size=3),
-    max_leaves=12,
-)
-node_like = st.recursive(
-    cbor_values,
-    lambda c: st.builds(lambda kind, rest: [kind, *rest], st.integers(-1, 4), st.lists(c, max_size=4)),
-    max_leaves=12,
-)
-entries = st.tuples(st.sampled_from([*DTYPES, "float8", 3, None]), st.lists(st.integers(-1, 2**33), max_size=3),
-                    st.integers(-8, 72), st.integers(-8, 72)).map(list)
-
-
-@SLOW
-@given(tree=node_like, table=st.lists(entries, max_size=3), data=st.binary(max_size=72),
-       raw=st.binary(max_size=64), use_raw=st.booleans())
-def test_headers_with_a_valid_digest_decode_or_raise_remote_protocol_error(tree, table, data, raw, use_raw):
-    """Past the digest, arbitrary CBOR and format-shaped junk: a dict or RemoteProtocolError, nothing else."""
-    blob = wrap(raw if use_raw else header(tree, table), data)
-    try:
-        state = decode_state(blob)
-    except RemoteProtocolError:
-        return
-    assert type(state) is dict
-
-
-F32 = ["float32", [3], 0, 12]
-I64 = ["int64", [1], 16, 8]
-DATA = bytes(range(12)) + bytes(4) + bytes(range(8))
-TREE = [2, "a", [3, 0], "b", [3, 1]]
-
-
-def deep(n):
-    """A header tree of ``n`` containers: a dict holding n - 1 nested lists."""
-    node = [0]
-    for _ in range(n - 2):
-        node = [0, node]
-    return [2, "x", node]
-
-
-CRAFTED = {  # name: the blob; each breaks exactly one rule
-    "unknown dtype": wrap(header(TREE, [["float8", [3], 0, 12], I64]), DATA),
-    "dtype not a str": wrap(header(TREE, [[4, [3], 0, 12], I64]), DATA),
-    "negative dim": wrap(header(TREE, [["float32", [-3], 0, 12], I64]), DATA),
-    "bool dim": wrap(header(TREE, [["float32", [True], 0, 4], I64]), DATA),
-    "too many dims": wrap(header(TREE, [["float32", [1] * 17 + [3], 0, 12], I64]), DATA),
-    "overlap": wrap(header(TREE, [F32, ["int64", [1], 0, 8]]), DATA),
-    "gap": wrap(header(TREE, [F32, ["int64", [1], 24, 8]]), DATA + bytes(8)),
-    "unaligned": wrap(header(TREE, [F32, ["int64", [1], 12, 8]]), DATA[:12] + bytes(12)),
-    "nbytes not the shape's": wrap(header(TREE, [["float32", [3], 0, 11], I64]), DATA),
-    "data short": wrap(header(TREE, [F32, I64]), DATA[:-1]),
-    "data long": wrap(header(TREE, [F32, I64]), DATA + bytes(8)),
-    "nonzero tensor padding": wrap(header(TREE, [F32, I64]), DATA[:12] + b"\x01" + DATA[13:]),
-    "nonzero header padding": wrap(header(TREE, [F32, I64]), DATA, pad=b"\x01" + bytes(6)),
-    "huge tensor": wrap(header([2, "a", [3, 0]], [["float32", [2**20, 2**20], 0, 2**42]])),
-    "huge empty tensor": wrap(header([2, "a", [3, 0]], [["float32", [0, 2**40, 2**40], 0, 0]])),
-    "too many tensors": wrap(header([2], [["uint8", [0], 0, 0]] * (MAX_TENSORS + 1))),
-    "bool byte 2": wrap(header([2, "a", [3, 0]], [["bool", [2], 0, 2]]), b"\x01\x02" + bytes(6)),
-    "references out of order": wrap(header([2, "a", [3, 1], "b", [3, 0]], [F32, I64]), DATA),
-    "reference twice": wrap(header([2, "a", [3, 0], "b", [3, 0]], [F32, I64]), DATA),
-    "reference missing": wrap(header([2, "a", [3, 0]], [F32, I64]), DATA),
-    "reference past the table": wrap(header([2, "a", [3, 0], "b", [3, 2]], [F32, I64]), DATA),
-    "reference not an int": wrap(header([2, "a", [3, "0"]], [F32]), DATA[:16]),
-    "top level not a dict": wrap(header([0, 1, 2])),
-    "top level a tensor": wrap(header([3, 0], [F32]), DATA[:16]),
-    "unknown kind": wrap(header([2, "a", [7, 1]])),
-    "kind not an int": wrap(header([2, "a", ["list", 1]])),
-    "empty node": wrap(header([2, "a", []])),
-    "odd dict": wrap(header([2, "a"])),
-    "duplicate key": wrap(header([2, "a", 1, "a", 2])),
-    "bool key": wrap(header([2, True, 1])),
-    "float key": wrap(header([2, 1.5, 1])),
-    "bytes key": wrap(header([2, b"k", 1])),
-    "map in the tree": wrap(header([2, "a", {"b": 1}])),
-    "int past 64 bits": wrap(header([2, "a", 2**63])),
-    "int below 64 bits": wrap(header([2, "a", -(2**63) - 1])),
-    "key past 64 bits": wrap(header([2, 2**63, 1])),
-    "too deep": wrap(header(deep(MAX_DEPTH + 1))),
-    "undefined": wrap(header([2, "a", cbor2.undefined])),
-    "simple value": wrap(header([2, "a", cbor2.CBORSimpleValue(99)])),
-    "tag": wrap(header([2, "a", cbor2.CBORTag(2, b"\x01")])),
-    "extra root key": wrap(header([2], extra=1)),
-    "table not a list": wrap(cbor2.dumps({"tree": [2], "tensors": {}}, canonical=True)),
-    "entry of 3": wrap(header([2, "a", [3, 0]], [["float32", [3], 0]]), DATA[:16]),
-    "not canonical": wrap(cbor2.dumps({"tensors": [], "tree": [2]})),  # canonical order puts "tree" first
-    "long int form": wrap(header([2, "a", 1])[:-1] + b"\x18\x01"),
-    "trailing byte": wrap(header([2]) + b"\x00"),
-    "indefinite array": wrap(b"\xa2\x64tree\x9f\x02\xff\x67tensors\x80"),
-    "not CBOR": wrap(b"\xff\xff\xff"),
-    "header length past the end": wrap(header([2]), length=2**63),
-    "header length one past": wrap(header([2]), length=len(header([2])) + 1),
-    "empty": wrap(b""),
-}
-
-
-def test_the_crafted_baseline_decodes():
-    state = decode_state(wrap(header(TREE, [F32, I64]), DATA))
-    assert torch.equal(state["a"], torch.frombuffer(bytearray(DATA[:12]), dtype=torch.float32))
-    assert state["b"].tolist() == [int.from_bytes(DATA[16:], "little")]
-    lists = []
-    for _ in range(MAX_DEPTH - 2):
-        lists = [lists]
-    assert same({"x": lists}, decode_state(wrap(header(deep(MAX_DEPTH)))))
-
-
-@pytest.mark.parametrize("name", sorted(CRAFTED))
-def test_crafted_snapshots_with_a_valid_digest_are_refused(name):
-    with pytest.raises(RemoteProtocolError):
-        decode_state(CRAFTED[name])
-
-
-def test_the_size_limit_is_checked_before_anything_else():
-    data = encode_state({"w": torch.zeros(100)})
-    with pytest.raises(RemoteProtocolError, match="exceeds"):
-        decode_state(data, max_bytes=len(data) - 1)
-    assert decode_state(data, max_bytes=len(data))["w"].shape == (100,)
 
 
 # --- the store ----------------------------------------------------------------------------------
