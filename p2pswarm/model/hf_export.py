@@ -3,8 +3,9 @@
 Each stage's weights are its DiLoCo *agreed* weights (the snapshot's ``diloco.start``: the flat fp32
 vector every replica of the stage holds after outer round ``diloco.rounds``), not a replica's live
 weights, which are a few inner steps of one replica's own work on top. The flat vector is in the
-order of ``StageModule.named_parameters()`` (``diloco.outer.flatten`` of the engine's params), so it
-is cut back into tensors by a stage module built on the meta device (no memory, no init).
+order of ``StageModule.named_parameters()`` (``diloco.outer.flatten`` of the engine's params), which is
+the order of the snapshot's own module weights (``engine.module``: a state dict with no buffers), so
+their names and shapes cut it back into tensors (no module is built: no memory, no torch init).
 
 **Compatibility rule.** Every stage of the model, once each, from one model and one run, and the
 stages' outer rounds within ``MAX_ROUND_SPREAD`` (1) of each other. The stages of a swarm step
@@ -36,13 +37,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from p2pswarm.errors import ConfigError
-from p2pswarm.model.catalog import ModelSpec, get_model
+from p2pswarm.model.catalog import ModelSpec, get_model, param_count
 from p2pswarm.model.hf_names import hf_name, llama_config
 
 if TYPE_CHECKING:
     import torch
-
-    from p2pswarm.model.transformer import StageModule
 
 SHARD_BYTES = 5 * 10**9  # transformers' own default max_shard_size ("5GB"): one file below it, shards above
 MAX_ROUND_SPREAD = 1  # stages' outer rounds may differ by this much (module docstring: the rule)
@@ -67,6 +66,7 @@ class StageSnapshot:
     step: int  # the replica's inner steps
     tokens: int  # tokens of the micro-batches the replica trained itself
     start: torch.Tensor  # the agreed weights, flat fp32
+    layout: tuple[tuple[str, tuple[int, ...]], ...]  # (our name, shape) of each weight, in ``start``'s order
     source: str  # "peer ID" or a file's path: for messages and the card
     run: str | None = None  # the run identity (hex) when known (an API, a snapshot directory's name)
 
@@ -85,18 +85,23 @@ def stage_snapshot(state: object, source: str, run: str | None = None) -> StageS
         raise ConfigError(f"{source}: not a p2pswarm stage snapshot of format {STATE_FORMAT}")
     if not isinstance(start, torch.Tensor) or start.dtype != torch.float32 or start.dim() != 1:
         raise ConfigError(f"{source}: its agreed weights are not a flat float32 vector")
-    return StageSnapshot(model, stage, diloco["rounds"], engine["step"], engine["tokens"], start, source, run)
+    module = engine.get("module")
+    if not isinstance(module, dict) or not all(isinstance(t, torch.Tensor) for t in module.values()):
+        raise ConfigError(f"{source}: its engine holds no module weights")
+    layout = tuple((name, tuple(tensor.shape)) for name, tensor in module.items())
+    if sum(_prod(shape) for _, shape in layout) != start.numel():
+        raise ConfigError(f"{source}: {start.numel()} agreed weights for a module of "
+                          f"{sum(_prod(shape) for _, shape in layout)}")
+    return StageSnapshot(model, stage, diloco["rounds"], engine["step"], engine["tokens"], start, layout, source, run)
 
 
 def vocab_of(snapshots: Sequence[StageSnapshot], spec: ModelSpec) -> int:
-    """The vocabulary the snapshots were trained with: from the length of stage 0's agreed weights
-    (linear in the vocabulary: the embedding, and the head when stage 0 is also the last)."""
+    """The vocabulary the snapshots were trained with: the rows of stage 0's embedding."""
     first = next(s for s in snapshots if s.stage == 0)
-    one, two = _numel(replace(spec, vocab=1), 0), _numel(replace(spec, vocab=2), 0)
-    vocab, rest = divmod(first.start.numel() - (2 * one - two), two - one)
-    if rest or vocab < 1:
-        raise ConfigError(f"{first.source}: {first.start.numel()} weights do not make stage 0 of {spec.name}")
-    return vocab
+    shape = dict(first.layout).get("embed_tokens.weight")
+    if shape is None or len(shape) != 2 or shape[1] != spec.width:
+        raise ConfigError(f"{first.source}: no embedding of width {spec.width}: not stage 0 of {spec.name}")
+    return shape[0]
 
 
 def check_stages(snapshots: Sequence[StageSnapshot], vocab: int | None = None) -> ModelSpec:
@@ -125,23 +130,17 @@ def check_stages(snapshots: Sequence[StageSnapshot], vocab: int | None = None) -
                           f"(export again when the stages have caught up)")
     spec = replace(spec, vocab=vocab or vocab_of(snapshots, spec))
     for s in snapshots:
-        if s.start.numel() != _numel(spec, s.stage):
-            raise ConfigError(f"{s.source}: {s.start.numel()} weights, stage {s.stage} of {spec.name} "
-                              f"(vocab {spec.vocab}) has {_numel(spec, s.stage)}")
+        if s.start.numel() != param_count(spec, s.stage) or not _has_layers(s, spec):
+            raise ConfigError(f"{s.source}: {s.start.numel()} weights are not stage {s.stage} of {spec.name} "
+                              f"(vocab {spec.vocab}: {param_count(spec, s.stage)})")
     return spec
 
 
-def _meta_stage(spec: ModelSpec, stage: int) -> StageModule:
-    import torch
-
-    from p2pswarm.model.transformer import StageModule
-
-    with torch.device("meta"):
-        return StageModule(spec, stage)
-
-
-def _numel(spec: ModelSpec, stage: int) -> int:
-    return sum(p.numel() for p in _meta_stage(spec, stage).parameters())
+def _has_layers(snapshot: StageSnapshot, spec: ModelSpec) -> bool:
+    """Whether the snapshot's weights are named as stage ``snapshot.stage``'s layers (local indices 0..n-1)."""
+    start, end = spec.stage_range(snapshot.stage)
+    local = {int(name.split(".")[1]) for name, _ in snapshot.layout if name.startswith("layers.")}
+    return local == set(range(end - start))
 
 
 @dataclass(frozen=True)
@@ -165,14 +164,15 @@ def _prod(shape: tuple[int, ...]) -> int:
     return n
 
 
-def weight_slices(spec: ModelSpec) -> list[Slice]:
-    """Every weight of the model under its HF name, stage by stage, in the flat vectors' order."""
+def weight_slices(spec: ModelSpec, snapshots: Sequence[StageSnapshot]) -> list[Slice]:
+    """Every weight of the model under its HF name, stage by stage, in the flat vectors' order (the
+    order of the module's weights: ``named_parameters``, which ``diloco.outer.flatten`` follows)."""
     slices = []
-    for stage in range(spec.n_stages):
-        module, offset = _meta_stage(spec, stage), 0
-        for name, p in module.named_parameters():
-            slices.append(Slice(hf_name(name, module.start), stage, offset, tuple(p.shape)))
-            offset += p.numel()
+    for snapshot in sorted(snapshots, key=lambda s: s.stage):
+        offset = 0
+        for name, shape in snapshot.layout:
+            slices.append(Slice(hf_name(name, spec.stage_range(snapshot.stage)[0]), snapshot.stage, offset, shape))
+            offset += _prod(shape)
     return slices
 
 
@@ -323,7 +323,7 @@ def _write_json(path: Path, doc: dict) -> None:
 def _write_weights(temp: Path, spec: ModelSpec, snapshots: Sequence[StageSnapshot], shard_bytes: int) -> int:
     """The safetensors file(s) (and the index when sharded); returns the bytes of weights written."""
     flats = {s.stage: s.start for s in snapshots}
-    shards = plan_shards(weight_slices(spec), shard_bytes)
+    shards = plan_shards(weight_slices(spec, snapshots), shard_bytes)
     names, weight_map, total = shard_names(len(shards)), {}, 0
     for shard, file_name in zip(shards, names):
         tensors = {s.name: flats[s.stage][s.offset:s.offset + _prod(s.shape)].view(s.shape).clone() for s in shard}
