@@ -18,7 +18,8 @@ sticky for the session.
 **Replay.** When a replica fails (``DialError``, ``Stalled``, no reply within the step deadline,
 or an ``unknown-session`` / ``bad-position`` / ``busy`` / ``overloaded`` reply), the client picks the next
 replica of that stage (the same one again at once only for ``unknown-session``: it is alive, it
-lost the session; another failure is forgiven once, after the others were tried) and sends it the stage's whole stored input (positions 0..t) at position 0, which
+lost the session; after another failure it is tried again only after the others, a pause later,
+``TRIES_PER_REPLICA`` times at most) and sends it the stage's whole stored input (positions 0..t) at position 0, which
 rebuilds its cache, and goes on. It asks for the round the stage's earlier replies named, so
 the replay decodes with the same agreed weights while replicas keep them. No replica of a stage
 left: ``NoCandidates`` (``Overloaded`` if the last refusal was one). Sessions are closed at the
@@ -50,7 +51,8 @@ CLOSE_TIMEOUT = 2.0  # a best-effort close of a session at each replica at the e
 MAP_WAIT = 5.0  # how long a request waits for a stage map rebuild in progress before using the map it has
 REMEMBERED = 256  # replicas remembered as having answered (preferred first)
 RETRY_CODES = {"unknown-session", "bad-position", "busy", "overloaded"}  # replies after which we replay
-TRIES_PER_REPLICA = 2  # a replica that failed gets one more try once the others were tried (a dropped connection)
+TRIES_PER_REPLICA = 3  # a replica that failed gets more tries once the others were tried (a dropped connection)
+RETRY_PAUSE_S = 1.0  # x its failures, before a replica that failed is tried again: a dropped connection is redialled
 
 
 @dataclass
@@ -208,6 +210,8 @@ class SwarmCompleter:
         order = [p for p in checked + others if stage.tried[p] < TRIES_PER_REPLICA]
         # fewest failures first; then ourselves, then a replica that answered before
         order.sort(key=lambda p: (stage.tried[p], p != self.me, p not in self._answered))
+        if order and stage.tried[order[0]]:
+            await trio.sleep(RETRY_PAUSE_S * stage.tried[order[0]])  # every replica failed: give it time to come back
         return order[0] if order else None
 
     async def _close(self, session: bytes, stages: list[_Stage]) -> None:
