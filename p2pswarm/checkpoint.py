@@ -20,7 +20,7 @@ state as canonical JSON, its tensors referenced by name, a name being the tensor
 state, e.g. ``engine/module/layers.0.mlp.up_proj.weight`` (``snapshot_tree.py``). ``sha256`` is
 the sha256 of the whole file with its own 64 hex digits read as ``0``: the snapshot's digest, at a
 fixed offset, checked before anything is parsed. Exactly one encoding per state: the decoder
-rebuilds the header from what it parsed and requires the same bytes.
+re-encodes the header it parsed and requires the same bytes.
 
 We write and read the layout ourselves, one pass and one copy of the tensor data each way: the
 ``safetensors`` library writes ``__metadata__`` keys in a random order (not canonical), reads only
@@ -31,6 +31,7 @@ The tests hold every file we write, and every file we accept, to the library's r
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import os
 import pathlib
@@ -77,6 +78,7 @@ _HEX = re.compile(r"[0-9a-f]{64}")
 _FROM_SAFETENSORS = {code: name for name, code in SAFETENSORS_DTYPES.items()}
 _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 _ITEMSIZE = {name: dtype.itemsize for name, dtype in DTYPES.items()}
+_INFO_KEYS = ["dtype", "shape", "data_offsets"]  # a tensor's entry in the header, in this order
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +149,7 @@ def encode_state(state: dict) -> bytes:
         dtype, shape, raw = _tensor_bytes(tensor)
         raws[name] = (dtype, shape, raw, _tensor_size(dtype, shape, ValueError))
     table, parts, cursor = [], [], 0
-    for name in sorted(raws, key=lambda n: (-_ITEMSIZE[raws[n][0]], n)):  # as _in_data_order
+    for name in sorted(raws, key=lambda n: (-_ITEMSIZE[raws[n][0]], n)):  # data order (_table)
         dtype, shape, raw, nbytes = raws[name]
         table.append((name, dtype, shape, cursor, cursor + nbytes))
         if nbytes:
@@ -183,7 +185,7 @@ def digest(data: bytes) -> bytes:
 
 
 def _frame(view: memoryview, max_bytes: int) -> tuple[bytes, int]:
-    """Check size, format and digest; return (header bytes, offset of the tensor data)."""
+    """Check size, format, header length and digest; return (header bytes, offset of the tensor data)."""
     n = len(view)
     if n > min(max_bytes, MAX_SNAPSHOT_BYTES):
         raise RemoteProtocolError(f"snapshot of {n} bytes exceeds {min(max_bytes, MAX_SNAPSHOT_BYTES)}")
@@ -194,11 +196,10 @@ def _frame(view: memoryview, max_bytes: int) -> tuple[bytes, int]:
     length = int.from_bytes(view[:LENGTH_BYTES], "little")
     if length > MAX_HEADER_BYTES or LENGTH_BYTES + length > n or LENGTH_BYTES + length < _MIN_BYTES:
         raise RemoteProtocolError(f"snapshot header length {length} is out of bounds")
-    recorded = bytes(view[_DIGEST_AT:_DIGEST_AT + DIGEST_HEX])
     hasher = hashlib.sha256(view[:_DIGEST_AT])
     hasher.update(_ZERO_DIGEST.encode("ascii"))
     hasher.update(view[_DIGEST_AT + DIGEST_HEX:])
-    if hasher.hexdigest().encode("ascii") != recorded:
+    if hasher.hexdigest().encode("ascii") != view[_DIGEST_AT:_DIGEST_AT + DIGEST_HEX]:
         raise RemoteProtocolError("snapshot digest does not match its contents")
     return bytes(view[LENGTH_BYTES:LENGTH_BYTES + length]), LENGTH_BYTES + length
 
@@ -216,37 +217,28 @@ def _metadata(header: Any) -> tuple[str, str]:
 
 
 def _table(header: dict, data_len: int) -> dict[str, tuple[str, list[int], int, int]]:
-    """The checked tensor table, name -> (dtype, shape, begin, end): packed, and listed, in data order."""
+    """The checked tensor table, name -> (dtype, shape, begin, end): listed, and packed, in data order
+    (by item size, largest first, then by name), each taking exactly its shape's bytes."""
     if len(header) - 1 > MAX_TENSORS:
         raise RemoteProtocolError(f"snapshot holds more than {MAX_TENSORS} tensors")
-    entries = {}
-    for name, info in header.items():
-        if name == RESERVED_NAME:
-            continue
-        if type(info) is not dict or list(info) != ["dtype", "shape", "data_offsets"]:
+    entries: dict[str, tuple[str, list[int], int, int]] = {}
+    cursor, previous = 0, None
+    for name, info in itertools.islice(header.items(), 1, None):  # after the metadata (``_metadata``)
+        if type(info) is not dict or list(info) != _INFO_KEYS:
             raise RemoteProtocolError(f"tensor {name!r:.60}: not exactly dtype, shape, data_offsets")
         dtype = _FROM_SAFETENSORS.get(info["dtype"]) if type(info["dtype"]) is str else None
         offsets = info["data_offsets"]
         if type(offsets) is not list or len(offsets) != 2 or not all(type(o) is int for o in offsets):
             raise RemoteProtocolError(f"tensor {name!r:.60}: data_offsets is not [begin, end]")
         size = _tensor_size(dtype, info["shape"], RemoteProtocolError)
-        if offsets[1] - offsets[0] != size:
-            raise RemoteProtocolError(f"tensor {name!r:.60}: data_offsets do not span its shape")
+        order = (-_ITEMSIZE[dtype], name)
+        if offsets[0] != cursor or offsets[1] - offsets[0] != size or (previous is not None and order <= previous):
+            raise RemoteProtocolError(f"tensor {name!r:.60}: out of place in the data or the header, or not its size")
         entries[name] = (dtype, info["shape"], offsets[0], offsets[1])
-    cursor, listed = 0, iter(header)
-    next(listed)  # the metadata, first (checked by the caller)
-    for name, _, _, begin, end in _in_data_order(entries):
-        if begin != cursor or next(listed) != name:
-            raise RemoteProtocolError(f"tensor {name!r:.60} is out of place in the data or the header")
-        cursor = end
+        cursor, previous = offsets[1], order
     if cursor != data_len:
         raise RemoteProtocolError(f"tensor data is {data_len} bytes, the table lays out {cursor}")
     return entries
-
-
-def _in_data_order(entries: dict[str, tuple[str, list[int], int, int]]) -> list[tuple[str, str, list[int], int, int]]:
-    """(name, dtype, shape, begin, end) by item size, largest first, then by name: how the data is laid out."""
-    return sorted(((name, *entry) for name, entry in entries.items()), key=lambda e: (-_ITEMSIZE[e[1]], e[0]))
 
 
 class _Tensors:
@@ -261,10 +253,12 @@ class _Tensors:
         self.used.add(name)
         dtype, shape, begin, end = self.entries[name]
         try:  # the boundary to torch: the sizes are checked, so this is a second guard
-            raw = torch.empty(end - begin, dtype=torch.uint8)
-            if end > begin:
-                memoryview(raw.numpy())[:] = self.view[self.data_start + begin:self.data_start + end]
-            raw = _swap_to_little_endian(raw, DTYPES[dtype].itemsize)
+            if end > begin:  # a bytearray of its own: one copy, writable, wrapped as is
+                own = bytearray(self.view[self.data_start + begin:self.data_start + end])
+                raw = torch.frombuffer(own, dtype=torch.uint8)
+            else:
+                raw = torch.empty(0, dtype=torch.uint8)
+            raw = _swap_to_little_endian(raw, _ITEMSIZE[dtype])
             if dtype == "bool" and end > begin and int(raw.max()) > 1:
                 raise RemoteProtocolError("a bool tensor holds a byte other than 0 or 1")
             return raw.view(DTYPES[dtype]).reshape(shape)
@@ -282,22 +276,27 @@ def decode_state(data: bytes, *, max_bytes: int = MAX_SNAPSHOT_BYTES) -> dict:
         raise ValueError(f"snapshot data must be a contiguous byte buffer: {e}") from e
     with view:
         header_bytes, data_start = _frame(view, max_bytes)
-        header = loads(header_bytes, "header")
-        digest_hex, tree_json = _metadata(header)
-        entries = _table(header, len(view) - data_start)
-        try:
-            canonical = _padded(dumps(header).encode("utf-8")) == header_bytes  # all in order: as written
-        except ValueError as e:  # a name or str that is not UTF-8 (a lone surrogate)
-            raise RemoteProtocolError(f"snapshot header cannot be re-encoded: {e}") from e
-        if not canonical:
-            raise RemoteProtocolError("snapshot header is not in its canonical form")
-        tensors = _Tensors(view, data_start, entries)
-        state = decode_tree(tree_json, tensors.take)
-        if len(tensors.used) != len(entries):
-            raise RemoteProtocolError(f"{len(entries) - len(tensors.used)} tensors are never referenced")
-        if type(state) is not dict:
-            raise RemoteProtocolError("a snapshot's state is a dict")
-        return state
+        return _parse(view, header_bytes, data_start)
+
+
+def _parse(view: memoryview, header_bytes: bytes, data_start: int) -> dict:
+    """The state in a snapshot whose size, format, header length and digest are checked."""
+    header = loads(header_bytes, "header")
+    _, tree_json = _metadata(header)
+    entries = _table(header, len(view) - data_start)
+    try:
+        canonical = _padded(dumps(header).encode("utf-8")) == header_bytes  # all in order: as written
+    except ValueError as e:  # a name or str that is not UTF-8 (a lone surrogate)
+        raise RemoteProtocolError(f"snapshot header cannot be re-encoded: {e}") from e
+    if not canonical:
+        raise RemoteProtocolError("snapshot header is not in its canonical form")
+    tensors = _Tensors(view, data_start, entries)
+    state = decode_tree(tree_json, tensors.take)
+    if len(tensors.used) != len(entries):
+        raise RemoteProtocolError(f"{len(entries) - len(tensors.used)} tensors are never referenced")
+    if type(state) is not dict:
+        raise RemoteProtocolError("a snapshot's state is a dict")
+    return state
 
 
 # --- on disk ----------------------------------------------------------------------------------
