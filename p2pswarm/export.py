@@ -151,7 +151,7 @@ async def _fetch_stage(pool, connector, model: str, stage: int, peers, run: str)
             snapshot = hf_export.stage_snapshot(state, f"peer {peer}", run)
             if (snapshot.model, snapshot.stage) != (model, stage):
                 raise ConfigError(f"it sent stage {snapshot.stage} of {snapshot.model}")
-        except (DialError, ProtocolError, ConfigError, OSError) as exc:
+        except (DialError, ProtocolError, ConfigError, OSError, ValueError) as exc:  # ValueError: a bad address
             progress(f"stage {stage}: peer {peer} failed ({str(exc)[:160]}); trying the next")
             problems.append(f"{peer[-8:]}: {str(exc)[:80]}")
             continue
