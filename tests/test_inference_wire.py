@@ -227,8 +227,12 @@ async def test_a_session_decodes_with_the_agreed_weights_of_its_first_round():
         await compute.run(engine.agree, 3, flat * 2)
         server = InferenceServer(service)
         hidden = torch.randn(1, 7, SPEC.width, generator=torch.Generator().manual_seed(1))
-        out, _ = await _ask(server, _step(1, session, 0, hidden[:, :5]))
+        out, data = await _ask(server, _step(1, session, 0, hidden[:, :5]))
         assert out.round == 3
+        doubled = {n: p.detach() * 2 for n, p in engine.params.items()}
+        with torch.no_grad():
+            expected = torch.func.functional_call(engine.module, doubled, (hidden[:, :5],))[0, -1]
+        assert (eng.from_wire(out.dtype, out.shape, data)[0] - expected).abs().max().item() <= 1e-5
         await compute.run(engine.agree, 4, flat)
         out, _ = await _ask(server, _step(1, session, 5, hidden[:, 5:6]))
         assert out.round == 3  # pinned while it is kept
