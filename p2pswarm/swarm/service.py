@@ -11,7 +11,7 @@
   results go to the outbound queue, and when that is full the step counts as local-only and the
   worker goes on;
 - **inference**: ``/p2pswarm/infer/1.0.0`` steps of generation sessions (``swarm/inference.py``) run
-  as urgent jobs of the compute thread, ahead of the queued training work, never in its buffers;
+  on the inference thread beside training (agreed weights), never in the training buffers;
 - **outbound**: ``SENDERS`` tasks deliver forwards to the next stage with failover and
   gradients back to the peer each micro-batch came from (``swarm/sender.py``);
 - **stage 0** cuts micro-batches from its own offset of the corpus, keeps one in flight per stage
@@ -163,7 +163,7 @@ class SwarmService:
             self.deliverer = Deliverer(self._pool, self.router, on_acked=self._sent,
                                        on_lost=self._send_lost, on_peer_error=self._downstream_failed)
             self._pool.serve(PROTOCOL_ID, self._on_frame, max_payload=self._max_payload())
-            self.inference = InferenceServer(self)  # generation's sessions: urgent jobs of the compute thread
+            self.inference = InferenceServer(self)  # generation's sessions, on their own thread
             self._pool.serve(INFER_PROTOCOL, self.inference.on_frame, max_payload=max_step_bytes(self.spec))
             nursery.start_soon(self._compute_worker)
             nursery.start_soon(self._release_held_evals)
