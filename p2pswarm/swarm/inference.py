@@ -141,6 +141,7 @@ class InferenceServer:
         self.thread = ComputeThread(f"p2pswarm-infer{self.stage}")  # decodes on agreed weights beside training
         self.thread.start()  # a daemon: it ends with the process (or ``close``)
         self._agreed_weights: dict[int, dict] = {}  # outer round -> its agreed weights as params, on the device
+        self._module = None  # the inference thread's own StageModule (``_own_module``)
 
     def close(self) -> None:
         self.thread.stop()
@@ -241,11 +242,22 @@ class InferenceServer:
         if self.stage == 0 and (int(x.min()) < 0 or int(x.max()) >= self.spec.vocab):
             raise ValueError(f"a token id outside the vocabulary of {self.spec.vocab}")
         x = x.to(engine.device) if self.stage == 0 else x.to(engine.device, torch.float32)
-        with torch.no_grad(), engine._autocast():
-            y = functional_call(engine.module, weights, (x,), {"cache": cache})
+        with torch.no_grad(), engine._autocast():  # our own module: functional_call swaps a module's parameters
+            y = functional_call(self._own_module(engine), weights, (x,), {"cache": cache})
         if self.service.is_last:
             return round_, cache, eng.to_wire(y.float().cpu())
         return round_, cache, eng.to_wire(y.to("cpu", engine.wire_dtype))
+
+    def _own_module(self, engine):
+        """The stage's module for this thread alone (its own weights are never used: every call
+        passes the agreed ones). ``functional_call`` puts the weights it is given into the module
+        for the call: on the engine's module, concurrent with a training forward, each would see
+        the other's."""
+        if self._module is None:
+            from p2pswarm.model.transformer import StageModule
+
+            self._module = StageModule(self.spec, self.stage).to(engine.device)
+        return self._module
 
     def _weights_of(self, engine, round_: int, held: dict) -> dict:
         """Round ``round_``'s agreed weights as parameters on the engine's device (kept per held round)."""
