@@ -1,32 +1,39 @@
-"""The node's HTTP status API: small JSON documents for ``p2pswarm status`` and for operators.
+"""The node's HTTP API: JSON status documents (``p2pswarm status``), the OpenAI-compatible
+``/v1`` endpoints (``p2pswarm generate``, any OpenAI client), served by hypercorn on trio.
 
-A minimal HTTP/1.1 server on trio (GET only, one request per connection, bounded request size)
-so the node needs no web framework. Routes map a path to an async function returning a JSON-able
-dict (async so that an endpoint may refresh what it shows before answering). A route gets the
-query parameters (``?peer=...&bytes=...``) as a dict; a ``ConfigError`` it raises is a 400 (bad
-parameters), a ``DialError`` a 502 (the peer asked about could not be reached), also when it
-arrives inside an exception group.
+hypercorn (``api_server.py``) speaks HTTP/1.1 over listeners bound early (``open_api_listeners``:
+a port in use fails before the node listens for peers); our own small ASGI app (``api_app.py``)
+answers. The limits below are read when used (tests shorten them). What a client does (garbage,
+a reset, a stall, a huge body) ends in its connection's task: nothing escapes into ``serve_api``
+and so into the node.
+
+Routes map a path to an async function taking the query parameters (a dict) and returning a
+JSON-able dict; ``ConfigError`` is a 400, ``DialError`` a 502 (also inside an exception group).
 """
 
 from __future__ import annotations
 
-import json
+import ipaddress
 import logging
-import urllib.parse
 from collections.abc import Awaitable, Callable
 
 import trio
 
-from p2pswarm.errors import ConfigError, DialError, StartupError, first_error
+from p2pswarm.completions import Completer
+from p2pswarm.errors import ConfigError, StartupError
 
 log = logging.getLogger(__name__)
 
-MAX_REQUEST_BYTES = 8 * 1024  # a GET with headers; anything longer is not a status query
+MAX_HEADER_BYTES = 16 * 1024  # a request head still incomplete past it is a 431; ours need far less
+MAX_BODY_BYTES = 4 * 1024 * 1024  # a completion request: a 1 MiB prompt as UTF-8 JSON fits, with room (413 beyond)
 MAX_QUERY_FIELDS = 16  # endpoints take two or three parameters
-REQUEST_TIMEOUT = 5.0  # a client that has not sent its request in 5 s is dropped
-REPLY_TIMEOUT = 10.0  # a reply is a small JSON document; a client that will not take it in 10 s is dropped
+REQUEST_TIMEOUT = 5.0  # a client that has not sent its request head in 5 s (or is idle between requests) is dropped
+BODY_TIMEOUT = 30.0  # a request body of MAX_BODY_BYTES arrives in 30 s over a ~1 Mbit/s link (408 beyond)
+REPLY_TIMEOUT = 10.0  # a client that will not take a piece of its reply in 10 s is dropped
+LOOPBACK_NAMES = ("localhost",)  # host names that are loopback without resolving them
 
 Routes = dict[str, Callable[[dict[str, str]], Awaitable[dict]]]
+CompleterSource = Callable[[], Completer | None]  # read per request: generation may start after the API
 
 
 def parse_host_port(text: str) -> tuple[str, int]:
@@ -36,68 +43,19 @@ def parse_host_port(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def _response(status: str, body: dict) -> bytes:
-    data = json.dumps(body, indent=1, sort_keys=True).encode()
-    head = (
-        f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n"
-    )
-    return head.encode() + data
-
-
-async def respond(request: bytes, routes: Routes) -> bytes:
-    """The full HTTP response to one raw request (no sockets: testable on its own)."""
-    line = request.split(b"\r\n", 1)[0].decode("latin-1").split()
-    if len(line) != 3:
-        return _response("400 Bad Request", {"error": "malformed request line"})
-    method, target, _ = line
-    if method != "GET":
-        return _response("405 Method Not Allowed", {"error": "only GET is served"})
-    path, _, query = target.partition("?")
-    route = routes.get(path)
-    if route is None:
-        return _response("404 Not Found", {"error": f"no such endpoint; try {', '.join(sorted(routes))}"})
+def is_loopback(host: str) -> bool:
     try:
-        params = {k: v[-1] for k, v in urllib.parse.parse_qs(query, max_num_fields=MAX_QUERY_FIELDS).items()}
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
-        return _response("400 Bad Request", {"error": f"more than {MAX_QUERY_FIELDS} query parameters"})
-    try:
-        return _response("200 OK", await route(params))
-    except Exception as exc:  # an exception group from a route's nursery too
-        error = first_error(exc)
-        if isinstance(error, ConfigError):
-            return _response("400 Bad Request", {"error": str(error)})
-        if isinstance(error, DialError):
-            return _response("502 Bad Gateway", {"error": str(error)})
-        log.exception("status endpoint %s failed", target)
-        return _response("500 Internal Server Error", {"error": "endpoint failed"})
+        return host.lower() in LOOPBACK_NAMES
 
 
-async def _read_request(stream: trio.SocketStream) -> bytes:
-    """The request head as far as the client sent it within REQUEST_TIMEOUT and MAX_REQUEST_BYTES."""
-    request = b""
-    with trio.move_on_after(REQUEST_TIMEOUT):
-        while b"\r\n\r\n" not in request and len(request) < MAX_REQUEST_BYTES:
-            chunk = await stream.receive_some(4096)
-            if not chunk:
-                break
-            request += chunk
-    return request
-
-
-async def _serve_connection(stream: trio.SocketStream, routes: Routes) -> None:
-    """Answer one request. Whatever the client does (reset, stall, garbage) ends here, in this
-    connection's task: an exception escaping it would end ``serve_listeners`` and the node."""
-    try:
-        response = await respond(await _read_request(stream), routes)
-        with trio.move_on_after(REPLY_TIMEOUT) as sending:
-            await stream.send_all(response)
-        if sending.cancelled_caught:
-            log.info("status API client did not take its reply within %.0f s; dropped", REPLY_TIMEOUT)
-    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-        log.debug("status API client went away: %s", exc)
-    finally:
-        await stream.aclose()
+def check_api_exposure(address: str, token: str | None) -> None:
+    """ConfigError unless the API binds to loopback or requests must carry a token."""
+    host, _ = parse_host_port(address)
+    if not is_loopback(host) and not token:
+        raise ConfigError(f"--api {address} is reachable beyond this machine: give --api-token TOKEN "
+                          f"(or P2PSWARM_API_TOKEN), or bind to 127.0.0.1")
 
 
 async def open_api_listeners(address: str) -> list[trio.SocketListener]:
@@ -111,10 +69,15 @@ async def open_api_listeners(address: str) -> list[trio.SocketListener]:
 
 
 async def serve_api(address: str | list[trio.SocketListener], routes: Routes, *,
+                    completer: CompleterSource = lambda: None, token: str | None = None,
                     task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Serve ``routes`` on ``address`` (HOST:PORT, or listeners already bound) until cancelled."""
+    """Serve ``routes`` (and ``/v1`` when ``completer()`` gives one) on ``address`` (HOST:PORT, or
+    listeners already bound) until cancelled; with ``token``, every request must carry it."""
+    from p2pswarm.api_app import ApiApp
+    from p2pswarm.api_server import serve_asgi  # hypercorn: imported by a serving node only
+
     listeners = await open_api_listeners(address) if isinstance(address, str) else address
     bound = listeners[0].socket.getsockname()
-    log.info("status API on http://%s:%d/api/stats", bound[0], bound[1])
+    log.info("status API on http://%s:%d/api/stats%s", bound[0], bound[1], " (token required)" if token else "")
     task_status.started(f"{bound[0]}:{bound[1]}")
-    await trio.serve_listeners(lambda s: _serve_connection(s, routes), listeners)
+    await serve_asgi(ApiApp(routes, completer, token), listeners)

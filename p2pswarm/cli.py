@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import logging
+import os
 import signal
 import sys
 import urllib.error
@@ -20,7 +22,7 @@ from pathlib import Path
 import trio
 
 from p2pswarm import __version__
-from p2pswarm.api import parse_host_port
+from p2pswarm.api import check_api_exposure, parse_host_port
 from p2pswarm.config import DEFAULT_BOOTSTRAP_LISTEN, DEFAULT_LISTEN, DEFAULT_RELAY_LISTEN, DhtMode, NodeConfig, Role
 from p2pswarm.errors import ConfigError, P2PSwarmError, first_error
 from p2pswarm.demo import DEMO_INNER_STEPS
@@ -39,6 +41,14 @@ from p2pswarm.swarm.device import PRECISIONS, resolve_placement
 log = logging.getLogger("p2pswarm")
 
 STATUS_TIMEOUT = 5.0  # seconds to wait for a node's API before saying it is not answering
+API_TOKEN_ENV = "P2PSWARM_API_TOKEN"  # --api-token's default: keeps the token out of process listings
+
+
+def api_token_option(parser: argparse.ArgumentParser, serving: bool = False) -> None:
+    """``--api-token``: the token a node's API demands (``serving``) or that a client sends."""
+    parser.add_argument("--api-token", default=os.environ.get(API_TOKEN_ENV), metavar="TOKEN",
+                        help=("every API request must carry 'Authorization: Bearer TOKEN'; needed to bind --api "
+                              "beyond loopback" if serving else "the node's API token") + f" (default ${API_TOKEN_ENV})")
 
 
 def _node_options(parser: argparse.ArgumentParser, default_listen: str) -> None:
@@ -48,7 +58,10 @@ def _node_options(parser: argparse.ArgumentParser, default_listen: str) -> None:
                         help="Ed25519 key file, created on first use (default DATA_DIR/node.key; "
                              "without --data-dir an ephemeral key)")
     parser.add_argument("--data-dir", type=Path, metavar="DIR", help="where the node keeps its files")
-    parser.add_argument("--api", metavar="HOST:PORT", help="serve the status API here (e.g. 127.0.0.1:8700)")
+    parser.add_argument("--api", metavar="HOST:PORT",
+                        help="serve the HTTP API (status, /v1 completions) here, e.g. 127.0.0.1:8700; a host "
+                             "other than loopback needs --api-token")
+    api_token_option(parser, serving=True)
     parser.add_argument("--stun", metavar="HOST[:PORT]",
                         help="STUN server (RFC 3489, two IPs for a full answer) to learn the public "
                              "address and NAT type; none by default")
@@ -121,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="show a running node's state and the swarm's stage map")
     status.add_argument("--api", required=True, metavar="HOST:PORT", help="the node's status API")
     status.add_argument("--json", action="store_true", help="print the raw JSON")
+    api_token_option(status)
 
     ping = sub.add_parser("ping", help="ask a running node to reach a peer and measure the path",
                           description="Ask the node behind --api to connect to PEER (direct, hole punch or "
@@ -130,6 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
     ping.add_argument("--api", required=True, metavar="HOST:PORT", help="the asking node's status API")
     ping.add_argument("--bytes", type=int, default=1024 * 1024, help="bytes to push (default 1 MiB; 0: none)")
     ping.add_argument("--json", action="store_true", help="print the raw JSON")
+    api_token_option(ping)
+    from p2pswarm.api_client import add_parser as _generate_parser
+
+    _generate_parser(sub, api_token_option)
 
     demo = sub.add_parser("demo", help="train a model on a local swarm: bootstrap plus peers on loopback",
                           description="Start a bootstrap node and N peers on this machine, spread over the "
@@ -216,12 +234,12 @@ def _join_run(args: argparse.Namespace) -> tuple[RunSpec, dls.DilocoSettings]:
 def config_from_args(args: argparse.Namespace) -> NodeConfig:
     role = Role(args.command)
     if args.api:
-        parse_host_port(args.api)  # ConfigError before the node listens and prints its addresses
+        check_api_exposure(args.api, args.api_token)  # ConfigError before the node listens and prints its addresses
     if args.max_connections < 1:
         raise ConfigError(f"--max-connections must be at least 1, not {args.max_connections}")
     default_listen = {Role.BOOTSTRAP: DEFAULT_BOOTSTRAP_LISTEN, Role.RELAY: DEFAULT_RELAY_LISTEN}.get(role, DEFAULT_LISTEN)
     kwargs = dict(role=role, listen=tuple(args.listen or [default_listen]), bootstrap=tuple(args.bootstrap),
-                  key_path=args.key, data_dir=args.data_dir, api=args.api,
+                  key_path=args.key, data_dir=args.data_dir, api=args.api, api_token=args.api_token,
                   stun=parse_stun_server(args.stun) if args.stun else None, max_connections=args.max_connections)
     if role is Role.RELAY:
         kwargs.update(relay=load_relay_config(args.config) if args.config else RelayConfig())
@@ -281,17 +299,20 @@ def cmd_keygen(args: argparse.Namespace) -> int:
     return 0
 
 
-def _get_json(api: str, path: str, timeout: float = STATUS_TIMEOUT) -> dict:
+def _get_json(api: str, path: str, timeout: float = STATUS_TIMEOUT, token: str | None = None) -> dict:
     host, port = parse_host_port(api)
+    token = token or os.environ.get(API_TOKEN_ENV)
+    request = urllib.request.Request(f"http://{host}:{port}{path}",
+                                     headers={"Authorization": f"Bearer {token}"} if token else {})
     try:
-        with urllib.request.urlopen(f"http://{host}:{port}{path}", timeout=timeout) as response:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
             return json.load(response)
     except urllib.error.HTTPError as exc:  # the node answered: a bad request or an unreachable peer
         try:
             reason = json.load(exc).get("error", exc.reason)
         except (ValueError, OSError, AttributeError):
             reason = exc.reason
-        raise ConfigError(str(reason)) from None
+        raise ConfigError(str(reason.get("message", reason) if isinstance(reason, dict) else reason)) from None
     except (urllib.error.URLError, OSError, ValueError) as exc:
         raise ConfigError(f"no p2pswarm node answers at {api}: {getattr(exc, 'reason', exc)}") from None
 
@@ -396,10 +417,11 @@ def format_status(stats: dict, stages: dict, swarm: dict | None = None, diloco: 
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    stats, stages = _get_json(args.api, "/api/stats"), _get_json(args.api, "/api/stages")
+    get = functools.partial(_get_json, args.api, token=args.api_token)
+    stats, stages = get("/api/stats"), get("/api/stages")
     joined = stats.get("role") == "join"
-    swarm = _get_json(args.api, "/api/swarm") if joined else None
-    diloco = _get_json(args.api, "/api/diloco") if joined else None
+    swarm = get("/api/swarm") if joined else None
+    diloco = get("/api/diloco") if joined else None
     if args.json:
         print(json.dumps({"stats": stats, "stages": stages, "swarm": swarm, "diloco": diloco}, indent=1,
                          sort_keys=True))
@@ -419,7 +441,7 @@ def cmd_ping(args: argparse.Namespace) -> int:
     from p2pswarm.net.probe import PROBE_TIMEOUT
 
     query = urllib.parse.urlencode({"peer": args.peer, "bytes": args.bytes})
-    doc = _get_json(args.api, f"/api/ping?{query}", timeout=PROBE_TIMEOUT + STATUS_TIMEOUT)
+    doc = _get_json(args.api, f"/api/ping?{query}", timeout=PROBE_TIMEOUT + STATUS_TIMEOUT, token=args.api_token)
     print(json.dumps(doc, indent=1, sort_keys=True) if args.json else format_ping(doc))
     return 0
 
@@ -434,6 +456,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_status(args)
         if args.command == "ping":
             return cmd_ping(args)
+        if args.command == "generate":
+            from p2pswarm.api_client import cmd_generate
+
+            return cmd_generate(args)
         if args.command == "models":
             return cmd_models(args)
         if args.command == "export":

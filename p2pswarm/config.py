@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from p2pswarm.diloco.settings import DilocoSettings
@@ -39,6 +39,7 @@ class NodeConfig:
     key_path: Path | None = None  # None: <data_dir>/node.key, or an ephemeral key without a data dir
     data_dir: Path | None = None
     api: str | None = None  # HOST:PORT of the status API, off when None
+    api_token: str | None = field(default=None, repr=False)  # API requests must carry it (Bearer); None: no check
     model: str = DEFAULT_MODEL
     layers: tuple[int, int] | None = None  # None: choose the least-served stage at join time
     dht_mode: DhtMode = DhtMode.AUTO

@@ -186,7 +186,9 @@ async def _join_dht(state: NodeState, nursery: trio.Nursery, rng: random.Random,
     if api_listeners:
         ping = PingRoute(host, state.connector, state.control, state.stage_map.addrs_of)
         routes.update({"/api/stats": state.stats_json, **state.stage_map.routes(), **ping.routes()})
-        state.api_address = await nursery.start(serve_api, api_listeners, routes)
+        serve = functools.partial(serve_api, api_listeners, routes, token=config.api_token,
+                                  completer=lambda: getattr(state, "completer", None))  # /v1 once it is set
+        state.api_address = await nursery.start(serve)
 
 
 async def _train(state: NodeState, rng: random.Random, task_status=trio.TASK_STATUS_IGNORED) -> None:
