@@ -171,6 +171,12 @@ async def _join_dht(state: NodeState, nursery: trio.Nursery, rng: random.Random,
     nursery.start_soon(state.index.serve_store_pruning)
     nursery.start_soon(serve_routing_upkeep, host, state.kad, bootstrap_infos)
     nursery.start_soon(state.nat.serve_reachability, functools.partial(_meet_peers, state, rng))
+    if api_listeners:  # up before our stage is ready: loading it may take minutes, and status shows it meanwhile
+        ping = PingRoute(host, state.connector, state.control, state.stage_map.addrs_of)
+        routes.update({"/api/stats": state.stats_json, **state.stage_map.routes(), **ping.routes()})
+        serve = functools.partial(serve_api, api_listeners, routes, token=config.api_token,
+                                  completer=lambda: getattr(state, "completer", None))  # /v1 once it is set
+        state.api_address = await nursery.start(serve)
     if config.serves_layers:
         stage = state.model.stage_of(*config.layers) if config.layers else None
         state.stage = stage if stage is not None else await state.stage_map.choose_stage(rng)
@@ -181,14 +187,8 @@ async def _join_dht(state: NodeState, nursery: trio.Nursery, rng: random.Random,
                            functools.partial(control_round_trip, state.connector, state.control))
         state.swarm = await nursery.start(_train, state, rng)
         state.load_sources.append(state.swarm.queue_depth)
-        routes.update(state.swarm.routes())
+        routes.update(state.swarm.routes())  # served from now on: the app reads this dict per request
         routes.update(state.diloco.routes())
-    if api_listeners:
-        ping = PingRoute(host, state.connector, state.control, state.stage_map.addrs_of)
-        routes.update({"/api/stats": state.stats_json, **state.stage_map.routes(), **ping.routes()})
-        serve = functools.partial(serve_api, api_listeners, routes, token=config.api_token,
-                                  completer=lambda: getattr(state, "completer", None))  # /v1 once it is set
-        state.api_address = await nursery.start(serve)
 
 
 async def _train(state: NodeState, rng: random.Random, task_status=trio.TASK_STATUS_IGNORED) -> None:
