@@ -94,25 +94,58 @@ def _run_of(path: Path) -> str | None:
     return match.group("run") if match else None
 
 
+def _named_round(path: Path) -> int | None:
+    """The outer round a snapshot file's name gives (the store's names), None for another name."""
+    match = SNAPSHOT_FILE.fullmatch(path.name)
+    return int(match.group(2)) if match else None
+
+
+def _fits(path: Path, target: int | None) -> bool:
+    round_ = _named_round(path)
+    return round_ is None or target is None or target - MAX_ROUND_SPREAD <= round_ <= target
+
+
 def load_file_snapshots(paths: list[Path]) -> list[StageSnapshot]:
-    """The newest loadable snapshot of each given stage directory (or each given file)."""
+    """One loadable snapshot of each given stage directory (or each given file): the newest set whose
+    outer rounds fit the rule, else the newest of each (the rule's check then says why not). Stages
+    snapshot at their own times, so the newest files of two stages can be rounds apart while older
+    kept ones match; files are decoded only when chosen."""
     from p2pswarm.checkpoint import decode_state
 
-    snapshots = []
-    for where, files in _expand(paths):
-        for path in files:
+    groups, loaded = _expand(paths), {}
+
+    def load(where: Path, path: Path) -> StageSnapshot | None:
+        if path not in loaded:
             try:
-                snapshot = hf_export.stage_snapshot(decode_state(path.read_bytes()), str(path), _run_of(where))
+                loaded[path] = hf_export.stage_snapshot(decode_state(path.read_bytes()), str(path), _run_of(where))
             except (OSError, ProtocolError, ConfigError, ValueError) as exc:
                 progress(f"skipping {path}: {exc}")
-                continue
-            progress(f"stage {snapshot.stage} from {path}: outer round {snapshot.round}, "
-                     f"{path.stat().st_size / MB:.1f} MB")
-            snapshots.append(snapshot)
+                loaded[path] = None
+        return loaded[path]
+
+    def pick(target: int | None) -> list[StageSnapshot] | None:
+        chosen = []
+        for where, files in groups:
+            snapshot = next((s for p in files if _fits(p, target) and (s := load(where, p)) is not None), None)
+            if snapshot is None:
+                return None
+            chosen.append(snapshot)
+        return chosen
+
+    targets = sorted({r for _, files in groups for p in files if (r := _named_round(p)) is not None}, reverse=True)
+    for target in targets:
+        chosen = pick(target)
+        if chosen and max(s.round for s in chosen) - min(s.round for s in chosen) <= MAX_ROUND_SPREAD:
             break
-        else:
-            raise ConfigError(f"--snapshots {where}: no loadable snapshot in it")
-    return snapshots
+    else:
+        chosen = pick(None)
+    if chosen is None:
+        where = next(w for w, files in groups if all(load(w, p) is None for p in files))
+        raise ConfigError(f"--snapshots {where}: no loadable snapshot in it")
+    for snapshot in chosen:
+        progress(f"stage {snapshot.stage} from {snapshot.source}: outer round {snapshot.round}, "
+                 f"{Path(snapshot.source).stat().st_size / MB:.1f} MB")
+    return chosen
 
 
 # --- from the swarm -----------------------------------------------------------------------------

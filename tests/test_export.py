@@ -11,6 +11,7 @@ import dataclasses
 import errno
 import http.server
 import json
+import re
 import threading
 
 import pytest
@@ -161,7 +162,7 @@ def test_the_byte_tokenizer_ids_are_the_bytes_for_every_byte(tmp_path):
 @pytest.mark.parametrize("problem", ["rounds", "missing", "twice", "models"])
 def test_incompatible_stages_exit_1_with_one_line(tmp_path, tiny, capsys, problem):
     run, stages = tiny
-    rounds = [3, 5, 4, 4] if problem == "rounds" else [4] * 4
+    rounds = [2, 5, 4, 4] if problem == "rounds" else [4] * 4  # no kept files of stages 0 and 1 within 1
     dirs = write_snapshots(tmp_path / "s", stages, run.identity, rounds)
     if problem == "models":
         other = trained_stages(get_model("tiny-lm/2"))
@@ -172,6 +173,15 @@ def test_incompatible_stages_exit_1_with_one_line(tmp_path, tiny, capsys, proble
     assert {"rounds": "more than 1 apart", "missing": "stage(s) 3", "twice": "given twice",
             "models": "different models"}[problem] in line
     assert not (tmp_path / "hf").exists()
+
+
+def test_older_kept_snapshots_that_fit_the_rule_are_taken(tmp_path, tiny, capsys):
+    """Stages snapshot at their own times: the newest files may be 2 rounds apart while kept ones match."""
+    run, stages = tiny
+    write_snapshots(tmp_path / "s", stages, run.identity, [3, 5, 4, 4])  # kept: {2, 3}, {4, 5}, {3, 4}, {3, 4}
+    assert export("--snapshots", str(tmp_path / "s"), "--out", str(tmp_path / "hf")) == 0
+    err = capsys.readouterr().err
+    assert [int(r) for r in re.findall(r"stage \d from \S+: outer round (\d+)", err)] == [3, 4, 4, 4], err
 
 
 def test_an_output_dir_that_is_not_empty_needs_force(tmp_path, tiny, capsys):
