@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -289,6 +290,7 @@ def run_demo(peers: int, duration: float, directory: Path | None, *, stages: int
     print(f"demo: {peers} peers train {model.name} ({model.n_layers} blocks in {model.n_stages} stages) on the "
           f"embedded corpus for {duration:.0f} s; keys and logs in {workdir}", flush=True)
     processes: list[subprocess.Popen] = []
+    signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops every process it started, as Ctrl-C does
     try:
         boot = spawn(["bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0", "--data-dir", str(workdir / "bootstrap")],
                      workdir / "bootstrap.log")
@@ -314,6 +316,10 @@ def run_demo(peers: int, duration: float, directory: Path | None, *, stages: int
     finally:
         print("demo: stopping every process it started", flush=True)
         stop_all(processes)
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 def _crashed(processes: list[subprocess.Popen], members: list[Peer]) -> list[subprocess.Popen]:
