@@ -35,7 +35,7 @@ from p2pswarm.model.transformer import build_model, run_stages  # noqa: E402
 from p2pswarm.swarm.engine import ids_tensor  # noqa: E402
 from p2pswarm.swarm.evaluation import EVAL_BATCHES, EVAL_ROWS  # noqa: E402
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]  # the deadlines below add up to ~500 s at worst
 
 SPEC = get_model("tiny-lm/2")
 FLAGS = ("--model", "tiny-lm/2", "--inner-steps", "16", "--gather", "1", "--snapshot-period", "5")
