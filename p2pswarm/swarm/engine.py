@@ -217,12 +217,16 @@ class StageEngine:
             return NO_ROUND, None
         round_ = wanted if wanted in self._agreed else self.agreed_round
         if self._agreed_on_device is None or self._agreed_on_device[0] != round_:
-            flat, offset, weights = self._agreed[round_], 0, {}
-            for name, p in self.params.items():
-                weights[name] = flat[offset:offset + p.numel()].view(p.shape).to(p.device, p.dtype)
-                offset += p.numel()
-            self._agreed_on_device = (round_, weights)
+            self._agreed_on_device = (round_, self.params_from_flat(self._agreed[round_]))
         return self._agreed_on_device
+
+    def params_from_flat(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """A flat vector in ``params`` order (agreed weights) as parameters on our device and dtype."""
+        offset, weights = 0, {}
+        for name, p in self.params.items():
+            weights[name] = flat[offset:offset + p.numel()].view(p.shape).to(p.device, p.dtype)
+            offset += p.numel()
+        return weights
 
     # --- devices, precision and the wire ----------------------------------------------------------
 

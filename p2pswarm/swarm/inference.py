@@ -267,11 +267,7 @@ class InferenceServer:
             torch.cuda.set_device(engine.device)  # this thread's current device
         self._agreed_weights = {r: w for r, w in self._agreed_weights.items() if r in held}
         if round_ not in self._agreed_weights:
-            flat, offset, weights = held[round_], 0, {}
-            for name, p in engine.params.items():
-                weights[name] = flat[offset:offset + p.numel()].view(p.shape).to(p.device, p.dtype)
-                offset += p.numel()
-            self._agreed_weights[round_] = weights
+            self._agreed_weights[round_] = engine.params_from_flat(held[round_])  # reads params' shapes only
         return self._agreed_weights[round_]
 
     def expire(self, now: float) -> int:
