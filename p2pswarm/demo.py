@@ -365,17 +365,20 @@ def _wait_formed(members: list[Peer], processes: list[subprocess.Popen], n_stage
 def _train(members: list[Peer], processes: list[subprocess.Popen], n_stages: int, duration: float,
            kill_one: bool, summary: Path | None = None, rounds: int | None = None) -> int:
     """Until ``duration`` passes, or with ``rounds`` until that outer round's held-out figure is in (and a
-    killed peer is back): then ``duration`` is only the limit."""
+    killed peer is back and has loaded its stage from a replica): then ``duration`` is only the limit."""
     progress, started = Progress(), time.time()
     victim = next(p for p in reversed(members) if p.stage == n_stages - 1) if kill_one else None
     while (elapsed := time.time() - started) < duration:
         time.sleep(SHOW_PERIOD)
         evaluated = max((a.round for a in progress.curve()), default=-1)
-        if rounds is not None and evaluated >= rounds and not (victim and not victim.restarted):
+        back = victim is None or (victim.restarted and victim.index in progress.loads)  # reloaded its stage
+        if rounds is not None and evaluated >= rounds and back:
             break
         if victim:
             halfway = evaluated >= rounds // 2 if rounds is not None else time.time() - started >= duration / 2
             _kill_and_restart(victim, processes, time.time() - started, halfway)
+            if victim.killed:
+                progress.loads.pop(victim.index, None)  # its load after the restart is the one to wait for
         crashed = _crashed(processes, members)
         if crashed:
             print(f"demo: a process exited with code {crashed[0].returncode}; see the logs", file=sys.stderr)
