@@ -74,6 +74,7 @@ class PoolStats:
     circuit_refusals: int = 0  # frames refused before their first byte: the circuit could not carry them
     circuits_recycled: int = 0  # exhausted relayed connections closed once idle (the next lease re-dials)
     frames_sent: int = 0
+    payload_bytes_sent: int = 0  # payload bytes of every frame written (requests and replies): what a peer sends
     frames_received: int = 0  # replies read by lessees
     frames_served: int = 0  # inbound frames handled
     inbound_refused: int = 0  # inbound streams reset: no budget slot, garbage, budget timeout, stall
@@ -344,6 +345,7 @@ class StreamPool:
                 stream.broken = True
                 raise Stalled(f"{message.TYPE} to {stream.remote_peer}: write stalled for {deadline:.1f} s")
         self.stats.frames_sent += 1
+        self.stats.payload_bytes_sent += len(payload)
 
     def _connection_opened(self, conn) -> None:
         self._opened_at.setdefault(conn.muxed_conn, trio.current_time())
