@@ -13,11 +13,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from p2pswarm.dht.records import (
+    DIGEST_BYTES,
+    FLAG_PINNED,
     FLAG_RELAYED,
+    FLAG_SNAPSHOT,
     FLAG_TRAINING,
     FLAGS_LIMIT,
     MAX_ADDR_CHARS,
     MAX_ADDRS,
+    MAX_BACKUP_CLAIMS,
     MAX_FREE_MEMORY_MB,
     MAX_BODY_KEYS,
     MAX_CAPACITY_KEYS,
@@ -37,6 +41,7 @@ from p2pswarm.dht.records import (
     RECORD_VERSION,
     SIGNATURE_DOMAIN,
     UNNAMED_RUN,
+    BackupClaim,
     Capacity,
     StageRecord,
     best_first,
@@ -78,14 +83,29 @@ timestamps_st = st.one_of(st.floats(0, MAX_TIMESTAMP), st.integers(0, int(MAX_TI
 ttls_st = st.one_of(st.floats(MIN_TTL, MAX_TTL), st.integers(int(MIN_TTL), int(MAX_TTL)))
 
 
+rounds_st = st.integers(0, 2**63 - 1)
+digests_st = st.binary(min_size=DIGEST_BYTES, max_size=DIGEST_BYTES)
+agreed_st = st.none() | st.tuples(rounds_st, digests_st)
+
+
+def claims_st(own_stage: int):
+    """Backup claims a record of ``own_stage`` may carry: other stages, each at most once."""
+    other_stages = st.integers(0, MAX_STAGES - 1).filter(lambda stage: stage != own_stage)
+    return st.lists(st.builds(BackupClaim, other_stages, rounds_st, digests_st), max_size=MAX_BACKUP_CLAIMS,
+                    unique_by=lambda claim: claim.stage).map(tuple)
+
+
 def records(peer_ids=st.sampled_from(sorted(BY_PEER))):
-    return st.builds(
-        lambda peer, addrs, model, stage, layers, cap, ts, ttl, run: StageRecord(
-            peer, addrs, model, stage, *layers, cap, ts, ttl, run
-        ),
-        peer_ids, addrs_st, models_st, st.integers(0, MAX_STAGES - 1), layers_st, capacity_st, timestamps_st,
-        ttls_st, run_ids,
-    )
+    def build(stage):
+        return st.builds(
+            lambda peer, addrs, model, layers, cap, ts, ttl, run, agreed, backups: StageRecord(
+                peer, addrs, model, stage, *layers, cap, ts, ttl, run, agreed, backups
+            ),
+            peer_ids, addrs_st, models_st, layers_st, capacity_st, timestamps_st, ttls_st, run_ids, agreed_st,
+            claims_st(stage),
+        )
+
+    return st.integers(0, MAX_STAGES - 1).flatmap(build)
 
 
 def sign(record: StageRecord) -> bytes:
@@ -142,7 +162,7 @@ def test_arbitrary_cbor_values_only_raise_remote_protocol_error(value):
         verify_record(cbor2.dumps(value, canonical=True))
 
 
-@given(st.dictionaries(st.sampled_from(sorted(base_body())), plain_cbor_st, max_size=8))
+@given(st.dictionaries(st.sampled_from(sorted({*base_body(), "agreed", "backups"})), plain_cbor_st, max_size=8))
 def test_arbitrary_signed_bodies_only_raise_remote_protocol_error(overrides):
     body = {**base_body(), **overrides}
     try:
@@ -200,6 +220,13 @@ BAD_FIELDS = [
     ("cap", {"mem": 0, "queue": 0, "flags": 0, **{f"k{i}": i for i in range(MAX_CAPACITY_KEYS)}}),
     ("stage", -1), ("stage", MAX_STAGES), ("stage", True), ("stage", "1"), ("stage", None),
     ("cap", {"mem": MAX_FREE_MEMORY_MB + 1, "queue": 0, "flags": 0}), ("cap", [0, 0, 0]), ("cap", None),
+    ("agreed", None), ("agreed", [1]), ("agreed", [1, b"d" * 32, 2]), ("agreed", [-1, b"d" * 32]),
+    ("agreed", [2**63, b"d" * 32]), ("agreed", [True, b"d" * 32]), ("agreed", [1, b"d" * 31]),
+    ("agreed", [1, "d" * 32]), ("agreed", {"round": 1}), ("agreed", [[1], b"d" * 32]),
+    ("backups", None), ("backups", [0, 1]), ("backups", [0, 1, b"d" * 32, 2]), ("backups", [1, 1, b"d" * 32]),
+    ("backups", [0, 1, b"d" * 32, 0, 2, b"e" * 32]), ("backups", [0, -1, b"d" * 32]), ("backups", [0, 1, b"d"]),
+    ("backups", [MAX_STAGES, 1, b"d" * 32]), ("backups", [True, 1, b"d" * 32]), ("backups", [[0, 1, b"d" * 32]]),
+    ("backups", [x for s in range(2, MAX_BACKUP_CLAIMS + 3) for x in (s, 1, b"d" * 32)]), ("backups", {"0": 1}),
 ]
 
 
@@ -239,6 +266,31 @@ def test_the_outer_round_travels_and_is_left_out_when_zero():
     later = replace(BASE, capacity=replace(BASE.capacity, outer_round=17))
     assert cbor2.loads(sign_record(later, ALICE))["r"]["cap"]["round"] == 17
     assert verify_record(sign_record(later, ALICE)) == later
+
+
+def test_agreed_and_backups_travel_and_are_left_out_when_empty():
+    from dataclasses import replace
+
+    assert "agreed" not in base_body() and "backups" not in base_body()  # older readers see what they always saw
+    claims = (BackupClaim(0, 4, b"a" * 32), BackupClaim(2, 5, b"b" * 32))
+    later = replace(BASE, agreed=(7, b"c" * 32), backups=claims)
+    body = cbor2.loads(sign_record(later, ALICE))["r"]
+    assert body["agreed"] == [7, b"c" * 32]
+    assert body["backups"] == [0, 4, b"a" * 32, 2, 5, b"b" * 32]  # flat: the depth limit stays 3
+    assert verify_record(sign_record(later, ALICE)) == later
+
+
+def test_a_full_record_with_every_backup_claim_fits():
+    from dataclasses import replace
+
+    claims = tuple(BackupClaim(stage, 2**63 - 1, b"d" * 32) for stage in range(2, 2 + MAX_BACKUP_CLAIMS))
+    full = replace(BASE, addrs=("/dns4/" + "a" * 120 + "/tcp/4001",) * 8, agreed=(2**63 - 1, b"c" * 32),
+                   backups=claims)
+    assert verify_record(sign_record(full, ALICE)) == full
+
+
+def test_pinned_is_its_own_flag():
+    assert FLAG_PINNED == 32 and FLAG_PINNED & (FLAG_SNAPSHOT | FLAG_TRAINING | FLAG_RELAYED) == 0
 
 
 @pytest.mark.parametrize("extra", [{"x" * 33: 1}, {5: 1}, {f"k{i}": i for i in range(MAX_BODY_KEYS)}])
@@ -385,7 +437,12 @@ def test_sign_refuses_another_peers_record():
     [{"start": 7}, {"start": True}, {"end": MAX_LAYERS + 1}, {"ttl": 0.0}, {"ttl": math.nan},
      {"timestamp": -1.0}, {"timestamp": False}, {"model": ""}, {"addrs": ["/ip4/10.0.0.1/tcp/1"]},
      {"addrs": ("x",)}, {"addrs": ("/ip4/10.0.0.1/tcp/1",) * (MAX_ADDRS + 1)},
-     {"capacity": Capacity(-1, 0)}, {"capacity": Capacity(0, 0, FLAGS_LIMIT)}, {"capacity": (0, 0, 0)}],
+     {"capacity": Capacity(-1, 0)}, {"capacity": Capacity(0, 0, FLAGS_LIMIT)}, {"capacity": (0, 0, 0)},
+     {"agreed": (1, b"d" * 31)}, {"agreed": [1, b"d" * 32]}, {"agreed": (-1, b"d" * 32)},
+     {"backups": (BackupClaim(1, 1, b"d" * 32),)}, {"backups": [BackupClaim(0, 1, b"d" * 32)]},
+     {"backups": (BackupClaim(0, 1, b"d" * 32), BackupClaim(0, 2, b"e" * 32))},
+     {"backups": ((0, 1, b"d" * 32),)}, {"backups": (BackupClaim(0, 1, bytearray(32)),)},
+     {"backups": tuple(BackupClaim(s, 1, b"d" * 32) for s in range(2, MAX_BACKUP_CLAIMS + 3))}],
 )
 def test_sign_refuses_invalid_fields(changes):
     from dataclasses import replace

@@ -6,7 +6,7 @@ module decides what to publish, so the rules can be tested on their own.
 
 from __future__ import annotations
 
-from p2pswarm.dht.records import FLAG_RELAYED, FLAG_TRAINING, UNNAMED_RUN, Capacity, StageRecord
+from p2pswarm.dht.records import FLAG_RELAYED, FLAG_TRAINING, UNNAMED_RUN, BackupClaim, Capacity, StageRecord
 from p2pswarm.model.catalog import ModelSpec
 
 MAX_RECORD_ADDRS = 8  # addresses in a stage record; well inside the record's size limit
@@ -29,8 +29,11 @@ def capacity_flags(*, training: bool, private: bool) -> int:
 
 
 def stage_record(peer_id: str, addrs: list[str], public: tuple[str, ...], model: ModelSpec, stage: int,
-                 capacity: Capacity, now: float, ttl: float, run: str = UNNAMED_RUN) -> StageRecord:
-    """Our record for ``stage`` of ``model`` in run ``run``: its exact layer range, our best addresses first."""
+                 capacity: Capacity, now: float, ttl: float, run: str = UNNAMED_RUN,
+                 agreed: tuple[int, bytes] | None = None, backups: tuple[BackupClaim, ...] = ()) -> StageRecord:
+    """Our record for ``stage`` of ``model`` in run ``run``: its exact layer range, our best addresses first,
+    the (round, digest) of our stage's agreed backup and the other stages' backups we hold."""
     start, end = model.stage_range(stage)
     return StageRecord(peer_id=peer_id, addrs=record_addrs(addrs, public=public), model=model.name, stage=stage,
-                       start=start, end=end, capacity=capacity, timestamp=now, ttl=ttl, run=run)
+                       start=start, end=end, capacity=capacity, timestamp=now, ttl=ttl, run=run,
+                       agreed=agreed, backups=tuple(backups))

@@ -13,7 +13,7 @@ keys it coincides with the core deterministic order of 4.2.1)::
     {"v": 3, "r": body, "s": signature}
     body = {"peer": str, "addrs": [str, ...], "run": str, "model": str, "stage": int, "start": int, "end": int,
             "cap": {"mem": int, "queue": int, "flags": int, ?"tput": float, ?"round": int},
-            "ts": float, "ttl": float}
+            "ts": float, "ttl": float, ?"agreed": [int, bytes], ?"backups": [int, int, bytes, ...]}
     signature = Ed25519(SIGNATURE_DOMAIN + canonical CBOR of body), by the key in body["peer"]
 
 The format can gain fields without breaking older peers: a reader ignores body and capacity
@@ -32,6 +32,11 @@ Rules ``verify_record`` enforces beyond the field limits below:
 * ``run`` is the identity of the run the peer trains (``p2pswarm.model.run``): 16 lowercase hex
   characters. It is part of the record's DHT key (``stage_key``), so peers of different runs never
   find each other's records, and a reader drops a record whose run is not the one it asked for.
+* ``agreed`` (optional) is ``[round, digest]``: the sha256 of our stage's agreed backup bytes
+  (``heal.backups``) at that outer round. ``backups`` (optional) is a FLAT list of
+  ``stage, round, digest`` triples, at most MAX_BACKUP_CLAIMS: the other stages' backups we hold.
+  A claim's stage is never the record's own stage and no stage is claimed twice. Both are left
+  out when empty, so older readers see the record they always saw.
 * ``peer`` must be the canonical base58 text of an identity-multihash Ed25519 peer id:
   re-deriving the id from the embedded key must give the same bytes, so one key cannot
   sign under several spellings of its id.
@@ -63,7 +68,7 @@ RUN_CHARS = 16  # a run identity: 64 bits of sha256 as lowercase hex (p2pswarm.m
 UNNAMED_RUN = "0" * RUN_CHARS  # records and keys made without a run (tests, tools); no run file hashes to it
 RUN_BYTES = RUN_CHARS // 2  # the identity as activation, DiLoCo and snapshot requests carry it
 UNNAMED_RUN_BYTES = bytes.fromhex(UNNAMED_RUN)  # ... and the unnamed run so
-MAX_BODY_KEYS = 24  # the 10 known body keys plus room for fields added later; bounds the work
+MAX_BODY_KEYS = 24  # the 12 known body keys plus room for fields added later; bounds the work
 MAX_CAPACITY_KEYS = 12  # the 5 known capacity keys plus room for fields added later
 MAX_EXTRA_KEY_CHARS = 32  # names of fields this version does not know
 MAX_OUTER_ROUND = 2**63 - 1  # outer rounds count up for a whole run: any u63 is fine
@@ -86,6 +91,9 @@ FLAG_TRAINING = 2  # accepts backward passes, not only forward (inference) reque
 FLAG_DRAINING = 4  # shutting down: finish current work, send no new work
 FLAG_GPU = 8  # serves its layers from an accelerator rather than the CPU
 FLAG_SNAPSHOT = 16  # serves hot snapshots of its stage (/p2pswarm/snapshot/1.0.0): a joiner loads from it
+FLAG_PINNED = 32  # never moves to another stage (rebalancing leaves it where its operator put it)
+MAX_BACKUP_CLAIMS = 8  # backups one record announces; a peer holds a couple (BACKUP_COPIES per stage)
+DIGEST_BYTES = 32  # a backup digest is a sha256
 
 _MESSAGE_KEYS = frozenset({"v", "r", "s"})
 _BODY_KEYS = frozenset({"peer", "addrs", "run", "model", "stage", "start", "end", "cap", "ts", "ttl"})
@@ -104,6 +112,15 @@ class Capacity:
 
 
 @dataclass(frozen=True)
+class BackupClaim:
+    """A record's claim to hold stage ``stage``'s agreed backup of outer round ``round``, whose bytes hash to ``digest``."""
+
+    stage: int  # 0 <= stage < MAX_STAGES, never the claiming record's own stage
+    round: int  # 0 <= round <= MAX_OUTER_ROUND
+    digest: bytes  # sha256 of the backup bytes, DIGEST_BYTES long
+
+
+@dataclass(frozen=True)
 class StageRecord:
     """One peer's claim to serve stage ``stage`` (layers [start, end)) of a model, for ttl seconds."""
 
@@ -117,6 +134,8 @@ class StageRecord:
     timestamp: float  # unix seconds when made
     ttl: float  # seconds the record stays valid after timestamp
     run: str = UNNAMED_RUN  # the identity of the run trained; the DHT key is stage_key(model, stage, run)
+    agreed: tuple[int, bytes] | None = None  # (outer round, sha256) of our stage's agreed backup; None: none yet
+    backups: tuple[BackupClaim, ...] = ()  # other stages' agreed backups we hold
 
     @property
     def expires_at(self) -> float:
@@ -153,7 +172,7 @@ def routing_rank(record: StageRecord) -> tuple:
     return (relayed, min(cap.queue_depth, PLAUSIBLE_QUEUE_DEPTH), -min(cap.free_memory_mb, PLAUSIBLE_FREE_MEMORY_MB),
             -min(cap.throughput, PLAUSIBLE_THROUGHPUT), -record.timestamp, record.peer_id, record.run, record.model,
             record.stage, record.start, record.end, record.addrs, record.ttl, cap.flags, cap.queue_depth,
-            cap.free_memory_mb, cap.throughput, cap.outer_round)
+            cap.free_memory_mb, cap.throughput, cap.outer_round, record.agreed or (), record.backups)
 
 
 def best_first(records: Iterable[StageRecord]) -> list[StageRecord]:
@@ -248,6 +267,7 @@ def _refuse_tag(*args) -> None:
 
 
 _NO_TAGS = _RefuseEveryTag()
+_ABSENT = object()  # an optional body key left out (an explicit null is not the same, and is refused)
 
 
 def _record_from_body(body: object) -> StageRecord:
@@ -262,13 +282,31 @@ def _record_from_body(body: object) -> StageRecord:
         raise RemoteProtocolError("stage record addrs must be an array")
     throughput = cap.get("tput", 0.0)
     capacity = Capacity(cap["mem"], cap["queue"], cap["flags"], throughput, cap.get("round", 0))
+    agreed, backups = _agreed_from_body(body.get("agreed", _ABSENT)), _claims_from_body(body.get("backups", []))
     record = StageRecord(body["peer"], tuple(addrs), body["model"], body["stage"], body["start"], body["end"],
-                         capacity, body["ts"], body["ttl"], body["run"])
+                         capacity, body["ts"], body["ttl"], body["run"], agreed, backups)
     problem = _record_problem(record)
     if problem is not None:
         raise RemoteProtocolError(f"invalid stage record: {problem}")
     return replace(record, timestamp=float(record.timestamp), ttl=float(record.ttl),
                    capacity=replace(capacity, throughput=float(throughput)))
+
+
+def _agreed_from_body(value: object) -> tuple[int, bytes] | None:
+    """The ``agreed`` pair as the record holds it; its bounds are checked with the other fields."""
+    if value is _ABSENT:
+        return None
+    if type(value) is not list or len(value) != 2:
+        raise RemoteProtocolError("stage record agreed must be an array [round, digest]")
+    return (value[0], value[1])
+
+
+def _claims_from_body(value: object) -> tuple[BackupClaim, ...]:
+    """The ``backups`` flat list as claims; their bounds are checked with the other fields."""
+    if type(value) is not list or len(value) % 3 or len(value) > 3 * MAX_BACKUP_CLAIMS:
+        raise RemoteProtocolError(f"stage record backups must be a flat array of at most {MAX_BACKUP_CLAIMS} "
+                                  "stage, round, digest triples")
+    return tuple(BackupClaim(*value[i:i + 3]) for i in range(0, len(value), 3))
 
 
 def _check_keys(value: object, required: frozenset, limit: int, what: str) -> None:
@@ -315,7 +353,30 @@ def _record_problem(record: StageRecord) -> str | None:
         return f"timestamp {_show(record.timestamp)} is not a number within [0, {MAX_TIMESTAMP}]"
     if not _is_number(record.ttl, MIN_TTL, MAX_TTL):
         return f"ttl {_show(record.ttl)} is not a number within [{MIN_TTL}, {MAX_TTL}]"
+    return _backup_problem(record)
+
+
+def _backup_problem(record: StageRecord) -> str | None:
+    """What is wrong with the record's ``agreed`` and ``backups`` fields, or None."""
+    agreed, claims = record.agreed, record.backups
+    if agreed is not None and not (type(agreed) is tuple and len(agreed) == 2
+                                   and _is_int(agreed[0], 0, MAX_OUTER_ROUND) and _is_digest(agreed[1])):
+        return f"agreed {_show(agreed)} is not (round, {DIGEST_BYTES}-byte digest)"
+    if type(claims) is not tuple or len(claims) > MAX_BACKUP_CLAIMS:
+        return f"backups must be a tuple of at most {MAX_BACKUP_CLAIMS} claims"
+    for claim in claims:
+        if not (type(claim) is BackupClaim and _is_int(claim.stage, 0, MAX_STAGES - 1)
+                and _is_int(claim.round, 0, MAX_OUTER_ROUND) and _is_digest(claim.digest)):
+            return f"backup claim {_show(claim)} is out of bounds"
+        if claim.stage == record.stage:
+            return f"backup claim for the record's own stage {record.stage}"
+    if len({claim.stage for claim in claims}) != len(claims):
+        return "backup claims name a stage twice"
     return None
+
+
+def _is_digest(value: object) -> bool:
+    return type(value) is bytes and len(value) == DIGEST_BYTES
 
 
 def _show(value: object) -> str:
@@ -348,7 +409,9 @@ def _body(record: StageRecord) -> dict:
             "stage": record.stage, "start": record.start, "end": record.end,
             "cap": {"mem": cap.free_memory_mb, "queue": cap.queue_depth, "flags": cap.flags,
                     "tput": float(cap.throughput), **({"round": cap.outer_round} if cap.outer_round else {})},
-            "ts": float(record.timestamp), "ttl": float(record.ttl)}
+            "ts": float(record.timestamp), "ttl": float(record.ttl),
+            **({"agreed": list(record.agreed)} if record.agreed is not None else {}),
+            **({"backups": [x for c in record.backups for x in (c.stage, c.round, c.digest)]} if record.backups else {})}
 
 
 def _signed_bytes(body: dict) -> bytes:

@@ -1,0 +1,1 @@
+"""Self-healing: stage backups, rebalancing, health."""
