@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 from contextlib import AsyncExitStack
@@ -156,3 +157,67 @@ def test_a_peer_of_another_run_serves_nothing():
             await fetch_snapshot(pool, server, "m", 1, run=b"\x01" * 8)
 
     with_server(test, make)
+
+
+def test_agreed_backups_are_served_by_digest_the_last_two_kept():
+    agreed = [Snapshot(os.urandom(CHUNK_BYTES + 10), round_, 0, 0.0) for round_ in (3, 4, 5)]
+
+    class WithAgreed(SnapshotServer):
+        def __init__(self, *args):
+            super().__init__(*args)
+            for snapshot in agreed:
+                self.add_agreed(snapshot)
+
+    async def make():
+        return Snapshot(b"hot", 9, 100, trio.current_time())
+
+    async def test(pool, server):
+        fetched = await fetch_snapshot(pool, server, "m", 1, digest=agreed[2].digest)
+        assert (bytes(fetched.data), fetched.round, fetched.step) == (agreed[2].data, 5, 0)
+        assert (await fetch_snapshot(pool, server, "m", 1, digest=agreed[1].digest)).round == 4
+        with pytest.raises(DialError, match="gone"):  # only the last KEEP_AGREED are kept
+            await fetch_snapshot(pool, server, "m", 1, digest=agreed[0].digest)
+        assert bytes((await fetch_snapshot(pool, server, "m", 1)).data) == b"hot"  # no digest: the newest hot one
+
+    with_server(test, make, WithAgreed)
+
+
+def test_a_reply_with_another_digest_than_asked_is_refused():
+    class Substitutes(SnapshotServer):
+        async def on_frame(self, peer, message, payload):
+            return await super().on_frame(peer, dataclasses.replace(message, digest=b""), payload)
+
+    async def make():
+        return Snapshot(b"stale", 1, 0, trio.current_time())
+
+    async def test(pool, server):
+        with pytest.raises(RemoteProtocolError, match="asked for version"):
+            await fetch_snapshot(pool, server, "m", 1, digest=DIGEST)
+
+    with_server(test, make, Substitutes)
+
+
+def test_requests_for_other_stages_go_to_the_held_backups_by_digest_only():
+    held = Snapshot(os.urandom(5000), 6, 0, 0.0)
+    asked = []
+
+    def others(stage, digest):
+        asked.append((stage, digest))
+        return held if (stage, digest) == (2, held.digest) else None
+
+    def server(model, stage, make):
+        return SnapshotServer(model, stage, make, others=others)
+
+    async def make():
+        return Snapshot(b"hot", 9, 100, trio.current_time())
+
+    async def test(pool, server_id):
+        fetched = await fetch_snapshot(pool, server_id, "m", 2, digest=held.digest)
+        assert (bytes(fetched.data), fetched.round) == (held.data, 6)
+        with pytest.raises(DialError, match="wrong-stage"):
+            await fetch_snapshot(pool, server_id, "m", 3, digest=held.digest)
+        with pytest.raises(DialError, match="wrong-stage"):  # no digest: another stage's newest is not ours to say
+            await fetch_snapshot(pool, server_id, "m", 2)
+        assert (3, held.digest) in asked and all(digest for _, digest in asked)
+
+    with_server(test, make, server)

@@ -15,6 +15,11 @@ Exchange (request and reply frames on a pooled stream):
   ``step``, ``digest``, ``total``, ``offset``; or ``wire.ErrorReply`` (no snapshot of that
   stage, or that version is gone).
 
+A replica also serves, by digest, its stage's last ``KEEP_AGREED`` *agreed backups*
+(``add_agreed``; ``heal.backups``: the state every replica holds alike right after an outer
+round), and a request for another stage goes to ``others`` (the backups this peer holds for
+other stages, ``heal.backup_service``), answered by digest only.
+
 The client checks every reply against the first (same digest, contiguous offsets, ``total``
 within ``MAX_SNAPSHOT_BYTES``, the largest catalog stage's snapshot, ~18 GiB: offsets and totals
 are plain ints, far past 2^32), then the whole snapshot's sha256 against its digest, then decodes
@@ -51,6 +56,7 @@ KEEP_VERSIONS = 2  # versions kept for transfers in progress while a newer one i
 FETCH_TIMEOUT = 60.0  # a whole fetch of a small snapshot: 100 MB at a relay's 3 MiB/s fits well within it
 MIN_FETCH_RATE = 3 * 1024 * 1024  # bytes/s: a bigger snapshot gets total / this (a relay's pace) instead
 CHUNK_TIMEOUT = 20.0  # one reply
+KEEP_AGREED = 2  # agreed backups served by digest: the newest, and the one before while a holder fetches it
 
 
 @wire.message("snapshot.get")
@@ -125,9 +131,10 @@ class SnapshotServer:
     """Serves our stage's state; ``make`` encodes a fresh snapshot (it runs the engine's thread)."""
 
     def __init__(self, model: str, stage: int, make: Callable[[], Awaitable[Snapshot]],
-                 run: bytes = UNNAMED_RUN_BYTES) -> None:
-        self.model, self.stage, self._make, self.run = model, stage, make, run
+                 run: bytes = UNNAMED_RUN_BYTES, others: Callable[[int, bytes], Snapshot | None] | None = None) -> None:
+        self.model, self.stage, self._make, self.run, self._others = model, stage, make, run, others
         self._versions: list[Snapshot] = []
+        self._agreed: list[Snapshot] = []  # our stage's agreed backups, newest last (digests already computed)
         self._lock = trio.Lock()
         self.served = 0  # bytes sent
         self.requests = 0
@@ -141,27 +148,43 @@ class SnapshotServer:
                 self._versions = (self._versions + [snapshot])[-KEEP_VERSIONS:]
             return self._versions[-1]
 
+    def add_agreed(self, snapshot: Snapshot) -> None:
+        """Serve ``snapshot`` (our stage's agreed backup, its digest computed) by digest from now on."""
+        if all(kept.digest != snapshot.digest for kept in self._agreed):
+            self._agreed = (self._agreed + [snapshot])[-KEEP_AGREED:]
+
     async def on_frame(self, peer: str, message, payload: bytes):
         if not isinstance(message, Get):
             raise RemoteProtocolError(f"{message.TYPE} is not a snapshot request")
         if message.run != self.run:
             return wire.ErrorReply("other-run", f"this peer trains run {self.run.hex()}, not {message.run.hex()}")
         if (message.model, message.stage) != (self.model, self.stage):
-            return wire.ErrorReply("wrong-stage", f"this peer serves stage {self.stage} of {self.model}")
-        if message.digest:
-            snapshot = next((v for v in self._versions if v.digest == message.digest), None)
+            held = self._others(message.stage, message.digest) if self._others and message.digest else None
+            if held is None or message.model != self.model:
+                return wire.ErrorReply("wrong-stage", f"this peer serves stage {self.stage} of {self.model}")
+            snapshot = held
+        elif message.digest:
+            kept = self._versions + self._agreed
+            snapshot = next((v for v in kept if v.digest == message.digest), None)
             if snapshot is None:
                 return wire.ErrorReply("gone", "that snapshot version is no longer kept; ask for the newest")
         else:
             snapshot = await self.newest()
-        if message.offset >= len(snapshot.data):
-            return wire.ErrorReply("bad-offset", f"offset {message.offset} beyond {len(snapshot.data)} bytes")
-        chunk = snapshot.data[message.offset:message.offset + CHUNK_BYTES]
-        self.requests += 1
-        self.served += len(chunk)
-        reply = Part(self.model, self.stage, snapshot.round, snapshot.step, snapshot.digest, len(snapshot.data),
-                     message.offset)
-        return reply, chunk
+        reply = part_reply(self.model, message, snapshot)
+        if not isinstance(reply, wire.ErrorReply):
+            self.requests += 1
+            self.served += len(reply[1])
+        return reply
+
+
+def part_reply(model: str, message: Get, snapshot: Snapshot):
+    """The reply to ``message`` from ``snapshot`` (stage ``message.stage`` of ``model``): a part, or bad-offset."""
+    if message.offset >= len(snapshot.data):
+        return wire.ErrorReply("bad-offset", f"offset {message.offset} beyond {len(snapshot.data)} bytes")
+    chunk = snapshot.data[message.offset:message.offset + CHUNK_BYTES]
+    reply = Part(model, message.stage, snapshot.round, snapshot.step, snapshot.digest, len(snapshot.data),
+                 message.offset)
+    return reply, chunk
 
 
 @dataclass(frozen=True)
@@ -174,8 +197,10 @@ class Fetched:
 
 
 async def fetch_snapshot(pool, peer: str, model: str, stage: int, *, timeout: float = FETCH_TIMEOUT,
-                         run: bytes = UNNAMED_RUN_BYTES, max_bytes: int = MAX_SNAPSHOT_BYTES) -> Fetched:
-    """The newest snapshot of ``stage`` from ``peer``, checked whole; DialError or RemoteProtocolError.
+                         run: bytes = UNNAMED_RUN_BYTES, max_bytes: int = MAX_SNAPSHOT_BYTES,
+                         digest: bytes = b"") -> Fetched:
+    """The newest snapshot of ``stage`` from ``peer`` (``digest``: that version, e.g. an agreed backup), checked
+    whole; DialError or RemoteProtocolError (also when the peer answers with another version than ``digest``).
 
     ``max_bytes``: the most the asker's stage can take (``plan.snapshot_plan``); a bigger claim is
     refused at its first reply, so no peer makes a small stage's joiner buffer the largest tier's.
@@ -191,9 +216,12 @@ async def fetch_snapshot(pool, peer: str, model: str, stage: int, *, timeout: fl
     with trio.move_on_after(timeout) as scope:
         async with pool.lease(peer, PROTOCOL_ID) as stream:
             while first is None or len(data) < first.total:
-                await stream.write_frame(Get(model, stage, first.digest if first else b"", len(data), run))
+                await stream.write_frame(Get(model, stage, first.digest if first else digest, len(data), run))
                 reply, payload = await stream.read_frame(max_payload=CHUNK_BYTES, timeout=CHUNK_TIMEOUT)
                 first = _check_part(reply, first, len(data), model, stage)
+                if digest and first.digest != digest:
+                    raise RemoteProtocolError(f"snapshot from {peer}: asked for version {digest.hex()[:12]}, "
+                                              f"got {first.digest.hex()[:12]}")
                 if first.total > max_bytes:
                     raise RemoteProtocolError(f"snapshot from {peer} claims {first.total} bytes; a snapshot of "
                                               f"{model} stage {stage} takes at most {max_bytes}")
