@@ -23,7 +23,8 @@ import trio
 
 from p2pswarm import __version__
 from p2pswarm.api import check_api_exposure, parse_host_port
-from p2pswarm.config import DEFAULT_BOOTSTRAP_LISTEN, DEFAULT_LISTEN, DEFAULT_RELAY_LISTEN, DhtMode, NodeConfig, Role
+from p2pswarm.config import (DEFAULT_BACKUP_BUDGET_MB, DEFAULT_BOOTSTRAP_LISTEN, DEFAULT_LISTEN, DEFAULT_RELAY_LISTEN,
+                             DhtMode, NodeConfig, Role)
 from p2pswarm.errors import ConfigError, P2PSwarmError, first_error
 from p2pswarm.demo import DEMO_INNER_STEPS
 from p2pswarm.diloco import settings as dls
@@ -125,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "on the CPU and mps; bf16 is allowed on the CPU too; fp16 is refused (it needs a "
                            "pipeline-wide loss scale)")
     _diloco_options(join)
+    _heal_options(join)
     join.add_argument("--dht-mode", default="auto", choices=[m.value for m in DhtMode],
                       help="Kademlia server or client mode (auto: client until found publicly reachable)")
     join.add_argument("--relay", action="append", default=[], metavar="MULTIADDR",
@@ -219,6 +221,15 @@ def _diloco_options(parser: argparse.ArgumentParser) -> None:
                             "the last 5 are kept)")
 
 
+def _heal_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("self-healing", "moving to an under-served stage, holding other stages' backups")
+    group.add_argument("--rebalance", action=argparse.BooleanOptionalAction, default=None,
+                       help="move to an under-served or down stage at runtime (default: on with --layers auto, "
+                            "off with a pinned --layers; off, this peer announces itself pinned and never moves)")
+    group.add_argument("--backup-budget-mb", type=int, default=DEFAULT_BACKUP_BUDGET_MB, metavar="MB",
+                       help="disk for the backups of other stages this peer holds (default %(default)s)")
+
+
 def _join_run(args: argparse.Namespace) -> tuple[RunSpec, dls.DilocoSettings]:
     """The run ``join`` trains (``run.run_for_join``) and the DiLoCo settings: its agreed values, our local ones."""
     agreed = {"inner_steps": args.inner_steps, "outer_lr": args.outer_lr, "momentum": args.outer_momentum,
@@ -253,7 +264,12 @@ def config_from_args(args: argparse.Namespace) -> NodeConfig:
         placement = resolve_placement(args.device, args.precision)  # ConfigError: a device we lack, fp16
         if args.data is not None:
             data_corpus(args.data)  # ConfigError (one line) for a missing, empty or binary-only path
-        kwargs.update(model=model.name, layers=parse_layers(args.layers, model), dht_mode=DhtMode(args.dht_mode),
+        if args.backup_budget_mb < 0:
+            raise ConfigError(f"--backup-budget-mb must be at least 0, not {args.backup_budget_mb}")
+        layers = parse_layers(args.layers, model)
+        kwargs.update(rebalance=layers is None if args.rebalance is None else args.rebalance,
+                      backup_budget_mb=args.backup_budget_mb)
+        kwargs.update(model=model.name, layers=layers, dht_mode=DhtMode(args.dht_mode),
                       relays=tuple(args.relay), data=args.data, threads=args.threads,
                       device=placement.device, precision=placement.precision,
                       diloco=diloco, run=run)

@@ -17,6 +17,7 @@ DEFAULT_LISTEN = "/ip4/0.0.0.0/tcp/0"  # any free port on every interface
 DEFAULT_BOOTSTRAP_LISTEN = "/ip4/0.0.0.0/tcp/4001"  # the conventional libp2p port, easy to firewall
 DEFAULT_RELAY_LISTEN = DEFAULT_BOOTSTRAP_LISTEN  # a relay is a public DHT server too, on its own machine
 BOOTSTRAP_DIAL_TIMEOUT = 10.0  # a bootstrap peer across the internet may take a few round trips
+DEFAULT_BACKUP_BUDGET_MB = 2048  # disk for other stages' backups: a few copies of a mid-size stage (heal.backups)
 
 
 class Role(enum.Enum):
@@ -53,6 +54,9 @@ class NodeConfig:
     diloco: DilocoSettings = DilocoSettings()  # outer rounds between the replicas of our stage
     max_connections: int = DEFAULT_LIMITS.max_connections  # peers connected at once, both directions
     run: RunSpec | None = None  # what the swarm trains (--run); None: the default run on ``model``
+    rebalance: bool = False  # move to an under-served stage at runtime (heal.rebalance); the CLI turns it on with
+    #                          --layers auto; off, the peer announces FLAG_PINNED and never moves
+    backup_budget_mb: int = DEFAULT_BACKUP_BUDGET_MB  # disk for the other stages' backups we hold
 
     @property
     def training_run(self) -> RunSpec:

@@ -246,3 +246,27 @@ TestChurn = Churn.TestCase
     ([3, 3, 0], [1], (1, 2)), ([1], [0], None)])
 def test_wanted_examples(count, donors, want):
     assert wanted(count, donors) == want
+
+
+@pytest.mark.parametrize("flags, rebalance", [([], True), (["--layers", "0:2"], False),
+                                              (["--layers", "0:2", "--rebalance"], True),
+                                              (["--no-rebalance"], False)])
+def test_join_rebalances_by_default_only_with_layers_auto(flags, rebalance):
+    from p2pswarm.cli import build_parser, config_from_args
+
+    boot = "/ip4/1.2.3.4/tcp/4001/p2p/12D3KooWC4p8cVcVJXqt72KsBpXPXDKQtfn7YXyuMP4RMEUkfFiF"
+    config = config_from_args(build_parser().parse_args(["join", "--bootstrap", boot, "--model", "tiny-lm", *flags]))
+    assert config.rebalance is rebalance
+
+
+def test_join_takes_a_backup_budget():
+    from p2pswarm.cli import build_parser, config_from_args
+    from p2pswarm.config import DEFAULT_BACKUP_BUDGET_MB
+    from p2pswarm.errors import ConfigError
+
+    boot = "/ip4/1.2.3.4/tcp/4001/p2p/12D3KooWC4p8cVcVJXqt72KsBpXPXDKQtfn7YXyuMP4RMEUkfFiF"
+    parse = build_parser().parse_args
+    assert config_from_args(parse(["join", "--bootstrap", boot])).backup_budget_mb == DEFAULT_BACKUP_BUDGET_MB
+    assert config_from_args(parse(["join", "--bootstrap", boot, "--backup-budget-mb", "10"])).backup_budget_mb == 10
+    with pytest.raises(ConfigError, match="--backup-budget-mb"):
+        config_from_args(parse(["join", "--bootstrap", boot, "--backup-budget-mb", "-1"]))
