@@ -1,0 +1,188 @@
+"""Stage backups, the pure core: who holds which stage's backup, which announced digests are
+trusted, which held copies a mover tries first, whether a decoded backup is what it claims, and
+what fits the disk budget. No I/O; ``heal.backup_service`` drives it.
+
+A stage's *agreed backup* is the state every replica of the stage holds alike right after an
+outer round: the DiLoCo start weights, the outer momentum and the outer round (no optimizer
+state, no inner step: those differ per replica). ``encode_backup`` writes it with
+``checkpoint.encode_state``, whose one valid encoding makes equal states equal bytes, so every
+honest replica announces the same sha256 (``StageRecord.agreed``) for a round.
+
+- **Duties** (``backup_duties``): rendezvous hashing. For each stage ``s`` the ``copies`` peers
+  *not* serving ``s`` with the highest ``sha256(peer | s)`` hold its backup. Every peer computes
+  the same answer from the stage map, and a peer joining or leaving moves only its own duties.
+- **Trust** (``AgreedLedger``): a digest is trusted for (stage, round) when a signed record of a
+  replica of that stage announced it. The ledger remembers the last KEEP_ROUNDS announcements
+  of each replica, so it still knows a stage's digests after all its replicas are gone.
+- **Choice** (``choose_backups``): trusted claims first, freshest round first.
+- **Check** (``check_backup``): the decoded state must be that stage's backup of that round, of
+  this model and run, with vectors of the stage's parameter count.
+- **Budget** (``BackupBudget``): the bytes the held backups may take on disk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from p2pswarm import checkpoint
+from p2pswarm.dht.records import DIGEST_BYTES, BackupClaim, StageRecord
+from p2pswarm.errors import RemoteProtocolError
+from p2pswarm.model.catalog import ModelSpec, param_count
+from p2pswarm.model.plan import FP32_BYTES, SNAPSHOT_OVERHEAD
+
+BACKUP_FORMAT = 1  # the layout of a backup's state tree; a new layout gets a new number
+BACKUP_KIND = "backup"  # tells a backup from a hot snapshot (whose tree has "engine")
+BACKUP_COPIES = 2  # holders per stage: one can be gone when the stage's last replica goes too
+BACKUP_EVERY_ROUNDS = 1  # refresh at every outer round: a lost stage loses at most the round in progress
+DEFAULT_BACKUP_BUDGET_MB = 2048  # disk for held backups: a couple of small-tier stages' start and momentum
+KEEP_ROUNDS = 8  # announcements remembered per replica: a backup up to 8 rounds old can still be checked
+MAX_TRACKED_REPLICAS = 64  # replicas remembered per stage (the oldest-seen forgotten first): bounds memory
+MIN_UNTRUSTED_HOLDERS = 2  # holders that must agree on a (round, digest) no replica announced to us
+BACKUP_VECTORS = 2  # fp32 vectors in a backup: start and momentum
+
+
+def backup_duties(me: str, members: Mapping[int, Iterable[str]], copies: int = BACKUP_COPIES) -> frozenset[int]:
+    """The stages whose backup ``me`` holds: for each stage, the ``copies`` peers of other stages
+    (among all of ``members``' peers) ranking highest by ``sha256(peer | stage)``."""
+    serving = {stage: frozenset(peers) for stage, peers in members.items()}
+    everyone = frozenset().union(*serving.values()) if serving else frozenset()
+    duties = set()
+    for stage, replicas in serving.items():
+        outside = sorted(everyone - replicas, key=lambda peer: (_rendezvous(peer, stage), peer), reverse=True)
+        if me in outside[:copies]:
+            duties.add(stage)
+    return frozenset(duties)
+
+
+def _rendezvous(peer: str, stage: int) -> bytes:
+    return hashlib.sha256(peer.encode() + b"|" + str(stage).encode()).digest()
+
+
+@dataclass
+class _Announced:
+    """One replica's recent agreed announcements, oldest first."""
+
+    pairs: list[tuple[int, bytes]] = field(default_factory=list)
+    seen_at: float = 0.0
+
+
+class AgreedLedger:
+    """The (round, digest) pairs the replicas of each stage announced in their signed records."""
+
+    def __init__(self) -> None:
+        self._stages: dict[int, dict[str, _Announced]] = {}
+
+    def observe(self, records: Iterable[StageRecord], now: float) -> None:
+        """Remember the ``agreed`` pair of each fresh record (stage map records are signed and checked)."""
+        for record in records:
+            if record.agreed is None or not record.is_fresh(now):
+                continue
+            replicas = self._stages.setdefault(record.stage, {})
+            announced = replicas.setdefault(record.peer_id, _Announced())
+            announced.seen_at = now
+            if record.agreed not in announced.pairs:
+                announced.pairs = sorted(announced.pairs + [record.agreed])[-KEEP_ROUNDS:]
+            if len(replicas) > MAX_TRACKED_REPLICAS:
+                del replicas[min(replicas, key=lambda peer: (replicas[peer].seen_at, peer))]
+
+    def votes(self, stage: int, round_: int, digest: bytes) -> int:
+        """How many replicas of ``stage`` announced ``digest`` for ``round_``."""
+        return sum((round_, digest) in a.pairs for a in self._stages.get(stage, {}).values())
+
+    def trusted(self, stage: int, round_: int, digest: bytes) -> bool:
+        return self.votes(stage, round_, digest) > 0
+
+    def newest(self, stage: int) -> tuple[int, bytes] | None:
+        """The latest round announced for ``stage`` and its digest (most replicas, then the lowest digest)."""
+        pairs = {pair for a in self._stages.get(stage, {}).values() for pair in a.pairs}
+        if not pairs:
+            return None
+        latest = max(round_ for round_, _ in pairs)
+        return min((pair for pair in pairs if pair[0] == latest),
+                   key=lambda pair: (-self.votes(stage, *pair), pair[1]))
+
+    def stages(self) -> list[int]:
+        return sorted(self._stages)
+
+
+def choose_backups(stage: int, claims: Iterable[tuple[str, BackupClaim]],
+                   ledger: AgreedLedger) -> list[tuple[str, BackupClaim]]:
+    """The claims of ``stage``'s backup worth fetching, best first: trusted ones (a replica of the
+    stage announced that (round, digest)) first, then the freshest round, then the most holders.
+
+    A claim whose (round, digest) the ledger never saw from the stage itself is usable only if at
+    least MIN_UNTRUSTED_HOLDERS distinct holders claim the same (round, digest): one lying holder
+    alone cannot make a mover load its bytes (which ``check_backup`` still checks)."""
+    claims = [(holder, claim) for holder, claim in claims if claim.stage == stage]
+    holders: dict[tuple[int, bytes], set[str]] = {}
+    for holder, claim in claims:
+        holders.setdefault((claim.round, claim.digest), set()).add(holder)
+
+    def trusted(claim: BackupClaim) -> bool:
+        return ledger.trusted(stage, claim.round, claim.digest)
+
+    usable = {(h, c) for h, c in claims
+              if trusted(c) or len(holders[(c.round, c.digest)]) >= MIN_UNTRUSTED_HOLDERS}
+    return sorted(usable, key=lambda hc: (not trusted(hc[1]), -hc[1].round,
+                                          -len(holders[(hc[1].round, hc[1].digest)]), hc[1].digest, hc[0]))
+
+
+def backup_state(model: str, stage: int, run: str, round_: int, start: torch.Tensor, momentum: torch.Tensor) -> dict:
+    """A stage's agreed backup as a state tree: nothing in it differs between honest replicas."""
+    return {"format": BACKUP_FORMAT, "kind": BACKUP_KIND, "model": model, "stage": stage, "run": run,
+            "round": round_, "start": start, "momentum": momentum}
+
+
+def encode_backup(model: str, stage: int, run: str, round_: int, start: torch.Tensor,
+                  momentum: torch.Tensor) -> bytes:
+    """The backup's bytes (``checkpoint.encode_state``: equal states, equal bytes); O(stage): a worker thread's job."""
+    return checkpoint.encode_state(backup_state(model, stage, run, round_, start, momentum))
+
+
+def digest(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
+def backup_max_bytes(model: ModelSpec, stage: int) -> int:
+    """The most bytes a backup of ``stage`` takes: its two fp32 vectors and the snapshot overhead."""
+    return BACKUP_VECTORS * FP32_BYTES * param_count(model, stage) + SNAPSHOT_OVERHEAD
+
+
+def check_backup(state: object, model: ModelSpec, stage: int, run: str, round_: int) -> dict:
+    """``state`` if it is ``stage``'s backup of outer round ``round_`` of ``model`` in run ``run``,
+    with fp32 vectors of the stage's parameter count; else RemoteProtocolError."""
+    expected = {"format": BACKUP_FORMAT, "kind": BACKUP_KIND, "model": model.name, "stage": stage, "run": run,
+                "round": round_}
+    if not isinstance(state, dict) or set(state) != set(expected) | {"start", "momentum"}:
+        raise RemoteProtocolError("not a stage backup (its keys differ)")
+    for key, value in expected.items():
+        if type(state[key]) is not type(value) or state[key] != value:
+            raise RemoteProtocolError(f"a backup whose {key} is {state[key]!r:.80}, not {value!r}")
+    numel = param_count(model, stage)
+    for key in ("start", "momentum"):
+        vector = state[key]
+        if not isinstance(vector, torch.Tensor) or vector.dtype != torch.float32 or vector.shape != (numel,):
+            raise RemoteProtocolError(f"a backup whose {key} is not {numel} fp32 values")
+        if not bool(torch.isfinite(vector).all()):
+            raise RemoteProtocolError(f"a backup whose {key} is not finite")
+    return state
+
+
+@dataclass(frozen=True)
+class BackupBudget:
+    """The disk the held backups may take."""
+
+    limit_bytes: int
+
+    def fits(self, held: Mapping[int, int], stage: int, size: int) -> bool:
+        """Whether ``stage``'s new backup of ``size`` bytes fits beside the others ``held`` (stage ->
+        bytes); the copy it replaces is removed once the new one is written."""
+        return size + sum(bytes_ for other, bytes_ in held.items() if other != stage) <= self.limit_bytes
+
+
+def is_digest(value: object) -> bool:
+    return type(value) is bytes and len(value) == DIGEST_BYTES
