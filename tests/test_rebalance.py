@@ -13,12 +13,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from p2pswarm.model.catalog import get_model
 from p2pswarm.heal.rebalance import (
     DOWN_GRACE, IMBALANCE_GRACE, MOVE_JITTER, PEER_COOLDOWN, STAGE_COOLDOWN, Move, Rebalancer, counts, rank, wanted,
 )
 
 PERIOD = 5.0  # the mover's check period (heal.mover.MOVE_CHECK_S)
 SLOW_PERIOD = 30.0  # a coarser clock for the convergence runs: the rule does not depend on the period
+MODEL3 = get_model("tiny-lm/3")  # the integration test's model: 3 stages
 
 
 class SimSwarm:
@@ -270,3 +272,52 @@ def test_join_takes_a_backup_budget():
     assert config_from_args(parse(["join", "--bootstrap", boot, "--backup-budget-mb", "10"])).backup_budget_mb == 10
     with pytest.raises(ConfigError, match="--backup-budget-mb"):
         config_from_args(parse(["join", "--bootstrap", boot, "--backup-budget-mb", "-1"]))
+
+
+def record(peer: str, stage: int, timestamp: float = 1000.0, pinned: bool = False):
+    from p2pswarm.dht.records import FLAG_PINNED, Capacity, StageRecord
+
+    return StageRecord(peer, ("/ip4/127.0.0.1/tcp/1",), "tiny-lm/3", stage, *MODEL3.stage_range(stage),
+                       Capacity(0, 0, FLAG_PINNED if pinned else 0), timestamp, 15.0)
+
+
+def test_members_count_a_peer_once_in_its_newest_record_and_us_where_we_are():
+    from p2pswarm.heal.mover import members_of
+
+    stages = {0: [record("a", 0, 1000.0), record("me", 0)], 1: [record("a", 1, 1001.0), record("p", 1, pinned=True)],
+              2: [record("b", 2, 1002.0)]}
+    members, movable = members_of(stages, "me", 2)
+    assert members == {1: ["a", "p"], 2: ["b", "me"]}
+    assert movable == {"a", "b", "me"}
+
+
+def test_the_mover_moves_the_elected_peer_once_and_then_stays():
+    import trio
+    import trio.testing
+
+    from p2pswarm.heal.mover import Mover
+
+    me = "me"
+    assert rank(me) < rank("x")  # we are the elected peer of stage 0
+    stage_of = {me: 0, "x": 0, "y": 2, "z": 2}  # both replicas of stage 1 are gone
+    moved_to = []
+
+    class Map:
+        async def current(self, wait=0.0):
+            return {s: [record(p, s) for p, at in stage_of.items() if at == s] for s in range(3)}
+
+    async def move(stage):
+        moved_to.append(stage)
+        stage_of[me] = stage
+
+    async def main():
+        mover = Mover(stage_map=Map(), me=me, core=Rebalancer(me, 3, random.Random(0)),
+                      stage=lambda: stage_of[me], move=move, clock=trio.current_time)
+        with trio.move_on_after(STAGE_COOLDOWN * 3):
+            await mover.run()
+        return mover
+
+    mover = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert moved_to == [1]
+    assert mover.doc()["moves"] == 1 and mover.doc()["last_move"]["to"] == 1
+    assert "balanced" in mover.doc()["last_decision"]
