@@ -15,7 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from p2pswarm.model.catalog import get_model
 from p2pswarm.heal.rebalance import (
-    DOWN_GRACE, IMBALANCE_GRACE, MOVE_JITTER, PEER_COOLDOWN, STAGE_COOLDOWN, Move, Rebalancer, counts, rank, wanted,
+    DOWN_GRACE, IMBALANCE_GRACE, JOIN_GRACE, MOVE_JITTER, PEER_COOLDOWN, STAGE_COOLDOWN, Move, Rebalancer, counts, rank, wanted,
 )
 
 PERIOD = 5.0  # the mover's check period (heal.mover.MOVE_CHECK_S)
@@ -128,17 +128,30 @@ def test_moves_stop_balanced_and_never_start_again(population, seed):
 
 def test_two_dead_middle_replicas_are_replaced_by_one_peer():
     swarm = SimSwarm(3)
-    for peer, stage in zip(peers(4), [0, 0, 2, 2]):
+    for peer, stage in zip(peers(6), [0, 0, 1, 1, 2, 2]):
         swarm.join(peer, stage)
-    moved_at = None
+    for _ in range(int(JOIN_GRACE / PERIOD) + 1):
+        assert not swarm.period(PERIOD)
+    swarm.leave("peer2"), swarm.leave("peer3")
+    killed_at, moved_at = swarm.now, None
     for _ in range(10):
         if swarm.period(PERIOD):
             moved_at = swarm.now
             break
-    assert swarm.counts() in [(1, 1, 2), (2, 1, 1)]
-    assert PERIOD + DOWN_GRACE <= moved_at <= PERIOD + DOWN_GRACE + PERIOD  # the down grace, then the next check
+    assert swarm.counts() == (1, 1, 2)  # the donor is the lowest of the most served stages
+    assert DOWN_GRACE <= moved_at - killed_at <= DOWN_GRACE + 2 * PERIOD  # the grace, then the next check
     for _ in range(200):
         assert not swarm.period(PERIOD)
+
+
+def test_a_peer_that_just_started_does_not_move():
+    swarm = SimSwarm(3)
+    for peer, stage in zip(peers(4), [0, 0, 0, 2]):  # what a half-filled map looks like at start
+        swarm.join(peer, stage)
+    while not swarm.moves:
+        swarm.period(PERIOD)
+    assert swarm.now >= JOIN_GRACE
+    assert swarm.moves[0][2].to_stage == 1
 
 
 def test_the_old_rule_stalled_here_and_a_balanced_swarm_never_moves():

@@ -16,6 +16,8 @@ swarm agrees on at most one move per check without talking:
   saw (a peer id leaving that stage for another) unless the target is down, and none by a peer that
   has watched for less than that (it cannot know the last move); a peer that moved is not elected
   again within ``PEER_COOLDOWN``;
+- a peer that has watched the map for less than ``JOIN_GRACE`` does not move: at start, a map with
+  the swarm's records half in looks like down stages;
 - one mover: among the donor's movable peers not in their cooldown, the one whose sha256(peer id)
   is lowest. Only it moves; the driver waits a jitter (``delay``) and asks again before it does.
 
@@ -39,6 +41,7 @@ IMBALANCE_GRACE = 60.0  # seconds an uneven but live swarm waits: a churning pee
 STAGE_COOLDOWN = 300.0  # seconds between two moves out of one stage (unless the target is down): the 5-minute target
 PEER_COOLDOWN = 300.0  # seconds before a peer that moved can be elected again: a move costs a reload
 MOVE_JITTER = 5.0  # seconds of random wait before an elected mover acts: one announce period to see another's move
+JOIN_GRACE = 30.0  # seconds we watch the map before any move: every live peer re-announced (5 s) twice per 15 s TTL
 MOVE_GAP = 2  # a move is wanted when the donor has at least this many more peers than the target
 
 
@@ -148,6 +151,9 @@ class Rebalancer:
         a, b = need.donor, need.target
         down = count[b] == 0
         grace = DOWN_GRACE if down else IMBALANCE_GRACE
+        if now - self.since < JOIN_GRACE:
+            self.last = f"watching the map for {JOIN_GRACE:.0f} s before any move ({list(count)})"
+            return None
         if now - need.since < grace:
             self.last = f"stage {b} needs a peer of stage {a}: waiting {grace:.0f} s ({list(count)})"
             return None
