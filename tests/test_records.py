@@ -289,6 +289,14 @@ def test_a_full_record_with_every_backup_claim_fits():
     assert verify_record(sign_record(full, ALICE)) == full
 
 
+def test_records_differing_only_in_agreed_or_backups_still_rank_in_a_total_order():
+    from dataclasses import replace
+
+    variants = [replace(BASE, backups=(BackupClaim(0, 2, b"b" * 32),)), replace(BASE, backups=(BackupClaim(0, 1, b"b" * 32),)),
+                replace(BASE, agreed=(3, b"a" * 32)), BASE]
+    assert best_first(variants) == best_first(variants[::-1])
+
+
 def test_pinned_is_its_own_flag():
     assert FLAG_PINNED == 32 and FLAG_PINNED & (FLAG_SNAPSHOT | FLAG_TRAINING | FLAG_RELAYED) == 0
 

@@ -172,7 +172,8 @@ def routing_rank(record: StageRecord) -> tuple:
     return (relayed, min(cap.queue_depth, PLAUSIBLE_QUEUE_DEPTH), -min(cap.free_memory_mb, PLAUSIBLE_FREE_MEMORY_MB),
             -min(cap.throughput, PLAUSIBLE_THROUGHPUT), -record.timestamp, record.peer_id, record.run, record.model,
             record.stage, record.start, record.end, record.addrs, record.ttl, cap.flags, cap.queue_depth,
-            cap.free_memory_mb, cap.throughput, cap.outer_round, record.agreed or (), record.backups)
+            cap.free_memory_mb, cap.throughput, cap.outer_round, record.agreed or (),
+            tuple((c.stage, c.round, c.digest) for c in record.backups))
 
 
 def best_first(records: Iterable[StageRecord]) -> list[StageRecord]:
