@@ -15,7 +15,11 @@
   trio loop that also answers the activation protocol's acks;
 - **a peer that fell behind** (left out of a round, or meeting a replica at a later round) loads
   that replica's snapshot;
-- **every** ``snapshot_period`` it writes its state atomically to ``--data-dir`` (last 5 kept).
+- **every** ``snapshot_period`` it writes its state atomically to ``--data-dir`` (last 5 kept);
+- **after every outer round and every load** it encodes the stage's *agreed backup* (start,
+  momentum, round: ``heal.backups``), served by digest and announced in our record
+  (``agreed_claim``); a peer whose stage has no replica left loads the freshest verified backup
+  that peers of other stages hold (``backups.fetch_freshest``, ``heal.backup_service``).
 
 Only this module, ``offload``, ``compression``, ``aggregation`` and ``outer`` touch torch; the
 engine's tensors are touched only through ``SwarmService.with_engine`` (between two compute jobs,
@@ -46,6 +50,7 @@ from p2pswarm.diloco.round import OuterRound, Phase, RoundTiming
 from p2pswarm.diloco import round as rnd
 from p2pswarm.diloco.settings import DilocoSettings
 from p2pswarm.dht.records import UNNAMED_RUN_BYTES
+from p2pswarm.heal import backups as backup_core
 from p2pswarm.model import plan
 from p2pswarm.errors import DialError, ProtocolError, RemoteProtocolError
 
@@ -69,7 +74,7 @@ class DilocoService:
     """Outer rounds and snapshots of one training peer (module docstring)."""
 
     def __init__(self, *, settings: DilocoSettings, spec, stage: int, me: str, pool, stage_map,
-                 snapshot_dir: Path | None = None, run=None) -> None:
+                 snapshot_dir: Path | None = None, run=None, backups=None, serve_snapshots=None) -> None:
         self.settings, self.spec, self.stage, self.me = settings, spec, stage, me
         self.run_id = run.run_bytes if run is not None else UNNAMED_RUN_BYTES  # in every Hello and snapshot.get
         self._other_runs: set[str] = set()  # replicas of another run, logged once each
@@ -89,6 +94,9 @@ class DilocoService:
         self.comm_s = 0.0  # seconds spent in outer rounds, from readiness to the outer step
         self.loaded_from: dict | None = None
         self.last_snapshot: dict | None = None
+        self._backups = backups  # heal.backup_service.BackupService, or None: no backups to load from
+        self._serve_snapshots = serve_snapshots  # None: we register our snapshot server on the pool ourselves
+        self.agreed_backup: snapshots.Snapshot | None = None  # our stage's agreed backup (heal.backups)
         self._nursery: trio.Nursery | None = None
         self._wake = trio.Event()
         self._behind: tuple[str, int] | None = None  # (a replica, its later round): load its state
@@ -109,10 +117,14 @@ class DilocoService:
             return outer
 
         self.outer = await swarm.with_engine(start)
-        self._pool.serve(snapshots.PROTOCOL_ID, self.server.on_frame)
+        if self._serve_snapshots is not None:
+            self._serve_snapshots(self.server)  # the node's one snapshot handler serves our stage through it
+        else:
+            self._pool.serve(snapshots.PROTOCOL_ID, self.server.on_frame)
         self._pool.serve(msgs.PROTOCOL_ID, self._on_frame, max_payload=self._max_payload())
-        if not await self._load_from_neighbour() and not await self._load_from_disk():
-            log.info("stage %d starts from its initial weights (no replica or snapshot to load)", self.stage)
+        if not (await self._load_from_neighbour() or await self._load_from_backup() or await self._load_from_disk()):
+            log.info("stage %d starts from its initial weights (no replica, backup or snapshot to load)", self.stage)
+            await self._refresh_agreed()
 
     def _outer_config(self) -> OuterConfig:
         s = self.settings
@@ -329,6 +341,7 @@ class DilocoService:
                  round_.round, len(outcome.group), now - self._started_at,
                  (self.bytes_sent - self._sent_before) / 1e6, len(missing))
         self.round, self._pending = None, None
+        await self._refresh_agreed()
 
     def _round_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Two stage-sized vectors a round fills (weights at the close, pseudo-gradient), kept
@@ -487,7 +500,72 @@ class DilocoService:
 
         async with self._state_lock:
             await self.swarm.with_engine(load)
+        await self._refresh_agreed()
         return rebased
+
+    async def _load_from_backup(self) -> bool:
+        """No replica to load from: the freshest verified backup of our stage that a peer holds."""
+        found = await self._backups.fetch_freshest(self.stage) if self._backups is not None else None
+        if found is None:
+            return False
+        state, info = found
+        try:
+            await self._load_backup(state)
+        except ProtocolError as exc:
+            log.warning("the backup of stage %d held by %s does not fit: %s", self.stage, info["holder"], exc)
+            return False
+        self.counts["backup_loads"] += 1
+        self.loaded_from = {"backup": info["holder"], "round": info["round"], "bytes": info["bytes"],
+                            "seconds": round(info["seconds"], 2)}
+        log.info("loaded stage %d from the backup held by %s: outer round %d (%.1f MB in %.1f s)", self.stage,
+                 info["holder"], info["round"], info["bytes"] / 1e6, info["seconds"])
+        return True
+
+    async def _load_backup(self, state: dict) -> None:
+        """Take a checked backup (``backup_core.check_backup``) as our state: the weights are its start
+        (a fresh AdamW), the outer state its start, momentum and round; the engine's step goes to
+        ``round x inner_steps``, so the LR schedule continues about where the stage was."""
+        config = dataclasses.asdict(self._outer_config())
+
+        def load(engine):
+            engine.step = state["round"] * self.settings.inner_steps
+            try:
+                self.outer.load_state_dict({"start": state["start"], "momentum": state["momentum"],
+                                            "rounds": state["round"], "round_started_step": engine.step,
+                                            "config": config})
+            except ValueError as exc:
+                raise RemoteProtocolError(f"the backup does not fit: {exc}") from None
+            with torch.no_grad():
+                for name, value in engine.params_from_flat(self.outer.start).items():
+                    engine.params[name].copy_(value)
+            engine.optimizer.state.clear()  # AdamW's moments are per replica: none come with a backup
+            self.residual = None
+            engine.weights_changed()
+            engine.agree(self.outer.rounds, self.outer.start.clone())
+
+        async with self._state_lock:
+            await self.swarm.with_engine(load)
+        await self._refresh_agreed()
+
+    async def _refresh_agreed(self) -> None:
+        """Encode our stage's agreed backup (in a worker thread) and serve it by digest."""
+        def take(engine):
+            return self.outer.rounds, self.outer.start.clone(), self.outer.momentum.clone()
+
+        round_, start, momentum = await self.swarm.with_engine(take)
+        encode = functools.partial(backup_core.encode_backup, self.spec.name, self.stage, self.run_id.hex(),
+                                   round_, start, momentum)
+        data = await trio.to_thread.run_sync(encode)
+        backup = snapshots.Snapshot(data, round_, 0, trio.current_time())
+        await trio.to_thread.run_sync(lambda: backup.digest)  # hashed once, off the loop
+        if self.agreed_backup is None or round_ >= self.agreed_backup.round:
+            self.agreed_backup = backup
+            self.server.add_agreed(backup)
+
+    def agreed_claim(self) -> tuple[int, bytes] | None:
+        """(outer round, digest) of our stage's agreed backup, for our record; None before the first."""
+        backup = self.agreed_backup
+        return (backup.round, backup.digest) if backup is not None else None
 
     def _rebase(self, engine, outer_state: dict) -> None:
         """Compute thread: the outer state of the round we missed, with our live progress kept (``_load_state``)."""
@@ -547,6 +625,8 @@ class DilocoService:
             "communicating_s": round(self.comm_s, 2), "computing_s": round(compute_s, 2),
             "loaded_from": self.loaded_from, "last_snapshot": self.last_snapshot,
             "snapshots_served": {"requests": self.server.requests, "bytes": self.server.served},
+            "agreed": {"round": self.agreed_backup.round, "digest": self.agreed_backup.digest.hex()}
+            if self.agreed_backup is not None else None,
         }
 
     async def doc_json(self, params: dict) -> dict:

@@ -1,0 +1,236 @@
+"""Stage backups between real hosts: a holder fetches, checks and serves a stage's agreed backup; a
+mover loads the freshest verified one; forged and stale copies are refused. And DiLoCo's side: a
+loaded backup becomes the engine's weights and outer state, and is announced with the same digest."""
+
+from __future__ import annotations
+
+import time
+from contextlib import AsyncExitStack
+from types import SimpleNamespace
+
+import pytest
+import torch
+import trio
+
+from p2pswarm.dht.records import BackupClaim, Capacity, StageRecord
+from p2pswarm.diloco import snapshots
+from p2pswarm.diloco.service import DilocoService
+from p2pswarm.diloco.settings import DilocoSettings
+from p2pswarm.heal.backup_service import BackupService, Held
+from p2pswarm.heal.backups import check_backup, digest, encode_backup
+from p2pswarm.identity import generate_identity
+from p2pswarm.model.catalog import MODELS, param_count
+from p2pswarm.net.connect import Connector
+from p2pswarm.net.host import connect, open_host, peer_info_from_multiaddr
+from p2pswarm.net.pool import StreamPool
+
+pytestmark = pytest.mark.timeout(120)
+
+LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+SPEC = MODELS["tiny-lm"]
+RUN = SimpleNamespace(identity="fdd1f91421b0282a", run_bytes=bytes.fromhex("fdd1f91421b0282a"))
+STAGE = 1
+BUDGET = 64 * 1024 * 1024  # bytes: a few tiny-lm backups
+
+
+def backup_bytes(round_: int, fill: float = 0.0) -> bytes:
+    numel = param_count(SPEC, STAGE)
+    return encode_backup(SPEC.name, STAGE, RUN.identity, round_, torch.full((numel,), fill), torch.zeros(numel))
+
+
+def record(peer: str, stage: int, agreed=None, backups=()) -> StageRecord:
+    start, end = SPEC.stage_range(stage)
+    return StageRecord(peer, (), SPEC.name, stage, start, end, Capacity(0, 0), time.time(), 60.0, RUN.identity,
+                       agreed, tuple(backups))
+
+
+class FakeStageMap:
+    """What BackupService reads of a StageMap: ``current`` and ``stages``."""
+
+    def __init__(self, records=()) -> None:
+        self.set(records)
+
+    def set(self, records) -> None:
+        self.stages: dict[int, list[StageRecord]] = {}
+        for r in records:
+            self.stages.setdefault(r.stage, []).append(r)
+
+    async def current(self, wait: float = 0.0) -> dict[int, list[StageRecord]]:
+        return self.stages
+
+
+def service(pool, me: str, stage_map, **kwargs) -> BackupService:
+    return BackupService(pool=pool, stage_map=stage_map, model=SPEC, run=RUN, me=me, directory=kwargs.pop("directory", None),
+                         budget_bytes=kwargs.pop("budget_bytes", BUDGET), **kwargs)
+
+
+def swarm_of(count: int, test) -> None:
+    """``test(pools, ids)``: ``count`` real hosts, each with a pool, all connected to one another."""
+
+    async def main():
+        async with AsyncExitStack() as stack:
+            hosts = [await stack.enter_async_context(open_host(generate_identity(), LOOPBACK)) for _ in range(count)]
+            async with trio.open_nursery() as nursery:
+                pools = [StreamPool(host, nursery, Connector(host, nursery)) for host in hosts]
+                for i, host in enumerate(hosts):
+                    for other in hosts[i + 1:]:
+                        await connect(host, peer_info_from_multiaddr(str(other.get_addrs()[0])))
+                with trio.fail_after(90):
+                    await test(pools, [str(host.get_id()) for host in hosts])
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def replica_server(data: bytes, round_: int) -> snapshots.SnapshotServer:
+    """A replica of STAGE serving its agreed backup ``data`` of ``round_`` by digest (as DilocoService does)."""
+    async def make():
+        raise AssertionError("a holder asks for the agreed backup by digest, never for a hot snapshot")
+
+    server = snapshots.SnapshotServer(SPEC.name, STAGE, make, run=RUN.run_bytes)
+    server.add_agreed(snapshots.Snapshot(data, round_, 0, 0.0))
+    return server
+
+
+def forged(claimed: bytes, data: bytes) -> snapshots.Snapshot:
+    """A snapshot of ``data`` that says its digest is ``claimed``."""
+    snapshot = snapshots.Snapshot(data, 9, 0, 0.0)
+    snapshot.__dict__["digest"] = claimed  # the cached property, set to a lie
+    return snapshot
+
+
+def test_a_holder_fetches_checks_and_serves_a_backup_and_a_mover_loads_it(tmp_path):
+    data = backup_bytes(3, fill=0.25)
+
+    async def test(pools, ids):
+        replica, holder, mover = ids
+        replica_map = FakeStageMap()
+        replica_side = service(pools[0], replica, replica_map)
+        replica_side.stage = STAGE
+        replica_side.attach_server(replica_server(data, 3))
+        replica_side.register()
+        holder_map = FakeStageMap([record(replica, STAGE, agreed=(3, digest(data))), record(holder, 0)])
+        held_by = service(pools[1], holder, holder_map, directory=tmp_path)
+        held_by.stage = 0
+        held_by.register()
+        await held_by.check_once()
+        assert STAGE in held_by.duties and held_by.claims() == (BackupClaim(STAGE, 3, digest(data)),)
+        assert held_by.bytes_fetched == len(data) and list(tmp_path.iterdir()) == [tmp_path / "stage1-round3.backup"]
+        # the replica is gone; the mover saw its announcements, and the holder's claim
+        mover_map = FakeStageMap([record(replica, STAGE, agreed=(3, digest(data)))])
+        moving = service(pools[2], mover, mover_map)
+        await moving.check_once()  # (it holds nothing itself: duties of another peer)
+        mover_map.set([record(holder, 0, backups=held_by.claims())])
+        state, info = await moving.fetch_freshest(STAGE)
+        assert (info["holder"], info["round"], info["bytes"]) == (holder, 3, len(data))
+        assert state["round"] == 3 and torch.equal(state["start"], torch.full((param_count(SPEC, STAGE),), 0.25))
+        assert held_by.bytes_served == len(data) and moving.bytes_fetched == len(data)
+        doc = held_by.doc()
+        assert doc["held"][0]["stage"] == STAGE and doc["held"][0]["digest"] == digest(data).hex()
+        # a restarted holder reads its copy back from disk
+        again = service(pools[1], holder, FakeStageMap(), directory=tmp_path)
+        await trio.to_thread.run_sync(again._read_directory)
+        assert again.claims() == held_by.claims()
+
+    swarm_of(3, test)
+
+
+def test_a_forged_blob_is_refused_and_the_honest_holder_used():
+    honest_data, forged_data = backup_bytes(4), backup_bytes(4, fill=9.0)
+    true_digest = digest(honest_data)
+
+    async def test(pools, ids):
+        liar, honest, mover = ids
+        liar_side = service(pools[0], liar, FakeStageMap())
+        liar_side._held[STAGE] = Held(STAGE, forged(true_digest, forged_data), time.time(), "lie")
+        honest_side = service(pools[1], honest, FakeStageMap())
+        honest_side._held[STAGE] = Held(STAGE, snapshots.Snapshot(honest_data, 4, 0, 0.0), time.time(), "x")
+        for side in (liar_side, honest_side):
+            side.register()
+        moving = service(pools[2], mover, FakeStageMap())
+        moving.ledger.observe([record("gone-replica", STAGE, agreed=(4, true_digest))], time.time())
+        claim = BackupClaim(STAGE, 4, true_digest)
+        moving._stage_map.set([record(liar, 0, backups=(claim,))])
+        assert await moving.fetch_freshest(STAGE) is None  # the liar's bytes do not hash to the trusted digest
+        assert moving.refused["refused"] == 1 and "digest" in moving.recent_refusals[0]["detail"]
+        moving._stage_map.set([record(liar, 0, backups=(claim,)), record(honest, 2, backups=(claim,))])
+        state, info = await moving.fetch_freshest(STAGE)
+        assert info["holder"] == honest and torch.equal(state["start"], torch.zeros(param_count(SPEC, STAGE)))
+        # a digest no replica announced, claimed by one holder alone: not even tried
+        moving._stage_map.set([record(liar, 0, backups=(BackupClaim(STAGE, 9, digest(forged_data)),))])
+        liar_side._held[STAGE] = Held(STAGE, snapshots.Snapshot(forged_data, 9, 0, 0.0), time.time(), "lie")
+        served = liar_side.bytes_served
+        assert await moving.fetch_freshest(STAGE) is None and liar_side.bytes_served == served
+
+    swarm_of(3, test)
+
+
+def test_a_stale_copy_announced_as_a_newer_round_is_refused():
+    old, new = backup_bytes(3), backup_bytes(5, fill=1.0)
+
+    async def test(pools, ids):
+        liar_a, liar_b, honest, mover = ids
+        sides = [service(pool, peer, FakeStageMap()) for pool, peer in zip(pools, ids)]
+        for side in sides[:3]:
+            side.register()
+        for side in sides[:2]:  # two colluding holders: the stale round-3 bytes, announced as round 5
+            side._held[STAGE] = Held(STAGE, snapshots.Snapshot(old, 5, 0, 0.0), time.time(), "lie")
+        sides[2]._held[STAGE] = Held(STAGE, snapshots.Snapshot(old, 3, 0, 0.0), time.time(), "x")
+        moving = sides[3]
+        moving.ledger.observe([record("gone", STAGE, agreed=(3, digest(old)))], time.time())
+        moving.ledger.observe([record("gone", STAGE, agreed=(5, digest(new)))], time.time())
+        stale = BackupClaim(STAGE, 5, digest(old))
+        moving._stage_map.set([record(liar_a, 0, backups=(stale,)), record(liar_b, 0, backups=(stale,)),
+                               record(honest, 2, backups=(BackupClaim(STAGE, 3, digest(old)),))])
+        state, info = await moving.fetch_freshest(STAGE)
+        assert (info["holder"], info["round"], state["round"]) == (honest, 3, 3)
+        assert moving.refused["refused"] == 0  # the honest, trusted claim comes first: the stale one is never used
+        moving.ledger = type(moving.ledger)()  # a mover that never saw round 3 or 5 announced
+        moving._stage_map.set([record(liar_a, 0, backups=(stale,)), record(liar_b, 0, backups=(stale,))])
+        assert await moving.fetch_freshest(STAGE) is None  # two holders agree, but the bytes are round 3's
+        assert moving.refused["refused"] == 2 and "round" in moving.recent_refusals[-1]["detail"]
+
+    swarm_of(4, test)
+
+
+def test_a_backup_over_the_budget_is_neither_held_nor_announced():
+    data = backup_bytes(2)
+
+    async def test(pools, ids):
+        replica, holder = ids
+        replica_side = service(pools[0], replica, FakeStageMap())
+        replica_side.stage = STAGE
+        replica_side.attach_server(replica_server(data, 2))
+        replica_side.register()
+        small = service(pools[1], holder, FakeStageMap([record(replica, STAGE, agreed=(2, digest(data))),
+                                                         record(holder, 0)]), budget_bytes=len(data) - 1)
+        small.stage = 0
+        await small.check_once()
+        await small.check_once()
+        assert small.claims() == () and small.refused["over_budget"] == 2 and small.doc()["held"] == []
+
+    swarm_of(2, test)
+
+
+def test_a_loaded_backup_is_our_weights_and_outer_state_and_announced_with_its_digest():
+    from p2pswarm.checkpoint import decode_state
+    from p2pswarm.diloco.outer import OuterOptimizer, flatten
+    from p2pswarm.swarm.engine import StageEngine
+
+    engine = StageEngine(SPEC, STAGE)
+
+    async def with_engine(fn):
+        return fn(engine)
+
+    s = DilocoService(settings=DilocoSettings(), spec=SPEC, stage=STAGE, me="me", pool=None,
+                      stage_map=SimpleNamespace(stages={}), run=RUN)
+    s.swarm = SimpleNamespace(with_engine=with_engine)
+    s.outer = OuterOptimizer(engine.params, s._outer_config())
+    numel = s.outer.numel
+    data = encode_backup(SPEC.name, STAGE, RUN.identity, 7, torch.linspace(-1, 1, numel), torch.full((numel,), 0.5))
+    state = check_backup(decode_state(data), SPEC, STAGE, RUN.identity, 7)
+    trio.run(s._load_backup, state)
+    assert torch.equal(flatten(engine.params), torch.linspace(-1, 1, numel)) and s.outer.rounds == 7
+    assert torch.equal(s.outer.momentum, torch.full((numel,), 0.5))
+    assert engine.step == 7 * s.settings.inner_steps == s.outer.round_started_step and not engine.optimizer.state
+    assert s.agreed_claim() == (7, digest(data))  # every replica that loads it announces what the holders hold
