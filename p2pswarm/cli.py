@@ -363,7 +363,8 @@ def format_swarm(swarm: dict) -> list[str]:
     engine, delivery, counts = swarm["engine"], swarm["delivery"], swarm["counts"]
     return [
         f"training      step {swarm['step']}  {swarm['tokens']} tokens  {swarm['tokens_per_s']:.0f} tok/s  "
-        f"held-out {_fmt(swarm['heldout_bpb'])} bits/byte  train {_fmt(swarm['train_loss_bpb'])}",
+        f"held-out {_fmt(swarm['heldout_bpb'])} bits/byte  train {_fmt(swarm['train_loss_bpb'])}"
+        f"{'  NOT TRAINING: ' + swarm['blocked'] if swarm.get('blocked') else ''}",
         f"engine        busy {engine['busy_fraction']:.1%}  local-only {engine['local_only']}  drops "
         f"{engine['drops']}  in flight {swarm['in_flight']}  inbound {swarm['inbound']['items']}/"
         f"{swarm['inbound']['capacity']} (mean fill {swarm['inbound']['mean_fill']:.1%})",
@@ -422,14 +423,30 @@ def format_status(stats: dict, stages: dict, swarm: dict | None = None, diloco: 
     if stats.get("relays"):
         held = ", ".join(f"{r['peer'][-8:]} ({r['expires_in_s']:.0f} s)" for r in stats["relays"])
         lines.insert(5, f"relays        {held}; {len(stats.get('circuit_addrs', []))} circuit address(es)")
+    blocked = stages.get("health", {}).get("blocked")
+    if blocked:
+        lines.append(f"blocked:      {blocked}")
     for stage, doc in stages["stages"].items():
         peers = ", ".join(f"{r['peer_id'][-8:]} (queue {r['queue_depth']}{', answered' if r.get('answered') else ''})"
                           for r in doc["peers"]) or "(nobody)"
-        lines.append(f"  stage {int(stage):>3}  layers [{doc['start']}, {doc['end']})  "
-                     f"{len(doc['peers'])} peer(s)  {peers}")
+        served = f"{doc['health']}, {doc['replicas']} replica(s)" if "health" in doc else f"{len(doc['peers'])} peer(s)"
+        lines.append(f"  stage {int(stage):>3}  layers [{doc['start']}, {doc['end']})  {served}  {peers}{_backups(doc)}")
     if swarm:
         lines[5:5] = format_swarm(swarm) + (format_diloco(diloco) if diloco else [])
     return "\n".join(lines)
+
+
+def _backups(stage: dict) -> str:
+    """A stage's backup holders, the freshest first: "  backups: 2 (round 7, 0 behind, 40 s old)"."""
+    if "backups" not in stage:  # a node from before backups
+        return ""
+    backups = stage["backups"]
+    if not backups:
+        return "  backups: 0"
+    best = backups[0]
+    behind = "" if best["rounds_behind"] is None else f", {best['rounds_behind']} behind"
+    age = "" if best["age_s"] is None else f", {best['age_s']:.0f} s old"
+    return f"  backups: {len(backups)} (round {best['round']}{behind}{age})"
 
 
 def cmd_status(args: argparse.Namespace) -> int:

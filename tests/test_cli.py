@@ -302,6 +302,65 @@ def test_status_shows_inbound_connections():
     assert "inbound 3/256 open, 2041 accepted, 7 refused at the limit" in format_status(stats, stages)
 
 
+def test_status_shows_each_stages_health_its_backups_and_what_blocks_training():
+    import json
+
+    import trio
+
+    from p2pswarm.cli import format_status, format_swarm
+    from p2pswarm.dht.records import BackupClaim, Capacity, StageRecord
+    from p2pswarm.dht.stagemap import StageMap
+    from p2pswarm.heal.health import BlockWatch
+    from p2pswarm.model.catalog import get_model
+    from p2pswarm.swarm.service import SwarmService
+
+    model = get_model("tiny-lm/3")
+
+    def record(peer: str, stage: int, agreed: int, backups=()) -> StageRecord:
+        return StageRecord(peer, (), model.name, stage, *model.stage_range(stage), Capacity(0, 0), time.time(), 60.0,
+                           agreed=(agreed, bytes(32)), backups=tuple(BackupClaim(s, r, bytes(32)) for s, r in backups))
+
+    class Index:
+        me = "12D3KooWaaaaaaaa"
+        records = {0: [record("12D3KooWaaaaaaaa", 0, 7, [(1, 7), (2, 5)]), record("12D3KooWbbbbbbbb", 0, 7)],
+                   1: [record("12D3KooWcccccccc", 1, 7, [(2, 6)])]}
+
+        async def lookup_stage(self, model, stage, k, standing=None, run=None):
+            return self.records.get(stage, [])
+
+    class Map:
+        async def current(self, wait=0.0):
+            return {}
+
+        def counts(self):
+            return {0: 2, 1: 1, 2: 0}
+
+    async def docs() -> tuple[dict, dict]:
+        async with trio.open_nursery() as nursery:
+            stage_map = StageMap(Index(), model, nursery)
+            await stage_map.current()
+            stages = stage_map.doc()
+            nursery.cancel_scope.cancel()
+        service = SwarmService(spec=model, stage=0, me="me", pool=None, stage_map=Map(), host=None)
+        service.blocks = BlockWatch(after_s=0.0, serving=0)
+        await service._check_blocked()
+        return json.loads(json.dumps(stages)), json.loads(json.dumps(service.doc()))  # as they cross the API
+
+    stages, swarm = trio.run(docs)
+    stats = {"peer_id": "12D3KooWme", "role": "bootstrap", "version": "x", "addrs": [], "reachability": "public",
+             "dht_mode": "server", "connected_peers": [], "routing_table_size": 0, "model": "tiny-lm/3",
+             "stage": None, "layers": None, "uptime_s": 3}
+    lines = format_status(stats, stages).splitlines()
+    assert "blocked:      stage 2 is down; waiting for a peer to take it" in lines
+    line = {n: next(x for x in lines if x.startswith(f"  stage   {n}")) for n in range(3)}
+    assert "healthy, 2 replica(s)" in line[0] and "backups: 0" in line[0]
+    assert "degraded, 1 replica(s)" in line[1] and "backups: 1 (round 7, 0 behind, " in line[1]
+    assert line[1].endswith(" s old)")  # round 7 of stage 1 was seen agreed (c's record): its age is known
+    assert "down, 0 replica(s)  (nobody)  backups: 2 (round 6" in line[2]  # never seen agreed: no age
+    assert line[2].endswith("(round 6)")
+    assert "NOT TRAINING: stage 2 is down" in format_swarm(swarm)[0]
+
+
 def test_demo_keeps_each_replicas_newest_heldout_when_survivors_report_older_rounds():
     from p2pswarm.demo import newest
 

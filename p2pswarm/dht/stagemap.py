@@ -6,7 +6,9 @@ nobody asks should not spend that every few seconds. Each stage's answer replace
 soon as it is in; a stage whose lookup overruns the bound keeps its previous entry. A joining
 peer also keeps its own and the adjacent stages fresh and checks their peers (candidates).
 ``/api/stages`` serves the map: it waits for a rebuild at most API_WAIT, and the rebuild goes on
-in the background (on a loaded machine it takes seconds; an API call must not).
+in the background (on a loaded machine it takes seconds; an API call must not). It shows each
+stage's health (``heal.health``: live replicas, level, the backups other stages' peers claim to
+hold and their age) and, on top, every stage's level and what blocks training.
 
 A stage's lookup keeps a *pool* of up to CHECK_POOL records, and the map shows its top DEFAULT_K,
 re-ranked whenever read (``dht.ranking``): our own record, the peers that answered us, then
@@ -32,6 +34,7 @@ from p2pswarm.dht import ranking
 from p2pswarm.dht.ranking import Standing
 from p2pswarm.dht.records import PLAUSIBLE_THROUGHPUT, UNNAMED_RUN, StageRecord
 from p2pswarm.errors import DialError
+from p2pswarm.heal import health
 from p2pswarm.model.catalog import ModelSpec, least_served_stage
 
 log = logging.getLogger(__name__)
@@ -54,6 +57,7 @@ class StageMap:
         self.updated_at = 0.0
         self._rebuilt: trio.Event | None = None  # while a rebuild runs: set when it ends
         self.book = CandidateBook()  # who answered us; only they are candidates
+        self.agreed = health.AgreedRounds()  # when each stage's agreed rounds were first seen: backups' age
 
     def standing(self, peer: str, now: float | None = None) -> Standing:
         """Our own record, a peer that answered us recently, or a stranger."""
@@ -125,6 +129,7 @@ class StageMap:
         kept = [r for r in self._pools.get(stage, []) if r.peer_id not in got and r.is_fresh(now)
                 and self.standing(r.peer_id, now) is not Standing.STRANGER]
         self._pools[stage] = ranking.pool(found + kept, lambda peer: self.standing(peer, now), CHECK_POOL)
+        self.agreed.note(stage, [r.agreed[0] for r in self._pools[stage] if r.agreed is not None], now)
 
     async def answer_ping(self, peer: str, message: wire.Ping) -> wire.Pong:
         """Answer a peer's ping (control channel); a peer that checks us has answered us too."""
@@ -155,8 +160,12 @@ class StageMap:
                  *self.model.stage_range(chosen))
         return chosen
 
+    def counts(self) -> dict[int, int]:
+        """Live replicas per stage (``health.known_counts``): every stage once a whole map was built."""
+        return health.known_counts(self.stages, self.model.n_stages, complete=self.updated_at > 0)
+
     def doc(self) -> dict:
-        now = time.time()
+        now, stages, counts = time.time(), self.stages, self.counts()
         return {
             "model": self.model.name,
             "run": self.run,
@@ -167,11 +176,15 @@ class StageMap:
                 str(stage): {
                     "start": self.model.stage_range(stage)[0],
                     "end": self.model.stage_range(stage)[1],
+                    "health": health.level_of(counts[stage]).value,
+                    "replicas": counts[stage],
                     "peers": [{**_record_doc(r, now), "answered": self.book.has_answered(r.peer_id, now)}
-                              for r in records],
+                              for r in stages.get(stage, [])],
+                    "backups": health.backups_doc(stage, stages, self.agreed, now),
                 }
-                for stage, records in sorted(self.stages.items())
+                for stage in sorted(counts)
             },
+            "health": health.health_doc(counts),
         }
 
     async def stages_json(self, params: dict) -> dict:
@@ -186,7 +199,7 @@ def _record_doc(record: StageRecord, now: float) -> dict:
     cap = record.capacity
     return {"peer_id": record.peer_id, "addrs": list(record.addrs), "queue_depth": cap.queue_depth,
             "free_memory_mb": cap.free_memory_mb, "flags": cap.flags, "throughput": cap.throughput,
-            "outer_round": cap.outer_round,
+            "outer_round": cap.outer_round, "agreed_round": None if record.agreed is None else record.agreed[0],
             "expires_in_s": round(record.expires_at - now, 1)}
 
 

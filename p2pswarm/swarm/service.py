@@ -22,7 +22,9 @@
   per byte per chain (``swarm/evaluation.py``);
 - **upkeep**: candidates of the next stage from the stage map into the router, our partner among
   them (``router.partner_for``: fixed chains of replicas), streams to the best of them kept warm,
-  micro-batches whose path died given up (``swarm/inflight.py``).
+  micro-batches whose path died given up (``swarm/inflight.py``); stage 0 also reads every stage's
+  health from the stage map and, while a stage is down (``heal.health.BlockWatch``), cuts no
+  micro-batches and says why, once, in its log and in ``/api/swarm`` ``blocked``.
 
 ``doc()`` is ``GET /api/swarm``. This module and the engine are the only networking-side code
 that imports torch; ``node.py`` imports this module only for a training peer.
@@ -45,6 +47,7 @@ from dataclasses import dataclass
 import trio
 
 from p2pswarm.errors import ConfigError, RemoteProtocolError
+from p2pswarm.heal.health import BLOCK_CHECK_S, BlockWatch
 from p2pswarm.model import corpus as corpora
 from p2pswarm.model import token_shards
 from p2pswarm.model.tokenizer import ByteTokenizer
@@ -143,6 +146,8 @@ class SwarmService:
         self._rate: collections.deque = collections.deque()
         self.session = os.urandom(SESSION_BYTES)
         self.max_in_flight = int(os.environ.get(IN_FLIGHT_ENV) or max(MIN_IN_FLIGHT, spec.n_stages))
+        self.blocks = BlockWatch(serving=stage)  # stage 0: which down stages keep us from training
+        self._blocks_checked = -math.inf
 
     # --- running --------------------------------------------------------------------------------
 
@@ -440,6 +445,8 @@ class SwarmService:
                                   offset=offset)
         micro_batch = 0
         while True:
+            while self.blocked is not None:
+                await trio.sleep(UPKEEP_PERIOD)  # a stage is down: a micro-batch cut now could not complete
             while not self.is_last and not self.router.choose(self.stage + 1, time.time()):
                 await trio.sleep(UPKEEP_PERIOD)  # no live peer serves the next stage: nothing to compute for
             while not self.is_last and not self.router.has_room(self.stage + 1, time.time()):
@@ -540,7 +547,26 @@ class SwarmService:
                 self._note_slow_links()
                 self._sample_rate()
                 self._banned = {p: t for p, t in self._banned.items() if t > trio.current_time()}
+                if self.is_first:
+                    await self._check_blocked()
                 await trio.sleep(UPKEEP_PERIOD)
+
+    @property
+    def blocked(self) -> str | None:
+        """Why stage 0 does not train now (a stage is down), or None."""
+        return self.blocks.reason if self.is_first else None
+
+    async def _check_blocked(self) -> None:
+        """Stage 0, every BLOCK_CHECK_S: is a stage down? Logged once when that starts and once when it ends.
+        ``current(wait=0)`` starts a stale map's rebuild in the background (every stage's records fresh)."""
+        now = time.time()
+        if now - self._blocks_checked < BLOCK_CHECK_S:
+            return
+        self._blocks_checked = now
+        await self._stage_map.current(wait=0)
+        line = self.blocks.observe(self._stage_map.counts(), now)
+        if line is not None:
+            log.log(logging.WARNING if self.blocks.down else logging.INFO, line)
 
     def _choose_partner(self) -> None:
         """Our partner in the next stage (affinity, ``router.partner_for``); none when affinity is off.
@@ -611,7 +637,7 @@ class SwarmService:
         engine, ledger = self.engine, self.ledger.stats(now)
         latest = self.evals.latest()
         return {
-            "stage": self.stage, "first": self.is_first, "last": self.is_last,
+            "stage": self.stage, "first": self.is_first, "last": self.is_last, "blocked": self.blocked,
             "step": engine.step if engine else 0, "tokens": engine.tokens if engine else 0,
             "micro_batches": engine.micro_batches if engine else 0,
             "tokens_per_s": round(self.throughput(), 1),
