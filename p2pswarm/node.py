@@ -6,7 +6,11 @@ classes or inheritance. Each service keeps its own state, exposes its own stats 
 and takes its decisions in a pure policy module (``nat.policy``, ``dht.announce``,
 ``model.catalog``); this module only wires them together. It reports
 ``task_status.started(state)`` once the node is listening, has joined the DHT and (for a
-trainer) has chosen its stage.
+trainer) has chosen its stage and serves it.
+
+A trainer's stage services (candidate checks of the neighbour stages, ``SwarmService`` with its
+``DilocoService``) live in one cancellable scope per stage (``_serve_stages``): a move
+(``heal.mover``) cancels it and starts it again for the new stage, with a new engine and handlers.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from p2pswarm.dht.discovery import (
     push_identify,
     serve_routing_upkeep,
 )
-from p2pswarm.dht.records import FLAG_GPU, FLAG_SNAPSHOT, Capacity, StageRecord, sign_record
+from p2pswarm.dht.records import FLAG_GPU, FLAG_PINNED, FLAG_SNAPSHOT, Capacity, StageRecord, sign_record
 from p2pswarm.dht.stagemap import (
     StageMap,
     control_round_trip,
@@ -43,6 +47,10 @@ from p2pswarm.dht.stagemap import (
     serve_candidate_checks,
 )
 from p2pswarm.dht.store import RecordStore
+from p2pswarm.errors import LocalProtocolError
+from p2pswarm.heal.health import serve_health_watch
+from p2pswarm.heal.mover import Mover
+from p2pswarm.heal.rebalance import Rebalancer
 from p2pswarm.identity import Identity, load_or_create_key
 from p2pswarm.memory import serve_memory_upkeep
 from p2pswarm.model.catalog import ModelSpec
@@ -84,6 +92,8 @@ class NodeState:
     swarm: object = None  # the SwarmService training our stage (p2pswarm.swarm.service), join only
     diloco: object = None  # its outer rounds and snapshots (p2pswarm.diloco.service), join only
     completer: object = None  # text generation through the swarm (p2pswarm.swarm.generation), once joined
+    backups: object = None  # other stages' backups we hold (p2pswarm.heal.backup_service), join only
+    mover: Mover | None = None  # moves us to an under-served stage (join --rebalance)
     started_at: float = field(default_factory=time.time)
 
     def addrs(self) -> list[str]:
@@ -108,6 +118,7 @@ class NodeState:
             "stage": self.stage,
             "layers": list(self.layers) if self.layers else None,
             "capacity": vars(self.capacity()) if self.stage is not None else None,
+            "rebalance": self.mover.doc() if self.mover else None,
             "connected_peers": sorted(str(p) for p in self.host.get_connected_peers()) if self.host else [],
             "routing_table_size": self.kad.get_routing_table_size() if self.kad else 0,
             "records_held": index.store.entry_count() if index else 0,
@@ -127,6 +138,7 @@ class NodeState:
         and flags from role, reachability and device."""
         private = self.nat is not None and self.nat.private
         flags = capacity_flags(training=self.config.role is Role.JOIN, private=private)
+        flags |= FLAG_PINNED if self.config.serves_layers and not self.config.rebalance else 0
         on_device = self.config.serves_layers and self.config.device != "cpu"
         free = free_device_memory_mb(self.config.device) if on_device else free_memory_mb()
         return Capacity(free_memory_mb=free, queue_depth=sum(load() for load in self.load_sources),
@@ -136,7 +148,9 @@ class NodeState:
 
     def signed_record(self, now: float) -> tuple[StageRecord, bytes]:
         record = stage_record(self.identity.peer_id_text, self.addrs(), tuple(self.nat.public_addrs), self.model,
-                              self.stage, self.capacity(), now, RECORD_TTL, run=self.run.identity)
+                              self.stage, self.capacity(), now, RECORD_TTL, run=self.run.identity,
+                              agreed=self.diloco.agreed_claim() if self.diloco else None,
+                              backups=self.backups.claims() if self.backups else ())
         return record, sign_record(record, self.identity)
 
 
@@ -178,17 +192,107 @@ async def _join_dht(state: NodeState, nursery: trio.Nursery, rng: random.Random,
                                   completer=lambda: getattr(state, "completer", None))  # /v1 once it is set
         state.api_address = await nursery.start(serve)
     if config.serves_layers:
+        nursery.start_soon(serve_health_watch, state.stage_map)  # a log line when a stage's health changes: only
+        #                                          a trainer knows the model (a bootstrap's map is the default one)
         stage = state.model.stage_of(*config.layers) if config.layers else None
         state.stage = stage if stage is not None else await state.stage_map.choose_stage(rng)
+        state.backups = _backup_service(state)
+        state.backups.register()  # one snapshot handler: our stage's server, and the backups we hold
+        nursery.start_soon(type(state.backups).run, state.backups)  # via the class: its .run (a RunSpec) shadows it
+        routes.update(state.backups.routes())
         nursery.start_soon(serve_announcements, state.index, state.signed_record)
         state.control.handle(wire.Ping, state.stage_map.answer_ping)  # a peer checking us answered us
+        state.load_sources.append(lambda: state.swarm.queue_depth() if state.swarm else 0)
+        send_move, moves = trio.open_memory_channel(0)
+        await nursery.start(_serve_stages, state, rng, routes, moves)
+        if config.rebalance:
+            core = Rebalancer(state.identity.peer_id_text, state.model.n_stages, random.Random(rng.random()))
+            state.mover = Mover(stage_map=state.stage_map, me=state.identity.peer_id_text, core=core,
+                                stage=lambda: state.stage, move=functools.partial(_move_to, send_move))
+            nursery.start_soon(state.mover.run)
+
+
+def _backup_service(state: NodeState):
+    """Our holder of other stages' backups, on disk under ``data_dir/backups`` (memory only without one)."""
+    from p2pswarm.heal.backup_service import BackupService  # imports torch: a training peer only
+
+    config = state.config
+    directory = config.data_dir / "backups" / f"{state.model.name.replace('/', '-')}-{state.run.identity}" \
+        if config.data_dir else None
+    return BackupService(pool=state.pool, stage_map=state.stage_map, model=state.model, run=state.run,
+                         me=state.identity.peer_id_text, directory=directory,
+                         budget_bytes=config.backup_budget_mb * 1024 * 1024)
+
+
+async def _move_to(send_move: trio.MemorySendChannel, stage: int) -> None:
+    """The mover's callback: serve ``stage`` instead of ours; returns once it serves (its state loaded)."""
+    done = trio.Event()
+    await send_move.send((stage, done))
+    await done.wait()
+
+
+async def _serve_stages(state: NodeState, rng: random.Random, routes: dict, moves: trio.MemoryReceiveChannel,
+                        task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Serve ``state.stage``; on a move (``_move_to``), stop every service of it and serve the new stage."""
+    done = None
+    while True:
+        async with trio.open_nursery() as stage_nursery:
+            if done is not None:
+                stage_nursery.start_soon(_announce_now, state)  # the others count us there at their next check
+            await stage_nursery.start(_serve_stage, state, rng, routes)
+            if done is None:
+                task_status.started()
+            else:
+                done.set()
+            stage, done = await moves.receive()
+            _stop_serving(state, routes)  # before the services end: no frame reaches a half-closed one
+            stage_nursery.cancel_scope.cancel()
+        state.stage = stage
+
+
+async def _serve_stage(state: NodeState, rng: random.Random, routes: dict,
+                       task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Our stage's services: the neighbour stages' candidate checks, and training (started once our stage's
+    state is loaded); they run until the scope is cancelled by a move."""
+    if state.backups is not None:
+        state.backups.stage = state.stage  # our own stage is never held as a backup
+    async with trio.open_nursery() as nursery:
         nursery.start_soon(serve_candidate_checks, state.stage_map, neighbour_stages(state.model, state.stage),
                            state.identity.peer_id_text,
                            functools.partial(control_round_trip, state.connector, state.control))
         state.swarm = await nursery.start(_train, state, rng)
-        state.load_sources.append(state.swarm.queue_depth)
         routes.update(state.swarm.routes())  # served from now on: the app reads this dict per request
         routes.update(state.diloco.routes())
+        task_status.started()
+
+
+def _stop_serving(state: NodeState, routes: dict) -> None:
+    """Between two stages: refuse our old stage's protocols (the stream is reset, as a gone peer's would be)
+    and drop its API routes (the new stage's services put theirs back)."""
+    from p2pswarm.diloco import messages, snapshots
+    from p2pswarm.swarm import activation, inference
+
+    async def refuse(peer: str, message, payload: bytes):
+        raise LocalProtocolError(f"moving from stage {state.stage}: not serving it any more")
+
+    for protocol in (activation.PROTOCOL_ID, inference.PROTOCOL_ID, messages.PROTOCOL_ID):
+        state.pool.serve(protocol, refuse)
+    if state.backups is not None:
+        state.backups.attach_server(None)
+        state.backups.stage = None
+    else:
+        state.pool.serve(snapshots.PROTOCOL_ID, refuse)
+    for route in (*state.swarm.routes(), *state.diloco.routes()):
+        routes.pop(route, None)
+    state.swarm = state.diloco = None
+
+
+async def _announce_now(state: NodeState) -> None:
+    """One announcement of our new stage at once, rather than at the next ANNOUNCE_PERIOD."""
+    try:
+        await state.index.announce(*state.signed_record(time.time()))
+    except Exception as exc:  # the periodic announcement retries
+        log.warning("announcing stage %d after the move failed (%s); the next announcement retries", state.stage, exc)
 
 
 async def _train(state: NodeState, rng: random.Random, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -201,8 +305,10 @@ async def _train(state: NodeState, rng: random.Random, task_status=trio.TASK_STA
     config, me, run = state.config, state.identity.peer_id_text, state.run
     snapshot_dir = config.data_dir / "snapshots" / f"{state.model.name.replace('/', '-')}-{run.identity}" \
         f"-stage{state.stage}" if config.data_dir else None  # one run's snapshots never load into another
-    state.diloco = DilocoService(settings=run.diloco(config.diloco), spec=state.model, stage=state.stage, me=me, pool=state.pool,
-                                 stage_map=state.stage_map, snapshot_dir=snapshot_dir, run=run)
+    backups = state.backups
+    state.diloco = DilocoService(settings=run.diloco(config.diloco), spec=state.model, stage=state.stage, me=me,
+                                 pool=state.pool, stage_map=state.stage_map, snapshot_dir=snapshot_dir, run=run,
+                                 backups=backups, serve_snapshots=backups.attach_server if backups else None)
     service = SwarmService(spec=state.model, stage=state.stage, me=me, pool=state.pool,
                            stage_map=state.stage_map, host=state.host, data=config.data,
                            threads=config.threads, rng=rng, extensions=[state.diloco],

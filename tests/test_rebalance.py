@@ -15,7 +15,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from p2pswarm.model.catalog import get_model
 from p2pswarm.heal.rebalance import (
-    DOWN_GRACE, IMBALANCE_GRACE, JOIN_GRACE, MOVE_JITTER, PEER_COOLDOWN, STAGE_COOLDOWN, Move, Rebalancer, counts, rank, wanted,
+    DOWN_GRACE, IMBALANCE_GRACE, JOIN_GRACE, MOVE_JITTER, PEER_COOLDOWN, STAGE_COOLDOWN, Move, Rebalancer, counts, rank,
+    wanted,
 )
 
 PERIOD = 5.0  # the mover's check period (heal.mover.MOVE_CHECK_S)
@@ -318,6 +319,9 @@ def test_the_mover_moves_the_elected_peer_once_and_then_stays():
     class Map:
         async def current(self, wait=0.0):
             return {s: [record(p, s) for p, at in stage_of.items() if at == s] for s in range(3)}
+
+        async def refresh_stages(self, stages):
+            pass
 
     async def move(stage):
         moved_to.append(stage)

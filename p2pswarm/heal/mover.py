@@ -2,8 +2,9 @@
 
 ``Mover.run`` reads the stage map, turns it into members per stage (each peer counted once, in its
 newest record; our own stage as the node has it, not as our last announcement said), and asks
-``heal.rebalance.Rebalancer``. On a ``Move`` it waits the rule's jitter, reads the map again, and
-moves only if the rule still says so: it logs one line and awaits the node's ``move`` callback,
+``heal.rebalance.Rebalancer``. On a ``Move`` it waits the rule's jitter, looks the two stages up
+again (a loaded peer's lookup may miss a live stage's records) and moves only if the rule still
+says so: it logs one line and awaits the node's ``move`` callback,
 which rebuilds our stage's services for the new stage (``node._serve_stages``). ``doc()`` is the
 ``rebalance`` part of ``/api/stats``: moves done, the last one, the last decision.
 """
@@ -65,7 +66,8 @@ class Mover:
             move = await self._check()
             if move is not None:
                 await trio.sleep(self._core.delay())  # the jitter: another's move may show meanwhile
-                move = await self._check()
+                await self._stage_map.refresh_stages([move.to_stage, move.from_stage])  # a lookup of their own:
+                move = await self._check()  # a lookup that missed a busy stage's records must not move us
             if move is not None:
                 await self._do(move)
             await trio.sleep(MOVE_CHECK_S)

@@ -158,7 +158,7 @@ class Rebalancer:
             self.last = f"stage {b} needs a peer of stage {a}: waiting {grace:.0f} s ({list(count)})"
             return None
         if not down and now - max(self.left_at.get(a, self.since), self.since) < STAGE_COOLDOWN:
-            self.last = f"stage {a} gave a peer less than {STAGE_COOLDOWN:.0f} s ago, or we joined since ({list(count)})"
+            self.last = f"stage {a} gave a peer, or we joined, less than {STAGE_COOLDOWN:.0f} s ago ({list(count)})"
             return None
         if electable[a] != self.me:
             self.last = f"stage {b} needs a peer of stage {a}: {electable[a]} moves ({list(count)})"
