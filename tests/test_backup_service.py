@@ -60,8 +60,9 @@ class FakeStageMap:
 
 
 def service(pool, me: str, stage_map, **kwargs) -> BackupService:
-    return BackupService(pool=pool, stage_map=stage_map, model=SPEC, run=RUN, me=me, directory=kwargs.pop("directory", None),
-                         budget_bytes=kwargs.pop("budget_bytes", BUDGET), **kwargs)
+    return BackupService(pool=pool, stage_map=stage_map, model=SPEC, run=RUN, me=me,
+                         directory=kwargs.pop("directory", None), budget_bytes=kwargs.pop("budget_bytes", BUDGET),
+                         **kwargs)
 
 
 def swarm_of(count: int, test) -> None:
@@ -234,3 +235,23 @@ def test_a_loaded_backup_is_our_weights_and_outer_state_and_announced_with_its_d
     assert torch.equal(s.outer.momentum, torch.full((numel,), 0.5))
     assert engine.step == 7 * s.settings.inner_steps == s.outer.round_started_step and not engine.optimizer.state
     assert s.agreed_claim() == (7, digest(data))  # every replica that loads it announces what the holders hold
+
+
+def test_a_backup_that_cannot_be_written_is_not_held(tmp_path):
+    data = backup_bytes(2)
+    blocked = tmp_path / "file"
+    blocked.write_bytes(b"")  # a file where the backup directory should be: mkdir fails
+
+    async def test(pools, ids):
+        replica, holder = ids
+        replica_side = service(pools[0], replica, FakeStageMap())
+        replica_side.stage = STAGE
+        replica_side.attach_server(replica_server(data, 2))
+        replica_side.register()
+        side = service(pools[1], holder, FakeStageMap([record(replica, STAGE, agreed=(2, digest(data))),
+                                                        record(holder, 0)]), directory=blocked / "backups")
+        side.stage = 0
+        await side.check_once()
+        assert side.claims() == () and side.refused["disk"] == 1
+
+    swarm_of(2, test)

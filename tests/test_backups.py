@@ -63,7 +63,8 @@ def test_every_stage_gets_exactly_copies_holders_never_its_own_replicas(members,
 
 @given(swarms(), st.randoms())
 def test_duties_do_not_depend_on_input_order(members, rng):
-    shuffled = {stage: rng.sample(peers, len(peers)) for stage, peers in rng.sample(list(members.items()), len(members))}
+    items = rng.sample(list(members.items()), len(members))
+    shuffled = {stage: rng.sample(peers, len(peers)) for stage, peers in items}
     for peer in {p for peers in members.values() for p in peers}:
         assert backup_duties(peer, members) == backup_duties(peer, shuffled)
 
@@ -200,7 +201,8 @@ def test_a_backup_round_trips_and_passes_its_check():
 
 @pytest.mark.parametrize("changes", [
     {"round": 2}, {"round": True}, {"stage": 2}, {"model": "other"}, {"run": "0" * 16}, {"format": 2},
-    {"kind": "snapshot"}, {"start": torch.zeros(5)}, {"momentum": torch.ones(param_count(SPEC, 1), dtype=torch.float64)},
+    {"kind": "snapshot"}, {"start": torch.zeros(5)},
+    {"momentum": torch.ones(param_count(SPEC, 1), dtype=torch.float64)},
     {"start": torch.full((param_count(SPEC, 1),), float("nan"))}, {"extra": 1}, {"momentum": [1.0]},
 ])
 def test_a_backup_that_is_not_what_it_claims_is_refused(changes):

@@ -292,8 +292,8 @@ def test_a_full_record_with_every_backup_claim_fits():
 def test_records_differing_only_in_agreed_or_backups_still_rank_in_a_total_order():
     from dataclasses import replace
 
-    variants = [replace(BASE, backups=(BackupClaim(0, 2, b"b" * 32),)), replace(BASE, backups=(BackupClaim(0, 1, b"b" * 32),)),
-                replace(BASE, agreed=(3, b"a" * 32)), BASE]
+    variants = [replace(BASE, backups=(BackupClaim(0, 2, b"b" * 32),)),
+                replace(BASE, backups=(BackupClaim(0, 1, b"b" * 32),)), replace(BASE, agreed=(3, b"a" * 32)), BASE]
     assert best_first(variants) == best_first(variants[::-1])
 
 

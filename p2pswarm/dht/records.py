@@ -412,7 +412,12 @@ def _body(record: StageRecord) -> dict:
                     "tput": float(cap.throughput), **({"round": cap.outer_round} if cap.outer_round else {})},
             "ts": float(record.timestamp), "ttl": float(record.ttl),
             **({"agreed": list(record.agreed)} if record.agreed is not None else {}),
-            **({"backups": [x for c in record.backups for x in (c.stage, c.round, c.digest)]} if record.backups else {})}
+            **({"backups": _flat_claims(record.backups)} if record.backups else {})}
+
+
+def _flat_claims(claims: tuple[BackupClaim, ...]) -> list:
+    """The ``backups`` body value: stage, round, digest of each claim, one flat list (the depth limit stays 3)."""
+    return [value for claim in claims for value in (claim.stage, claim.round, claim.digest)]
 
 
 def _signed_bytes(body: dict) -> bytes:

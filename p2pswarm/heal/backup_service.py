@@ -185,7 +185,12 @@ class BackupService:
         await trio.to_thread.run_sync(lambda: snapshot.digest)  # hashed once, off the loop
         old = self._held.get(stage)
         if self.directory is not None:
-            await trio.to_thread.run_sync(self._write, stage, snapshot, old)
+            try:
+                await trio.to_thread.run_sync(self._write, stage, snapshot, old)
+            except OSError as exc:  # a full or read-only disk: not held (we could not keep it across a restart)
+                self.refused["disk"] += 1
+                log.warning("could not store the backup of stage %d in %s: %s", stage, self.directory, exc)
+                return
         self._held[stage] = Held(stage, snapshot, time.time(), source)
         log.info("holding the backup of stage %d: outer round %d from %s (%.1f MB)", stage, round_, source,
                  len(data) / 1e6)
