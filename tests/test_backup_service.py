@@ -255,3 +255,8 @@ def test_a_backup_that_cannot_be_written_is_not_held(tmp_path):
         assert side.claims() == () and side.refused["disk"] == 1
 
     swarm_of(2, test)
+
+
+def test_run_is_the_loop_not_the_run_spec():
+    side = service(None, "me", FakeStageMap())
+    assert side.run_spec is RUN and callable(side.run)

@@ -73,7 +73,7 @@ class BackupService:
 
     def __init__(self, *, pool, stage_map, model, run, me: str, directory: Path | None, budget_bytes: int,
                  copies: int = BACKUP_COPIES, every_rounds: int = BACKUP_EVERY_ROUNDS) -> None:
-        self._pool, self._stage_map, self.model, self.run, self.me = pool, stage_map, model, run, me
+        self._pool, self._stage_map, self.model, self.run_spec, self.me = pool, stage_map, model, run, me
         self.directory = Path(directory) if directory is not None else None
         self.budget, self.copies, self.every_rounds = BackupBudget(budget_bytes), copies, every_rounds
         self.stage: int | None = None  # our own stage (the node sets it): never held as a backup
@@ -106,8 +106,8 @@ class BackupService:
             return await server.on_frame(peer, message, payload)
         if not isinstance(message, snapshots.Get):
             raise RemoteProtocolError(f"{message.TYPE} is not a snapshot request")
-        if message.run != self.run.run_bytes:
-            return wire.ErrorReply("other-run", f"this peer trains run {self.run.run_bytes.hex()}")
+        if message.run != self.run_spec.run_bytes:
+            return wire.ErrorReply("other-run", f"this peer trains run {self.run_spec.run_bytes.hex()}")
         held = self.held_snapshot(message.stage, message.digest) if message.model == self.model.name else None
         if held is None:
             return wire.ErrorReply("wrong-stage", f"no backup of stage {message.stage} with that digest here")
@@ -160,8 +160,8 @@ class BackupService:
     async def _fetch_checked(self, peer: str, stage: int, round_: int, digest: bytes) -> tuple[bytes, dict]:
         """The bytes of ``stage``'s backup ``digest`` from ``peer`` and its decoded state, checked."""
         max_bytes = backup_max_bytes(self.model, stage)
-        fetched = await snapshots.fetch_snapshot(self._pool, peer, self.model.name, stage, run=self.run.run_bytes,
-                                                 max_bytes=max_bytes, digest=digest)
+        fetched = await snapshots.fetch_snapshot(self._pool, peer, self.model.name, stage,
+                                                 run=self.run_spec.run_bytes, max_bytes=max_bytes, digest=digest)
         self.bytes_fetched += len(fetched.data)
         data = bytes(fetched.data)
         state = await trio.to_thread.run_sync(self._decode_checked, data, stage, round_)
@@ -170,7 +170,7 @@ class BackupService:
     def _decode_checked(self, data: bytes, stage: int, round_: int) -> dict:
         """Worker thread: decode a backup (total: RemoteProtocolError) and check it is what it claims."""
         state = checkpoint.decode_state(data, max_bytes=backup_max_bytes(self.model, stage))
-        return check_backup(state, self.model, stage, self.run.identity, round_)
+        return check_backup(state, self.model, stage, self.run_spec.identity, round_)
 
     async def _hold(self, stage: int, data: bytes, round_: int, source: str) -> None:
         sizes = {s: len(h.snapshot.data) for s, h in self._held.items()}
