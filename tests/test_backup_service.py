@@ -260,3 +260,21 @@ def test_a_backup_that_cannot_be_written_is_not_held(tmp_path):
 def test_run_is_the_loop_not_the_run_spec():
     side = service(None, "me", FakeStageMap())
     assert side.run_spec is RUN and callable(side.run)
+
+
+def test_a_held_copy_of_the_stage_we_move_into_is_kept_until_another_replica_serves_it():
+    async def test():
+        me, other = "me", "other"
+        stage_map = FakeStageMap([record(me, STAGE)])  # we announce the stage we moved into: its only replica
+        side = service(None, me, stage_map)
+        side._held[STAGE] = Held(STAGE, snapshots.Snapshot(backup_bytes(3), 3, 0, 0.0), time.time(), "x")
+        side.stage = STAGE
+        await side.check_once()
+        assert STAGE in side._held and side.claims() == ()  # kept (we may still load it), never announced
+        state, info = await side.fetch_freshest(STAGE)  # (the ledger never saw it: a restart read it from disk)
+        assert info["holder"] == me and state["round"] == 3
+        stage_map.set([record(me, STAGE), record(other, STAGE)])
+        await side.check_once()
+        assert STAGE not in side._held  # another replica serves it: our copy is dropped
+
+    trio.run(test)

@@ -15,7 +15,8 @@ stage's copy while the stage has no replica even if the duty moved.
 own stage goes to the attached ``SnapshotServer`` (DiLoCo's: hot snapshots and our agreed
 backups), one for another stage is answered from the held backups, by digest only.
 ``fetch_freshest`` is what a mover calls: held copies in ``choose_backups`` order (our own copy
-included), each fetched, checked and decoded; the first that passes. ``doc`` is ``GET /api/backups``.
+included; last if the ledger does not know it: we checked it when we took it), each fetched,
+checked and decoded; the first that passes. ``doc`` is ``GET /api/backups``.
 """
 
 from __future__ import annotations
@@ -139,8 +140,9 @@ class BackupService:
         self.duties = backup_duties(self.me, members, self.copies) - {self.stage}
         for stage in sorted(self.duties):
             await self._refresh(stage, stages.get(stage, []))
-        for stage in [s for s in self._held if s not in self.duties and (members.get(s) or s == self.stage)]:
-            self._drop(stage)  # others hold it now (or it is ours); a down stage's copy is kept whatever
+        for stage in [s for s in self._held if s not in self.duties and set(members.get(s, ())) - {self.me}]:
+            self._drop(stage)  # others hold it now; a copy of a stage with no other replica is kept whatever
+            #                    (a mover that just took it may still be loading from it)
 
     async def _refresh(self, stage: int, records) -> None:
         newest = self.ledger.newest(stage)
@@ -244,9 +246,10 @@ class BackupService:
         self.ledger.observe([r for records in stages.values() for r in records], time.time())
         claims = [(r.peer_id, c) for records in stages.values() for r in records for c in r.backups
                   if c.stage == stage and r.peer_id != self.me]
-        if stage in self._held:
-            claims.append((self.me, self._held[stage].claim))
-        for holder, claim in choose_backups(stage, claims, self.ledger):
+        own = [(self.me, self._held[stage].claim)] if stage in self._held else []
+        chosen = choose_backups(stage, claims + own, self.ledger)
+        chosen += [mine for mine in own if mine not in chosen]  # ours was checked when we took it: a last resort
+        for holder, claim in chosen:
             started = trio.current_time()
             try:
                 if holder == self.me:
