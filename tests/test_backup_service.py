@@ -278,3 +278,20 @@ def test_a_held_copy_of_the_stage_we_move_into_is_kept_until_another_replica_ser
         assert STAGE not in side._held  # another replica serves it: our copy is dropped
 
     trio.run(test)
+
+
+def test_the_copy_a_refresh_replaced_is_still_served_until_the_next():
+    first, second, third = backup_bytes(3), backup_bytes(4, fill=1.0), backup_bytes(5, fill=2.0)
+
+    async def test():
+        side = service(None, "me", FakeStageMap())
+        side.stage = 0
+        for round_, data in ((3, first), (4, second)):
+            await side._hold(STAGE, data, round_, "x")
+        assert side.held_snapshot(STAGE, digest(second)).data == second
+        assert side.held_snapshot(STAGE, digest(first)).data == first  # a fetch of it in progress completes
+        await side._hold(STAGE, third, 5, "x")
+        assert side.held_snapshot(STAGE, digest(first)) is None and side.held_snapshot(STAGE, digest(second))
+        assert side.claims() == (BackupClaim(STAGE, 5, digest(third)),)  # only the newest is announced
+
+    trio.run(test)

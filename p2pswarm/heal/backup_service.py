@@ -8,8 +8,9 @@ whose backup it holds, never its own), and for each duty whose announced round i
 (``snapshots.fetch_snapshot(digest=...)``: the bytes must hash to it), decodes it, checks it
 (``check_backup``: that stage, that round, vectors of the stage's size) and, if it fits the
 budget, stores it (``directory``, atomically; memory only without one) and announces it
-(``claims``, put in our record by the node). It keeps the newest copy of each stage, and keeps a
-stage's copy while the stage has no replica even if the duty moved.
+(``claims``, put in our record by the node). It keeps the newest copy of each stage (and, in
+memory, serves the one it replaced until the next refresh, so a fetch in progress completes), and
+keeps a stage's copy while the stage has no other replica even if the duty moved.
 
 ``register`` installs ONE ``/p2pswarm/snapshot/1.0.0`` handler for the node: a request for our
 own stage goes to the attached ``SnapshotServer`` (DiLoCo's: hot snapshots and our agreed
@@ -81,6 +82,8 @@ class BackupService:
         self.ledger = AgreedLedger()
         self.duties: frozenset[int] = frozenset()
         self._held: dict[int, Held] = {}
+        self._previous: dict[int, snapshots.Snapshot] = {}  # the copy each refresh replaced: served (memory only)
+        #                                                   until the next, so a fetch in progress completes
         self._server: snapshots.SnapshotServer | None = None
         self._over_budget_logged: set[int] = set()
         self.bytes_fetched = self.bytes_served = 0
@@ -96,10 +99,12 @@ class BackupService:
         self._server = server
 
     def held_snapshot(self, stage: int, digest: bytes) -> snapshots.Snapshot | None:
-        held = self._held.get(stage)
-        if held is None or stage == self.stage or held.snapshot.digest != digest:
+        """The held copy of ``stage`` (or the one its last refresh replaced) whose digest is ``digest``."""
+        if stage == self.stage:
             return None
-        return held.snapshot
+        kept = [self._held[stage].snapshot] if stage in self._held else []
+        kept += [self._previous[stage]] if stage in self._previous else []
+        return next((snapshot for snapshot in kept if snapshot.digest == digest), None)
 
     async def on_frame(self, peer: str, message, payload: bytes):
         server = self._server
@@ -194,11 +199,14 @@ class BackupService:
                 log.warning("could not store the backup of stage %d in %s: %s", stage, self.directory, exc)
                 return
         self._held[stage] = Held(stage, snapshot, time.time(), source)
+        if old is not None:
+            self._previous[stage] = old.snapshot
         log.info("holding the backup of stage %d: outer round %d from %s (%.1f MB)", stage, round_, source,
                  len(data) / 1e6)
 
     def _drop(self, stage: int) -> None:
         held = self._held.pop(stage)
+        self._previous.pop(stage, None)
         if self.directory is not None:
             self._path(stage, held.snapshot.round).unlink(missing_ok=True)
 
