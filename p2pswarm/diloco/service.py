@@ -528,20 +528,8 @@ class DilocoService:
         config = dataclasses.asdict(self._outer_config())
 
         def load(engine):
-            engine.step = state["round"] * self.settings.inner_steps
-            try:
-                self.outer.load_state_dict({"start": state["start"], "momentum": state["momentum"],
-                                            "rounds": state["round"], "round_started_step": engine.step,
-                                            "config": config})
-            except ValueError as exc:
-                raise RemoteProtocolError(f"the backup does not fit: {exc}") from None
-            with torch.no_grad():
-                for name, value in engine.params_from_flat(self.outer.start).items():
-                    engine.params[name].copy_(value)
-            engine.optimizer.state.clear()  # AdamW's moments are per replica: none come with a backup
-            self.residual = None
-            engine.weights_changed()
-            engine.agree(self.outer.rounds, self.outer.start.clone())
+            backup_core.apply_backup(engine, self.outer, state, self.settings.inner_steps, config)
+            self.residual = None  # what compression left out is per replica too
 
         async with self._state_lock:
             await self.swarm.with_engine(load)

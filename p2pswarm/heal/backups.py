@@ -172,6 +172,26 @@ def check_backup(state: object, model: ModelSpec, stage: int, run: str, round_: 
     return state
 
 
+def apply_backup(engine, outer, state: dict, inner_steps: int, config: dict) -> None:
+    """On the engine's compute thread: a checked backup ``state`` becomes the engine's weights (its
+    start; AdamW's moments, per replica, start afresh) and ``outer``'s start, momentum and round
+    (``config``: our own outer settings); the engine's step goes to ``round x inner_steps``, so the
+    LR schedule continues about where the stage was. RemoteProtocolError if it does not fit."""
+    step = state["round"] * inner_steps
+    try:
+        outer.load_state_dict({"start": state["start"], "momentum": state["momentum"], "rounds": state["round"],
+                               "round_started_step": step, "config": config})
+    except ValueError as exc:  # (nothing changed)
+        raise RemoteProtocolError(f"the backup does not fit: {exc}") from None
+    engine.step = step
+    with torch.no_grad():
+        for name, value in engine.params_from_flat(outer.start).items():
+            engine.params[name].copy_(value)
+    engine.optimizer.state.clear()
+    engine.weights_changed()
+    engine.agree(outer.rounds, outer.start.clone())
+
+
 @dataclass(frozen=True)
 class BackupBudget:
     """The disk the held backups may take."""
