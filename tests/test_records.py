@@ -297,6 +297,18 @@ def test_records_differing_only_in_agreed_or_backups_still_rank_in_a_total_order
     assert best_first(variants) == best_first(variants[::-1])
 
 
+def test_our_record_leaves_out_a_held_backup_of_its_own_stage():
+    """Right after a move into a stage, the backup service may still hold (and claim) that stage's backup."""
+    from p2pswarm.dht.announce import stage_record
+    from p2pswarm.model.catalog import get_model
+
+    claims = (BackupClaim(0, 3, b"a" * 32), BackupClaim(1, 4, b"b" * 32))
+    record = stage_record(ALICE.peer_id_text, [], (), get_model("tiny-lm"), 1, Capacity(1, 0), 5.0, 15.0,
+                          agreed=(4, b"b" * 32), backups=claims)
+    assert record.backups == claims[:1] and record.agreed == (4, b"b" * 32)
+    assert verify_record(sign_record(record, ALICE)) == record
+
+
 def test_pinned_is_its_own_flag():
     assert FLAG_PINNED == 32 and FLAG_PINNED & (FLAG_SNAPSHOT | FLAG_TRAINING | FLAG_RELAYED) == 0
 

@@ -32,8 +32,9 @@ def stage_record(peer_id: str, addrs: list[str], public: tuple[str, ...], model:
                  capacity: Capacity, now: float, ttl: float, run: str = UNNAMED_RUN,
                  agreed: tuple[int, bytes] | None = None, backups: tuple[BackupClaim, ...] = ()) -> StageRecord:
     """Our record for ``stage`` of ``model`` in run ``run``: its exact layer range, our best addresses first,
-    the (round, digest) of our stage's agreed backup and the other stages' backups we hold."""
+    the (round, digest) of our stage's agreed backup and the other stages' backups we hold (a held copy of
+    ``stage`` itself is left out: right after a move into a stage we may still hold its backup)."""
     start, end = model.stage_range(stage)
     return StageRecord(peer_id=peer_id, addrs=record_addrs(addrs, public=public), model=model.name, stage=stage,
                        start=start, end=end, capacity=capacity, timestamp=now, ttl=ttl, run=run,
-                       agreed=agreed, backups=tuple(backups))
+                       agreed=agreed, backups=tuple(claim for claim in backups if claim.stage != stage))
