@@ -23,6 +23,7 @@ checked and decoded; the first that passes. ``doc`` is ``GET /api/backups``.
 from __future__ import annotations
 
 import collections
+import hashlib
 import logging
 import re
 import time
@@ -54,6 +55,11 @@ BACKUP_CHECK_S = 5.0  # the stage map's re-announce period: a new agreed round i
 STAGE_MAP_WAIT = 5.0  # how long a check waits for a stage map rebuild before using the map as it is
 RECENT_REFUSALS = 20  # refusals listed in /api/backups (the counts cover them all)
 FILE_PATTERN = re.compile(r"stage(\d+)-round(\d+)\.backup")  # a held backup on disk
+
+
+def _spread(me: str, peer: str) -> bytes:
+    """The order in which ``me`` asks replicas: its own, so that the holders of a stage share the serving."""
+    return hashlib.sha256(me.encode() + b"|" + peer.encode()).digest()
 
 
 @dataclass(frozen=True)
@@ -155,7 +161,8 @@ class BackupService:
         if newest is None or (held is not None and newest[0] < held.snapshot.round + self.every_rounds):
             return
         round_, digest = newest
-        for peer in sorted(r.peer_id for r in records if r.agreed == newest and r.peer_id != self.me):
+        announcing = [r.peer_id for r in records if r.agreed == newest and r.peer_id != self.me]
+        for peer in sorted(announcing, key=lambda peer: _spread(self.me, peer)):  # holders ask different replicas
             try:
                 data, _ = await self._fetch_checked(peer, stage, round_, digest)
             except (DialError, ProtocolError) as exc:
