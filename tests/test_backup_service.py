@@ -16,6 +16,7 @@ from p2pswarm.dht.records import BackupClaim, Capacity, StageRecord
 from p2pswarm.diloco import snapshots
 from p2pswarm.diloco.service import DilocoService
 from p2pswarm.diloco.settings import DilocoSettings
+from p2pswarm.errors import DialError
 from p2pswarm.heal.backup_service import BackupService, Held
 from p2pswarm.heal.backups import check_backup, digest, encode_backup
 from p2pswarm.identity import generate_identity
@@ -293,5 +294,36 @@ def test_the_copy_a_refresh_replaced_is_still_served_until_the_next():
         await side._hold(STAGE, third, 5, "x")
         assert side.held_snapshot(STAGE, digest(first)) is None and side.held_snapshot(STAGE, digest(second))
         assert side.claims() == (BackupClaim(STAGE, 5, digest(third)),)  # only the newest is announced
+
+    trio.run(test)
+
+
+class Unreachable:
+    """A pool whose every peer is unreachable; it notes whom it was asked for."""
+
+    def __init__(self) -> None:
+        self.asked: list[str] = []
+
+    def lease(self, peer: str, protocol: str):
+        self.asked.append(peer)
+        raise DialError(f"{peer} is unreachable")
+
+
+def test_a_held_backup_is_refreshed_only_every_rounds_rounds():
+    held = backup_bytes(3)
+
+    async def test():
+        newer = (4, digest(backup_bytes(4, fill=1.0)))
+        stage_map = FakeStageMap([record("replica", STAGE, agreed=newer), record("me", 0)])
+        side = service(Unreachable(), "me", stage_map, every_rounds=2)
+        side.stage = 0
+        await side._hold(STAGE, held, 3, "x")
+        await side.check_once()
+        assert STAGE in side.duties and side.claims() == (BackupClaim(STAGE, 3, digest(held)),)
+        assert side._pool.asked == []
+        side.every_rounds = 1
+        await side.check_once()  # now due: the fetch is tried (the replica is unreachable)
+        assert side._pool.asked == ["replica"] and side.refused["unreachable"] == 1
+        assert side.claims() == (BackupClaim(STAGE, 3, digest(held)),)  # the older copy is kept meanwhile
 
     trio.run(test)
