@@ -248,6 +248,8 @@ async def _serve_stages(state: NodeState, rng: random.Random, routes: dict, move
             _stop_serving(state, routes)  # before the services end: no frame reaches a half-closed one
             stage_nursery.cancel_scope.cancel()
         state.stage = stage
+        if state.backups is not None:
+            state.backups.stage = stage  # at once: our record must never claim a backup of our own stage
 
 
 async def _serve_stage(state: NodeState, rng: random.Random, routes: dict,
@@ -279,7 +281,6 @@ def _stop_serving(state: NodeState, routes: dict) -> None:
         state.pool.serve(protocol, refuse)
     if state.backups is not None:
         state.backups.attach_server(None)
-        state.backups.stage = None
     else:
         state.pool.serve(snapshots.PROTOCOL_ID, refuse)
     for route in (*state.swarm.routes(), *state.diloco.routes()):
