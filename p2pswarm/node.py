@@ -198,7 +198,7 @@ async def _join_dht(state: NodeState, nursery: trio.Nursery, rng: random.Random,
         state.stage = stage if stage is not None else await state.stage_map.choose_stage(rng)
         state.backups = _backup_service(state)
         state.backups.register()  # one snapshot handler: our stage's server, and the backups we hold
-        nursery.start_soon(type(state.backups).run, state.backups)  # via the class: its .run (a RunSpec) shadows it
+        nursery.start_soon(state.backups.run)
         routes.update(state.backups.routes())
         nursery.start_soon(serve_announcements, state.index, state.signed_record)
         state.control.handle(wire.Ping, state.stage_map.answer_ping)  # a peer checking us answered us
