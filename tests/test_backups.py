@@ -228,3 +228,14 @@ def test_the_budget_example():
     assert budget.fits({1: 60}, 1, 90)  # replaces its own older copy
     assert not budget.fits({1: 60}, 2, 41) and budget.fits({1: 60}, 2, 40)
 
+
+
+def test_with_outer_momentum_0_a_backup_leaves_the_momentum_out_and_passes_its_check():
+    numel = param_count(SPEC, 1)
+    state = backup_state(SPEC.name, 1, RUN, 3, torch.zeros(numel), None)
+    assert "momentum" not in state
+    full = checkpoint.encode_state(backup_state(SPEC.name, 1, RUN, 3, torch.zeros(numel), torch.ones(numel)))
+    data = checkpoint.encode_state(state)
+    assert len(data) < 0.6 * len(full)  # half the bytes: one vector, not two
+    decoded = checkpoint.decode_state(data)
+    assert check_backup(decoded, SPEC, 1, RUN, 3) is decoded

@@ -538,7 +538,8 @@ class DilocoService:
     async def _refresh_agreed(self) -> None:
         """Encode our stage's agreed backup (in a worker thread) and serve it by digest."""
         def take(engine):
-            return self.outer.rounds, self.outer.start.clone(), self.outer.momentum.clone()
+            momentum = self.outer.momentum.clone() if self.outer.config.momentum > 0 else None  # 0: never acts
+            return self.outer.rounds, self.outer.start.clone(), momentum
 
         round_, start, momentum = await self.swarm.with_engine(take)
         encode = functools.partial(backup_core.encode_backup, self.spec.name, self.stage, self.run_id.hex(),

@@ -131,14 +131,18 @@ def choose_backups(stage: int, claims: Iterable[tuple[str, BackupClaim]],
                                           -len(holders[(hc[1].round, hc[1].digest)]), hc[1].digest, hc[0]))
 
 
-def backup_state(model: str, stage: int, run: str, round_: int, start: torch.Tensor, momentum: torch.Tensor) -> dict:
-    """A stage's agreed backup as a state tree: nothing in it differs between honest replicas."""
-    return {"format": BACKUP_FORMAT, "kind": BACKUP_KIND, "model": model, "stage": stage, "run": run,
-            "round": round_, "start": start, "momentum": momentum}
+def backup_state(model: str, stage: int, run: str, round_: int, start: torch.Tensor,
+                 momentum: torch.Tensor | None) -> dict:
+    """A stage's agreed backup as a state tree: nothing in it differs between honest replicas. ``momentum``
+    None: the run's outer momentum is 0, so the buffer never acts on a later step (``outer_step`` adds
+    ``lr * 0 * m``) and is left out: half the bytes (the demo's setting)."""
+    state = {"format": BACKUP_FORMAT, "kind": BACKUP_KIND, "model": model, "stage": stage, "run": run,
+             "round": round_, "start": start}
+    return state if momentum is None else {**state, "momentum": momentum}
 
 
 def encode_backup(model: str, stage: int, run: str, round_: int, start: torch.Tensor,
-                  momentum: torch.Tensor) -> bytes:
+                  momentum: torch.Tensor | None) -> bytes:
     """The backup's bytes (``checkpoint.encode_state``: equal states, equal bytes); O(stage): a worker thread's job."""
     return checkpoint.encode_state(backup_state(model, stage, run, round_, start, momentum))
 
@@ -157,13 +161,13 @@ def check_backup(state: object, model: ModelSpec, stage: int, run: str, round_: 
     with fp32 vectors of the stage's parameter count; else RemoteProtocolError."""
     expected = {"format": BACKUP_FORMAT, "kind": BACKUP_KIND, "model": model.name, "stage": stage, "run": run,
                 "round": round_}
-    if not isinstance(state, dict) or set(state) != set(expected) | {"start", "momentum"}:
+    if not isinstance(state, dict) or set(state) - {"momentum"} != set(expected) | {"start"}:
         raise RemoteProtocolError("not a stage backup (its keys differ)")
     for key, value in expected.items():
         if type(state[key]) is not type(value) or state[key] != value:
             raise RemoteProtocolError(f"a backup whose {key} is {state[key]!r:.80}, not {value!r}")
     numel = param_count(model, stage)
-    for key in ("start", "momentum"):
+    for key in ("start", "momentum") if "momentum" in state else ("start",):
         vector = state[key]
         if not isinstance(vector, torch.Tensor) or vector.dtype != torch.float32 or vector.shape != (numel,):
             raise RemoteProtocolError(f"a backup whose {key} is not {numel} fp32 values")
@@ -179,7 +183,8 @@ def apply_backup(engine, outer, state: dict, inner_steps: int, config: dict) -> 
     LR schedule continues about where the stage was. RemoteProtocolError if it does not fit."""
     step = state["round"] * inner_steps
     try:
-        outer.load_state_dict({"start": state["start"], "momentum": state["momentum"], "rounds": state["round"],
+        momentum = state["momentum"] if "momentum" in state else torch.zeros_like(state["start"])  # (momentum 0)
+        outer.load_state_dict({"start": state["start"], "momentum": momentum, "rounds": state["round"],
                                "round_started_step": step, "config": config})
     except ValueError as exc:  # (nothing changed)
         raise RemoteProtocolError(f"the backup does not fit: {exc}") from None
