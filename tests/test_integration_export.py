@@ -47,10 +47,14 @@ TOLERANCE = 1e-4  # logits of the same fp32 weights, computed in float64: traine
 # summation-order noise itself near 1e-4 (8.6e-5 seen, once 2.8e-3 in one row); the fast test holds fp32 to it
 
 
-def export(*args: str) -> subprocess.CompletedProcess:
+APART = "more than 1 apart"  # export's refusal of stages that drifted apart (on a loaded machine they do)
+
+
+def export(*args: str, drift_ok: bool = False) -> subprocess.CompletedProcess:
+    """One export; with ``drift_ok`` its refusal of stages more than a round apart is an answer too (try again)."""
     result = subprocess.run([sys.executable, "-m", "p2pswarm", "export", *args], capture_output=True, text=True,
                             timeout=EXPORT_TIMEOUT, stdin=subprocess.DEVNULL)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0 or (drift_ok and APART in result.stderr), result.stderr[-3000:]
     return result
 
 
@@ -108,8 +112,10 @@ def test_export_round_trip_through_a_training_swarm(tmp_path):
         out, deadline, figure = tmp_path / "hf", time.monotonic() + TRAIN_DEADLINE, None
         while figure is None and time.monotonic() < deadline:  # an export whose stages are on one round
             started = time.monotonic()
-            result = export("--api", last, "--out", str(out), "--force")
+            result = export("--api", last, "--out", str(out), "--force", drift_ok=True)
             print(f"export --api took {time.monotonic() - started:.1f} s:\n{result.stderr}")
+            if result.returncode != 0:
+                continue  # the stages were more than a round apart: export again
             rounds = exported_rounds(result.stderr)
             if len(set(rounds)) == 1 and rounds[0] >= 1:
                 figure = wait_until(lambda: swarm_figure(last, rounds[0]), FIGURE_WAIT)
