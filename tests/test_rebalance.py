@@ -338,3 +338,18 @@ def test_the_mover_moves_the_elected_peer_once_and_then_stays():
     assert moved_to == [1]
     assert mover.doc()["moves"] == 1 and mover.doc()["last_move"]["to"] == 1
     assert "balanced" in mover.doc()["last_decision"]
+
+
+def test_a_down_stage_elects_the_same_mover_whatever_each_peer_saw_of_earlier_moves():
+    """X (the lower rank) moved 150 s ago (its own cooldown) and Y joined after that move (it never saw it): their
+    histories differ, yet exactly one of them moves into the down stage (they once elected each other)."""
+    a, b = Rebalancer("peer-x", 3, random.Random(1)), Rebalancer("peer-y", 3, random.Random(2))
+    a.observe({0: ["peer-x", "c"], 1: ["b0", "b1"], 2: ["d", "e"]}, {"peer-x", "c"}, 0.0)
+    a.moved(0, 1, 100.0)
+    members = {0: [], 1: ["peer-x", "peer-y"], 2: ["d", "e"]}
+    movable = {"peer-x", "peer-y", "d", "e"}
+    for view in (a, b):
+        view.observe(members, movable, 200.0)
+        view.observe(members, movable, 240.0)
+    moves = [view.observe(members, movable, 250.0) for view in (a, b)]
+    assert sum(move is not None for move in moves) == 1, (moves, a.last, b.last)

@@ -15,7 +15,8 @@ swarm agrees on at most one move per check without talking:
 - cooldowns: no move out of a stage within ``STAGE_COOLDOWN`` of the last move out of it that we
   saw (a peer id leaving that stage for another) unless the target is down, and none by a peer that
   has watched for less than that (it cannot know the last move); a peer that moved is not elected
-  again within ``PEER_COOLDOWN``;
+  again within ``PEER_COOLDOWN``, unless a stage is down (that cooldown is local history: a peer
+  that joined after the move never saw it, and two such views elected each other);
 - a peer that has watched the map for less than ``JOIN_GRACE`` does not move: at start, a map with
   the swarm's records half in looks like down stages;
 - one mover: among the donor's movable peers not in their cooldown, the one whose sha256(peer id)
@@ -103,7 +104,9 @@ class Rebalancer:
         self.since = now if self.since is None else self.since
         self._note_moves(members, now)
         count = counts(members, self.n_stages)
-        electable = self._electable(members, movable, now)
+        # a down stage elects among every movable peer: the peer cooldown is local history (a peer that
+        # joined after a move never saw it), and two views of it elected each other and nobody moved
+        electable = self._electable(members, movable, now, cooldown=min(count) > 0)
         want = wanted(count, sorted(electable))
         self._keep_need(want, now)
         return self._decide(count, electable, now)
@@ -128,11 +131,12 @@ class Rebalancer:
         if len(self.seen) > 4 * max(len(stage_of), 1):  # forget the long gone: bounded state
             self.seen = {peer: self.seen[peer] for peer in stage_of}
 
-    def _electable(self, members, movable: set[str], now: float) -> dict[int, str]:
-        """Per stage, the peer that would move out of it: movable, out of its cooldown, lowest rank."""
+    def _electable(self, members, movable: set[str], now: float, cooldown: bool = True) -> dict[int, str]:
+        """Per stage, the peer that would move out of it: movable, out of its cooldown (``cooldown``), lowest rank."""
         chosen = {}
         for stage, peers in members.items():
-            free = [p for p in peers if p in movable and now - self.moved_at.get(p, -PEER_COOLDOWN) >= PEER_COOLDOWN]
+            free = [p for p in peers if p in movable
+                    and (not cooldown or now - self.moved_at.get(p, -PEER_COOLDOWN) >= PEER_COOLDOWN)]
             if free and 0 <= stage < self.n_stages:
                 chosen[stage] = min(free, key=rank)
         return chosen
