@@ -140,9 +140,9 @@ def event(swarm: Swarm, stage: int) -> dict:
     """Kill every replica of ``stage``; time until a mover loaded it and stage 0's tokens rose again."""
     victims = members(swarm).get(stage, [])
     agreed = max((get_json(a, "/api/diloco") or {}).get("outer_round", 0) for a in victims)
-    moves_before = moves(swarm)
     for api in victims:
         swarm.kill(api)
+    moves_before = moves(swarm)  # the survivors' (a victim may have moved in an earlier event)
     died = time.monotonic()
 
     def mover():
