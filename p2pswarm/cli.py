@@ -248,6 +248,8 @@ def config_from_args(args: argparse.Namespace) -> NodeConfig:
         check_api_exposure(args.api, args.api_token)  # ConfigError before the node listens and prints its addresses
     if args.max_connections < 1:
         raise ConfigError(f"--max-connections must be at least 1, not {args.max_connections}")
+    for addr in args.bootstrap:
+        peer_info_from_multiaddr(addr)  # ConfigError unless it ends in /p2p/<peer id>: before torch is imported
     default_listen = {Role.BOOTSTRAP: DEFAULT_BOOTSTRAP_LISTEN, Role.RELAY: DEFAULT_RELAY_LISTEN}.get(role, DEFAULT_LISTEN)
     kwargs = dict(role=role, listen=tuple(args.listen or [default_listen]), bootstrap=tuple(args.bootstrap),
                   key_path=args.key, data_dir=args.data_dir, api=args.api, api_token=args.api_token,
@@ -261,12 +263,12 @@ def config_from_args(args: argparse.Namespace) -> NodeConfig:
             peer_info_from_multiaddr(relay)  # ConfigError unless it ends in /p2p/<peer id>
         if args.threads is not None and args.threads < 1:
             raise ConfigError(f"--threads must be at least 1, not {args.threads}")
-        placement = resolve_placement(args.device, args.precision)  # ConfigError: a device we lack, fp16
         if args.data is not None:
             data_corpus(args.data)  # ConfigError (one line) for a missing, empty or binary-only path
         if args.backup_budget_mb < 0:
             raise ConfigError(f"--backup-budget-mb must be at least 0, not {args.backup_budget_mb}")
         layers = parse_layers(args.layers, model)
+        placement = resolve_placement(args.device, args.precision)  # ConfigError: a device we lack, fp16 (imports torch)
         kwargs.update(rebalance=layers is None if args.rebalance is None else args.rebalance,
                       backup_budget_mb=args.backup_budget_mb)
         kwargs.update(model=model.name, layers=layers, dht_mode=DhtMode(args.dht_mode),
