@@ -18,6 +18,7 @@ from tests.procs import Swarm, free_port, get_json, wait_until
 pytestmark = pytest.mark.integration
 
 RANGES = ["0:2", "2:4", "4:6", "6:8", "0:2", "4:6"]  # tiny-lm: 4 stages of 2 layers; two served twice
+API_DEADLINE = 60.0  # seconds for a started peer's API to answer: a guard (six peers start on two cores)
 CONVERGE_DEADLINE = 60.0  # seconds; converging takes 2-8 s on a quiet machine (docs/benchmarks.md)
 
 
@@ -41,7 +42,7 @@ def test_stage_map_converges_and_forgets_killed_peer(swarm):
     apis = [api for _, api in nodes]
     peer_ids = {}
     for (_, api), layers in zip(nodes, RANGES, strict=True):
-        stats = wait_until(lambda: get_json(api, "/api/stats"), timeout=30)
+        stats = wait_until(lambda: get_json(api, "/api/stats"), timeout=API_DEADLINE)
         assert stats, f"node serving {layers} never answered its API"
         start, end = (int(x) for x in layers.split(":"))
         peer_ids[stats["peer_id"]] = (start, end)
