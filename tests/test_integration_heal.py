@@ -2,7 +2,7 @@
 loads the stage's backup, and training resumes. Real processes on loopback.
 
 ``tiny-lm/3`` with 2 replicas per stage, each started on its stage (``--layers``, a deterministic
-start) with ``--rebalance``, and the demo's DiLoCo values but H = 20. Once outer round 1 is agreed
+start) with ``--rebalance``, and the demo's DiLoCo values but H = 10. Once outer round 1 is agreed
 everywhere and peers of other stages hold a backup of stage 1, both stage-1 replicas are
 SIGKILLed. Then: a peer moves to stage 1 and loads the backup (its ``/api/diloco`` ``loaded_from``
 names the holder), stage 0 completes micro-batches again, the last stage's loss on the text after

@@ -148,6 +148,7 @@ class SwarmService:
         self._rate: collections.deque = collections.deque()
         self.session = os.urandom(SESSION_BYTES)
         self.max_in_flight = int(os.environ.get(IN_FLIGHT_ENV) or max(MIN_IN_FLIGHT, spec.n_stages))
+        self.eval_share = max(1, int(os.environ.get(EVAL_SHARE_ENV) or EVAL_SHARE))  # read once, like the in-flight bound
         self.blocks = BlockWatch(serving=stage)  # stage 0: which down stages keep us from training
         self._blocks_checked = -math.inf
 
@@ -511,8 +512,7 @@ class SwarmService:
                 await self._next_progress()
             # a round on a slow machine or line takes its share at most: 1 / EVAL_SHARE of the time
             spent = trio.current_time() - began
-            share = int(os.environ.get(EVAL_SHARE_ENV) or EVAL_SHARE)
-            await trio.sleep(max((share - 1) * spent,
+            await trio.sleep(max((self.eval_share - 1) * spent,
                                  EVAL_PERIOD - spent if self.engine.agreed_round == NO_ROUND else 0.0))
 
     async def _next_eval_round(self, evaluated: int | None) -> int:
