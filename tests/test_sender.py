@@ -123,3 +123,27 @@ def test_frames_on_the_way_to_a_peer_stay_within_its_share():
     assert d.counts["byte_waits"] >= 1
     trio.run(main, 2, 2)  # 2 x 16 MiB: side by side
     assert len(seen["acked"]) == 4 and not seen["lost"] and not d._bytes_out
+
+
+def test_an_ack_waits_behind_the_bytes_already_on_the_way_from_us():
+    """A frame written while another is on the way may sit behind it in our uplink: its ack gets the
+    deadline of both. The first frame, alone when written, keeps its own deadline."""
+    d, router, pool, seen = deliverer()
+    router.forget(PEERS[1])
+    first, second = send(Forward, 1, 0), send(Forward, 1, 1)
+    alone = router.deadline(PEERS[0], len(first.payload))
+    behind = router.deadline(PEERS[0], 2 * len(first.payload))
+    assert behind > alone + 5
+
+    async def main():
+        pool.answer = trio.Event()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(d.forward, first)
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.start_soon(d.forward, second)
+            await trio.sleep((alone + behind) / 2)  # past the first's deadline, within the second's
+            pool.answer.set()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert d.counts["timeouts"] == 1, d.counts  # the first: nothing was ahead of it
+    assert second.key in seen["acked"], seen
