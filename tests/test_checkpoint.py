@@ -9,6 +9,7 @@ import json
 import logging
 import math
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -349,6 +350,8 @@ while True:
     store.save(encode_state({"round": round_, "weights": weights}), round=round_, step=10 * round_)
     round_ += 1
 """
+WRITER_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(pathlib.Path(__file__).resolve().parents[1]),
+                                                          os.environ.get("PYTHONPATH", "")])}  # this checkout's p2pswarm
 KILL_DEADLINE = 60.0  # seconds: a bound for a broken run only; a passing run takes a few
 POLL = 0.002  # seconds between looks at the directory while waiting for a condition
 
@@ -386,7 +389,7 @@ def test_sigkill_while_writing_leaves_the_previous_snapshot_loadable(tmp_path):
         first_round = 1000 * (iteration + 1)
         with open(tmp_path / f"writer{iteration}.log", "w") as log:
             process = subprocess.Popen([sys.executable, str(script), str(directory), str(first_round)],
-                                       stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+                                       stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=WRITER_ENV)
         try:
             temps = stop_mid_write(process, directory, first_round, 2 + iteration, deadline)
             os.kill(process.pid, signal.SIGKILL)

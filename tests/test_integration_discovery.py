@@ -19,7 +19,8 @@ pytestmark = pytest.mark.integration
 
 RANGES = ["0:2", "2:4", "4:6", "6:8", "0:2", "4:6"]  # tiny-lm: 4 stages of 2 layers; two served twice
 API_DEADLINE = 60.0  # seconds for a started peer's API to answer: a guard (six peers start on two cores)
-CONVERGE_DEADLINE = 60.0  # seconds; converging takes 2-8 s on a quiet machine (docs/benchmarks.md)
+CONVERGE_DEADLINE = 120.0  # seconds, a guard: converging takes 2-8 s on a quiet machine (docs/benchmarks.md);
+#                           six training peers on two shared cores once took over 60 s (a full-suite failure)
 
 
 def announced(stages_doc: dict | None) -> set[tuple[str, int, int]]:
