@@ -3,7 +3,7 @@
 Each join runs in its own network namespace on a bridge, its uplink and downlink shaped
 (``p2pswarm.testing.linklab``). Before issue 14 this swarm trained nothing: fixed 200 ms ack
 deadlines failed every 512 KiB frame and the re-sends collapsed the links. The swarm must train,
-lose a micro-batch only where a peer was judged failed, judge at most 10 % of its sends failed,
+lose a micro-batch only where a peer was judged failed, judge at most 5 % of its sends failed,
 and train no micro-batch twice: the stage-1 peers together train at most as many forwards as the
 stage-0 peers had acked (each micro-batch is acked once, and a receiver drops a copy it already
 took).
@@ -20,10 +20,9 @@ REASON = link_lab_available()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
 
 TRAIN_SECONDS = 25.0  # the window measured once training runs (a 2 x 2 swarm on 2 cores; suite time)
-FAILED_SHARE = 0.10  # of a stage's sends judged failed. Far from the collapse (94.5 %), but not issue 14's < 1 %:
-# since the round-0 held-out evaluation (16.8 MB of activations, ~7 s of the 20 Mbit/s uplink) and stage
-# backups (2.8 MB per holder) share the uplink at the start of the window, 4-7 % was seen (5 of 98, 4 of 70,
-# 7 of 111) and a 5 % bound failed one run in three. Training frames' deadlines do not count those bytes.
+FAILED_SHARE = 0.05  # of a stage's sends judged failed: far from the collapse (94.5 %). Once the round-0 held-out
+# evaluation (16.8 MB of activations, ~7 s of the 20 Mbit/s uplink) began to share the window's start, 4-7 % timed
+# out until an ack's deadline counted every other byte on the way from the sender; since: 1 in 515 sends.
 
 
 def total(result: dict, section: str, stage: int, key: str) -> float:
