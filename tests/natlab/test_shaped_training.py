@@ -25,8 +25,8 @@ FAILED_SHARE = 0.05  # of a stage's sends in the measured window judged failed: 
 # Once the round-0 held-out evaluation (16.8 MB of activations, ~7 s of the 20 Mbit/s uplink) began to share the
 # window's start, 4-7 % timed out until an ack's deadline counted every other byte on the way from the sender;
 # since: 1 in 515 sends.
-FAILED_SHARE_WITH_START = 0.10  # of every send since the peers started: while a replica of the next stage is still
-# loading its stage, sends to it can fail (a full suite run: 9 of a stage's 112 sends since the start, 1 in the window)
+FAILED_SHARE_WITH_START = 0.10  # of every send since the peers started: start-up sends can fail (a full suite run:
+# 9 of a stage's 112 sends since the start, 1 in the window; likely to a replica still loading its stage)
 
 
 def failures(figures: dict, stage: int) -> tuple[float, float]:
