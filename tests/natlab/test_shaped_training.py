@@ -4,7 +4,7 @@ Each join runs in its own network namespace on a bridge, its uplink and downlink
 (``p2pswarm.testing.linklab``). Before issue 14 this swarm trained nothing: fixed 200 ms ack
 deadlines failed every 512 KiB frame and the re-sends collapsed the links. The swarm must train,
 lose a micro-batch only where a peer was judged failed, judge at most 5 % of its sends in the
-measured window failed (10 % since the start, while replicas still load their stages),
+measured window failed (10 % since the peers' start, when start-up sends may fail too),
 and train no micro-batch twice: the stage-1 peers together train at most as many forwards as the
 stage-0 peers had acked (each micro-batch is acked once, and a receiver drops a copy it already
 took).
@@ -31,8 +31,8 @@ FAILED_SHARE_WITH_START = 0.10  # of every send since the peers started: start-u
 
 def failures(figures: dict, stage: int) -> tuple[float, float]:
     """(sends judged failed, sends) of one stage in a section of ``run_link_arm``'s figures."""
-    return (figures.get(stage, {}).get("timeouts", 0) + figures.get(stage, {}).get("errors", 0),
-            max(1, figures.get(stage, {}).get("sent", 0)))
+    counts = figures.get(stage, {})
+    return counts.get("timeouts", 0) + counts.get("errors", 0), max(1, counts.get("sent", 0))
 
 
 def total(result: dict, section: str, stage: int, key: str) -> float:
