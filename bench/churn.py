@@ -14,7 +14,7 @@ Also in the same run, as baselines:
 - the flood (``--no-flood`` skips it): 17 peers each hold 100 negotiated control streams and 100
   raw Yamux streams that never negotiate (what the probe of issue 13 did), for ``FLOOD_HOLD``
   seconds, then leave; the node's RSS is printed every 5 s for a minute against its level just
-  before the flood. Run twice: with p2pswarm's default (glibc malloc, trimmed; ``p2pswarm.memory``)
+  before the flood. Run twice: with p2pswarm's default (glibc malloc, trimmed; ``p2pswarm.node.memory``)
   and with ``PYTHONMALLOC=pymalloc`` (CPython's own allocator) as the baseline.
 
 Run: ``python bench/churn.py`` (defaults: 10,000 lifetimes, 8 at a time, library 600, both floods).
@@ -34,7 +34,7 @@ from common import machine_line, print_table, quiet_logs, ratio, stop_server
 
 from p2pswarm import wire
 from p2pswarm.identity import generate_identity
-from p2pswarm.memory import ALLOCATOR_ENV
+from p2pswarm.node.memory import ALLOCATOR_ENV
 from p2pswarm.net.control import CONTROL_PROTOCOL, ControlService
 from p2pswarm.net.host import connect, open_host, peer_info_from_multiaddr
 from p2pswarm.testing.churn import LOOPBACK, ChurnBlock, ProcessUsage, run_churn

@@ -52,7 +52,7 @@ async def worker(mib: int, codec: str, aggregator: str, verify: bool, index: int
     import trio
 
     from p2pswarm.diloco.service import DilocoService
-    from p2pswarm.diloco.settings import DilocoSettings
+    from p2pswarm.run.diloco import DilocoSettings
     from p2pswarm.identity import generate_identity
     from p2pswarm.net.connect import Connector
     from p2pswarm.net.host import open_host

@@ -37,7 +37,7 @@ from common import (
     ratio,
 )
 
-from p2pswarm.config import NodeConfig, Role
+from p2pswarm.node.config import NodeConfig, Role
 from p2pswarm.dht.discovery import ANNOUNCE_PERIOD, RECORD_TTL, STAGE_MAP_PERIOD
 from p2pswarm.model.catalog import get_model
 from p2pswarm.node import run_node

@@ -34,7 +34,7 @@ def run(delay: int, predict: bool, accumulate: int, steps: int) -> float:
 
     from p2pswarm.model.catalog import get_model
     from p2pswarm.model.corpus import batches, heldout_batches, stdlib_corpus
-    from p2pswarm.model.run import load_run
+    from p2pswarm.run.spec import load_run
     from p2pswarm.swarm.activation import NO_ROUND
     from p2pswarm.swarm.engine import StageEngine, TrainConfig, Work, ids_tensor
     from p2pswarm.swarm.evaluation import EVAL_BATCHES, EVAL_ROWS

@@ -63,7 +63,7 @@ def measure(run_name: str, stage: int, steps: int) -> dict:
     import torch
 
     from p2pswarm.model.catalog import stage_memory
-    from p2pswarm.model.run import load_run
+    from p2pswarm.run.spec import load_run
     from p2pswarm.swarm import engine as eng
 
     torch.set_num_threads(1)
@@ -94,7 +94,7 @@ def main() -> int:
         run_name, stage = args.one.rsplit(":", 1)
         print(json.dumps(measure(run_name, int(stage), args.steps)))
         return 0
-    from p2pswarm.model.run import load_run
+    from p2pswarm.run.spec import load_run
 
     print(f"{'run':<8} {'model':<10} {'stage':>5} {'params':>11} {'fixed MB':>9} {'peak-fixed MB':>14} "
           f"{'estimate MB':>12} {'ratio':>6}  target <= {TARGET_RATIO}")

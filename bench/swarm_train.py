@@ -59,7 +59,7 @@ def baseline(tokens_wanted: int, seconds_cap: float) -> tuple[float, list[tuple[
 
     from p2pswarm.model.catalog import get_model
     from p2pswarm.model.corpus import batches, heldout_batches, stdlib_corpus
-    from p2pswarm.model.run import load_run
+    from p2pswarm.run.spec import load_run
     from p2pswarm.model.transformer import build_model, run_stages
     from p2pswarm.swarm.engine import TrainConfig, ids_tensor, lr_at, param_groups
     from p2pswarm.swarm.evaluation import EVAL_BATCHES, EVAL_ROWS

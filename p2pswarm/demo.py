@@ -8,7 +8,7 @@ through every chain of replicas, with the spread between chains: 0 when the repl
 tokens/s, peers per stage, failovers and lost micro-batches.
 Replicas of a stage meet every ``--inner-steps`` local steps for a DiLoCo outer round; the demo
 prints each round as it completes (members, seconds, bytes, rejected contributions). Peers train
-the default run (``p2pswarm.model.run``) on ``tiny-lm/S`` with the demo's DiLoCo values, or with
+the default run (``p2pswarm.run.spec``) on ``tiny-lm/S`` with the demo's DiLoCo values, or with
 ``--run NAME|PATH`` that run as it is (its model, its stages, its [diloco] table).
 ``--kill-one`` SIGKILLs one replica halfway through, to show training go on without it, and
 restarts it ``RESTART_AFTER`` seconds later: it loads its stage's current state from the other
@@ -36,7 +36,7 @@ from pathlib import Path
 
 from p2pswarm.errors import ConfigError, StartupError
 from p2pswarm.model.catalog import DEFAULT_MODEL, get_model
-from p2pswarm.model.run import load_run
+from p2pswarm.run.spec import load_run
 from p2pswarm.swarm.evaluation import EvalRound, RoundAgreement, agreement
 
 FORM_TIMEOUT = 180.0  # seconds for every stage to be served and found: a guard (a loaded 2-core machine took > 90)

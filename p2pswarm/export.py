@@ -28,7 +28,7 @@ from pathlib import Path
 from p2pswarm.errors import ConfigError, DialError, ProtocolError
 from p2pswarm.model import hf_export
 from p2pswarm.model.hf_export import MAX_ROUND_SPREAD, Card, StageSnapshot
-from p2pswarm.model.run import BYTES_TOKENIZER, RunSpec, load_run, packaged_runs
+from p2pswarm.run.spec import BYTES_TOKENIZER, RunSpec, load_run, packaged_runs
 from p2pswarm.model.tokenizer import BYTE_VOCAB
 
 EPHEMERAL_LISTEN = "/ip4/127.0.0.1/tcp/0"  # the exporter only dials out: a loopback port it never announces
@@ -110,7 +110,7 @@ def load_file_snapshots(paths: list[Path]) -> list[StageSnapshot]:
     outer rounds fit the rule, else the newest of each (the rule's check then says why not). Stages
     snapshot at their own times, so the newest files of two stages can be rounds apart while older
     kept ones match; files are decoded only when chosen."""
-    from p2pswarm.checkpoint import decode_state
+    from p2pswarm.diloco.checkpoint import decode_state
 
     groups, loaded = _expand(paths), {}
 
@@ -172,7 +172,7 @@ def stage_peers(stages: dict, api: str) -> dict[int, list[tuple[str, tuple[str, 
 async def _fetch_stage(pool, connector, model: str, stage: int, peers, run: str) -> StageSnapshot:
     import trio
 
-    from p2pswarm.checkpoint import decode_state
+    from p2pswarm.diloco.checkpoint import decode_state
     from p2pswarm.diloco.snapshots import fetch_snapshot
 
     problems = []
@@ -215,7 +215,7 @@ def fetch_from_api(api: str) -> tuple[list[StageSnapshot], dict, dict | None]:
     import trio
 
     from p2pswarm.cli import _get_json
-    from p2pswarm.logs import quiet_libp2p
+    from p2pswarm.cli.logs import quiet_libp2p
 
     stats, stages = _get_json(api, "/api/stats"), _get_json(api, "/api/stages")
     swarm = _get_json(api, "/api/swarm") if stats.get("role") == "join" else None

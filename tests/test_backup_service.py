@@ -15,10 +15,10 @@ import trio
 from p2pswarm.dht.records import BackupClaim, Capacity, StageRecord
 from p2pswarm.diloco import snapshots
 from p2pswarm.diloco.service import DilocoService
-from p2pswarm.diloco.settings import DilocoSettings
+from p2pswarm.run.diloco import DilocoSettings
 from p2pswarm.errors import DialError
-from p2pswarm.heal.backup_service import BackupService, Held
-from p2pswarm.heal.backups import check_backup, digest, encode_backup
+from p2pswarm.diloco.backup_service import BackupService, Held
+from p2pswarm.diloco.backups import check_backup, digest, encode_backup
 from p2pswarm.identity import generate_identity
 from p2pswarm.model.catalog import MODELS, param_count
 from p2pswarm.net.connect import Connector
@@ -215,7 +215,7 @@ def test_a_backup_over_the_budget_is_neither_held_nor_announced():
 
 
 def test_a_loaded_backup_is_our_weights_and_outer_state_and_announced_with_its_digest():
-    from p2pswarm.checkpoint import decode_state
+    from p2pswarm.diloco.checkpoint import decode_state
     from p2pswarm.diloco.outer import OuterOptimizer, flatten
     from p2pswarm.swarm.engine import StageEngine
 

@@ -8,11 +8,11 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from p2pswarm import checkpoint
+from p2pswarm.diloco import checkpoint
 from p2pswarm.dht.records import BackupClaim, Capacity, StageRecord
 from p2pswarm.diloco.outer import OuterOptimizer
 from p2pswarm.errors import RemoteProtocolError
-from p2pswarm.heal.backups import (
+from p2pswarm.diloco.backups import (
     KEEP_ROUNDS,
     MAX_TRACKED_REPLICAS,
     AgreedLedger,

@@ -21,7 +21,7 @@ import time
 
 import trio
 
-from p2pswarm.config import DhtMode
+from p2pswarm.node.config import DhtMode
 from p2pswarm.dht.ranking import MAX_PER_IP
 from p2pswarm.dht.records import (
     FLAG_GPU,

@@ -22,7 +22,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from p2pswarm.checkpoint import (
+from p2pswarm.diloco.checkpoint import (
     DTYPES, FORMAT, INT_MAX, INT_MIN, KEEP, MAX_DEPTH, MAX_TENSORS, SnapshotStore, decode_state, digest,
     encode_state,
 )
@@ -308,7 +308,7 @@ def test_a_corrupt_newest_falls_back_to_the_previous(tmp_path, caplog):
     flipped[len(flipped) // 2] ^= 0x40
     paths[2].write_bytes(bytes(flipped))
     paths[1].write_bytes(paths[1].read_bytes()[:-5])
-    with caplog.at_level(logging.WARNING, logger="p2pswarm.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="p2pswarm.diloco.checkpoint"):
         path, state = store.latest()
     assert path == paths[0] and state["round"] == 0
     assert sum(paths[i].name in r.getMessage() for r in caplog.records for i in (1, 2)) == 2
@@ -342,7 +342,7 @@ def test_save_refuses_misuse(tmp_path):
 
 WRITER = """
 import sys, torch
-from p2pswarm.checkpoint import SnapshotStore, encode_state
+from p2pswarm.diloco.checkpoint import SnapshotStore, encode_state
 store, round_ = SnapshotStore(sys.argv[1]), int(sys.argv[2])
 weights = torch.empty(5_000_000)  # 20 MB
 while True:

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from p2pswarm.checkpoint import (
+from p2pswarm.diloco.checkpoint import (
     FORMAT, HEADER_START, MAX_DEPTH, MAX_HEADER_BYTES, MAX_TENSORS, SAFETENSORS_DTYPES, decode_state, encode_state,
 )
 from p2pswarm.errors import RemoteProtocolError

@@ -262,7 +262,7 @@ def test_status_shows_diloco_from_a_real_diloco_doc():
 
     from p2pswarm.cli import format_diloco
     from p2pswarm.diloco.service import DilocoService
-    from p2pswarm.diloco.settings import DilocoSettings
+    from p2pswarm.run.diloco import DilocoSettings
     from p2pswarm.model.catalog import get_model
 
     async def doc() -> dict:
@@ -310,7 +310,7 @@ def test_status_shows_each_stages_health_its_backups_and_what_blocks_training():
     from p2pswarm.cli import format_status, format_swarm
     from p2pswarm.dht.records import BackupClaim, Capacity, StageRecord
     from p2pswarm.dht.stagemap import StageMap
-    from p2pswarm.heal.health import BlockWatch
+    from p2pswarm.dht.health import BlockWatch
     from p2pswarm.model.catalog import get_model
     from p2pswarm.swarm.service import SwarmService
 

@@ -23,7 +23,7 @@ import trio  # noqa: E402
 from p2pswarm.diloco import aggregation, compression, offload, service as diloco_service, snapshots  # noqa: E402
 from p2pswarm.diloco.outer import OuterOptimizer  # noqa: E402
 from p2pswarm.diloco.service import DilocoService  # noqa: E402
-from p2pswarm.diloco.settings import DilocoSettings  # noqa: E402
+from p2pswarm.run.diloco import DilocoSettings  # noqa: E402
 from p2pswarm.model.catalog import get_model  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from p2pswarm.checkpoint import decode_state, encode_state
+from p2pswarm.diloco.checkpoint import decode_state, encode_state
 from p2pswarm.diloco.outer import (
     INNER_STEPS, OUTER_LR, OUTER_MOMENTUM, OuterConfig, OuterOptimizer, flatten, shift_flat,
 )

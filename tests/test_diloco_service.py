@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("torch")
 
 from p2pswarm.diloco.service import STRIKE_ROUNDS, STRIKES, DilocoService, result_check  # noqa: E402
-from p2pswarm.diloco.settings import DilocoSettings  # noqa: E402
+from p2pswarm.run.diloco import DilocoSettings  # noqa: E402
 from p2pswarm.model.catalog import get_model  # noqa: E402
 
 ME, AHEAD, STRANGER = "12D3KooWme", "12D3KooWahead", "12D3KooWstranger"

@@ -9,9 +9,9 @@ import trio
 
 import p2pswarm.dht.discovery as discovery
 import p2pswarm.dht.records as records_module
-from p2pswarm.config import DhtMode, NodeConfig, Role
+from p2pswarm.node.config import DhtMode, NodeConfig, Role
 from p2pswarm.dht.records import Capacity, StageRecord, sign_record, stage_key
-from p2pswarm.model.run import default_run
+from p2pswarm.run.spec import default_run
 from p2pswarm.dht.store import StoredRecord
 from p2pswarm.identity import generate_identity
 from p2pswarm.node import run_node

@@ -20,14 +20,14 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers", reason="the loader of the export (dev extra)")
 
 from p2pswarm import cli  # noqa: E402
-from p2pswarm.checkpoint import SnapshotStore, encode_state  # noqa: E402
+from p2pswarm.diloco.checkpoint import SnapshotStore, encode_state  # noqa: E402
 from p2pswarm.demo import free_port  # noqa: E402
 from p2pswarm.diloco.outer import OuterOptimizer  # noqa: E402
 from p2pswarm.errors import ConfigError  # noqa: E402
 from p2pswarm.export import heldout_figure, stage_peers, tokenizer_file  # noqa: E402
 from p2pswarm.model import hf_export  # noqa: E402
 from p2pswarm.model.catalog import get_model  # noqa: E402
-from p2pswarm.model.run import load_run  # noqa: E402
+from p2pswarm.run.spec import load_run  # noqa: E402
 from p2pswarm.model.tokenizer import FileTokenizer, train_bpe  # noqa: E402
 from p2pswarm.model.transformer import build_model, run_stages  # noqa: E402
 

@@ -14,7 +14,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from p2pswarm import checkpoint  # noqa: E402
+from p2pswarm.diloco import checkpoint  # noqa: E402
 from p2pswarm.diloco.outer import OuterOptimizer, flatten  # noqa: E402
 from p2pswarm.model.catalog import get_model  # noqa: E402
 from p2pswarm.swarm.device import Placement  # noqa: E402

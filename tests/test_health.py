@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from p2pswarm.heal.health import (BLOCK_AFTER_S, FLAP_S, HEALTHY_REPLICAS, AgreedRounds, BlockWatch, Change, Health,
+from p2pswarm.dht.health import (BLOCK_AFTER_S, FLAP_S, HEALTHY_REPLICAS, AgreedRounds, BlockWatch, Change, Health,
                                   HealthWatch, blocked_reason, health_doc, known_counts, level_of, stage_health)
 
 N_STAGES = 4

@@ -249,7 +249,7 @@ async def test_a_session_decodes_with_the_agreed_weights_of_its_first_round():
 
 from contextlib import asynccontextmanager  # noqa: E402
 
-from p2pswarm.completions import CompletionRequest  # noqa: E402
+from p2pswarm.swarm.completions import CompletionRequest  # noqa: E402
 from p2pswarm.errors import ConfigError, DialError, NoCandidates  # noqa: E402
 from p2pswarm.model.tokenizer import ByteTokenizer  # noqa: E402
 from p2pswarm.swarm.generation import SwarmCompleter  # noqa: E402

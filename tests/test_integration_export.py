@@ -28,9 +28,9 @@ from tests.procs import Swarm, get_json, wait_until
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers", reason="the loader of the export (dev extra)")
 
-from p2pswarm.checkpoint import decode_state  # noqa: E402
+from p2pswarm.diloco.checkpoint import decode_state  # noqa: E402
 from p2pswarm.model import corpus as corpora  # noqa: E402
-from p2pswarm.model import plan  # noqa: E402
+from p2pswarm.run import plan  # noqa: E402
 from p2pswarm.model.catalog import get_model  # noqa: E402
 from p2pswarm.model.transformer import build_model, run_stages  # noqa: E402
 from p2pswarm.swarm.engine import ids_tensor  # noqa: E402

@@ -1,4 +1,4 @@
-"""A node command runs with Python objects in glibc's malloc, trimmed (``p2pswarm/memory.py``), so
+"""A node command runs with Python objects in glibc's malloc, trimmed (``p2pswarm/node/memory.py``), so
 that a flood's memory comes back (figures: docs/benchmarks.md, section 13). The operator's own
 choice of allocator is kept."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from p2pswarm import memory
+from p2pswarm.node import memory
 from tests.procs import Swarm
 
 pytestmark = pytest.mark.skipif(memory._libc() is None, reason="needs Linux with glibc (malloc_trim)")

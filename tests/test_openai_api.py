@@ -18,9 +18,9 @@ import openai
 import pytest
 import trio
 
-from p2pswarm import api
-from p2pswarm.api import parse_host_port
-from p2pswarm.completions import CompletionChunk, CompletionRequest
+from p2pswarm.api import serve as api
+from p2pswarm.api.serve import parse_host_port
+from p2pswarm.swarm.completions import CompletionChunk, CompletionRequest
 from p2pswarm.errors import ConfigError, DialError, NoCandidates, Overloaded
 from tests.test_api import SERVER_DEADLINE, http, running_api
 

@@ -1,4 +1,4 @@
-"""The size plans of ``p2pswarm.model.plan``: pure arithmetic, held to its rules by properties.
+"""The size plans of ``p2pswarm.run.plan``: pure arithmetic, held to its rules by properties.
 
 ``rows_that_fit`` is the most rows whose message fits the frame budget (one more does not, or
 its targets pass MAX_TARGETS); ``activation_problem`` is None exactly when the plan is admitted
@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 
 from p2pswarm import wire
 from p2pswarm.errors import ConfigError
-from p2pswarm.model import catalog, plan
+from p2pswarm.model import catalog
+from p2pswarm.run import plan
 from p2pswarm.swarm.activation import MAX_TARGETS
 
 SPECS = st.builds(

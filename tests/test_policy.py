@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from p2pswarm.config import DhtMode, Role
+from p2pswarm.node.config import DhtMode, Role
 from p2pswarm.dht.announce import capacity_flags, record_addrs, stage_record
 from p2pswarm.dht.records import FLAG_RELAYED, FLAG_TRAINING, Capacity
 from p2pswarm.model.catalog import MODELS, get_model

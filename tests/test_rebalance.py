@@ -277,7 +277,7 @@ def test_join_rebalances_by_default_only_with_layers_auto(flags, rebalance):
 
 def test_join_takes_a_backup_budget():
     from p2pswarm.cli import build_parser, config_from_args
-    from p2pswarm.config import DEFAULT_BACKUP_BUDGET_MB
+    from p2pswarm.node.config import DEFAULT_BACKUP_BUDGET_MB
     from p2pswarm.errors import ConfigError
 
     boot = "/ip4/1.2.3.4/tcp/4001/p2p/12D3KooWC4p8cVcVJXqt72KsBpXPXDKQtfn7YXyuMP4RMEUkfFiF"

@@ -12,11 +12,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from p2pswarm.config import NodeConfig, Role
-from p2pswarm.diloco.settings import DilocoSettings
+from p2pswarm.node.config import NodeConfig, Role
+from p2pswarm.run.diloco import DilocoSettings
 from p2pswarm.errors import ConfigError
 from p2pswarm.model.catalog import default_rows, get_model
-from p2pswarm.model.run import (DEFAULT_RUN, IDENTITY_CHARS, default_run, load_run, packaged_runs, parse_run,
+from p2pswarm.run.spec import (DEFAULT_RUN, IDENTITY_CHARS, default_run, load_run, packaged_runs, parse_run,
                                 run_for_join)
 
 FULL = """
@@ -213,7 +213,7 @@ def test_a_bad_run_file_is_one_config_error_naming_the_file_and_key(text, words)
 
 
 def test_a_micro_batch_too_big_for_one_frame_is_refused():
-    pytest.importorskip("p2pswarm.model.plan")
+    pytest.importorskip("p2pswarm.run.plan")
     text = FULL.replace('model = "tiny-lm/2"', 'model = "xl"').replace("context = 64", "context = 1024")
     with pytest.raises(ConfigError, match="batch.rows"):
         parse(text.replace("rows = 4", "rows = 256").replace('dtype = "bfloat16"', 'dtype = "float32"'))

@@ -23,9 +23,12 @@ import functools
 import pytest
 import torch
 
-from p2pswarm import checkpoint, wire
+from p2pswarm import wire
+
+from p2pswarm.diloco import checkpoint
 from p2pswarm.diloco import messages as msgs, snapshots
-from p2pswarm.model import catalog, plan
+from p2pswarm.model import catalog
+from p2pswarm.run import plan
 from p2pswarm.model.transformer import StageModule
 from p2pswarm.swarm.activation import MAX_TARGETS, SESSION_BYTES, Forward
 from p2pswarm.swarm.buffers import Priority

@@ -44,7 +44,7 @@ class FetchRecords(wire.Message):
     model: str
     stage: int
     limit: int
-    run: str = UNNAMED_RUN  # the run identity (p2pswarm.model.run): each run's records live under their own key
+    run: str = UNNAMED_RUN  # the run identity (p2pswarm.run.spec): each run's records live under their own key
 
     def check(self, payload_len: int) -> None:
         if self.limit < 0:

@@ -29,7 +29,7 @@ Rules ``verify_record`` enforces beyond the field limits below:
 * ``ts`` and ``ttl`` may be CBOR floats or ints (encoders that shorten integral floats to
   ints stay compatible) but never booleans; they are returned as Python floats.
   ``sign_record`` always writes floats.
-* ``run`` is the identity of the run the peer trains (``p2pswarm.model.run``): 16 lowercase hex
+* ``run`` is the identity of the run the peer trains (``p2pswarm.run.spec``): 16 lowercase hex
   characters. It is part of the record's DHT key (``stage_key``), so peers of different runs never
   find each other's records, and a reader drops a record whose run is not the one it asked for.
 * ``agreed`` (optional) is ``[round, digest]``: the sha256 of our stage's agreed backup bytes
@@ -64,7 +64,7 @@ MAX_MODEL_CHARS = 64  # model names are short identifiers, shown in logs
 MAX_PEER_ID_CHARS = 64  # an Ed25519 peer id is 52 base58 chars; cap before the quadratic decode
 MAX_LAYERS = 4096  # layer indices are below this; no trained model is that deep
 MAX_STAGES = MAX_LAYERS  # a stage holds at least one layer
-RUN_CHARS = 16  # a run identity: 64 bits of sha256 as lowercase hex (p2pswarm.model.run)
+RUN_CHARS = 16  # a run identity: 64 bits of sha256 as lowercase hex (p2pswarm.run.spec)
 UNNAMED_RUN = "0" * RUN_CHARS  # records and keys made without a run (tests, tools); no run file hashes to it
 RUN_BYTES = RUN_CHARS // 2  # the identity as activation, DiLoCo and snapshot requests carry it
 UNNAMED_RUN_BYTES = bytes.fromhex(UNNAMED_RUN)  # ... and the unnamed run so

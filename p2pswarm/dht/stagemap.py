@@ -34,7 +34,7 @@ from p2pswarm.dht import ranking
 from p2pswarm.dht.ranking import Standing
 from p2pswarm.dht.records import PLAUSIBLE_THROUGHPUT, UNNAMED_RUN, StageRecord
 from p2pswarm.errors import DialError
-from p2pswarm.heal import health
+from p2pswarm.dht import health
 from p2pswarm.model.catalog import ModelSpec, least_served_stage
 
 log = logging.getLogger(__name__)

@@ -43,15 +43,17 @@ from pathlib import Path
 import torch
 import trio
 
-from p2pswarm import checkpoint, wire
+from p2pswarm import wire
+
+from p2pswarm.diloco import checkpoint
 from p2pswarm.diloco import aggregation, compression, messages as msgs, offload, snapshots
 from p2pswarm.diloco.outer import OuterConfig, OuterOptimizer, flatten, shift_flat
 from p2pswarm.diloco.round import OuterRound, Phase, RoundTiming
 from p2pswarm.diloco import round as rnd
-from p2pswarm.diloco.settings import DilocoSettings
+from p2pswarm.run.diloco import DilocoSettings
 from p2pswarm.dht.records import UNNAMED_RUN_BYTES
-from p2pswarm.heal import backups as backup_core
-from p2pswarm.model import plan
+from p2pswarm.diloco import backups as backup_core
+from p2pswarm.run import plan
 from p2pswarm.errors import DialError, ProtocolError, RemoteProtocolError
 
 log = logging.getLogger(__name__)

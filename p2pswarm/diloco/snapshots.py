@@ -43,7 +43,7 @@ import trio
 from p2pswarm import wire
 from p2pswarm.dht.records import MAX_MODEL_CHARS, MAX_STAGES, RUN_BYTES, UNNAMED_RUN_BYTES
 from p2pswarm.errors import DialError, RemoteProtocolError
-from p2pswarm.model import plan
+from p2pswarm.run import plan
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from p2pswarm.config import DhtMode, Role
+from p2pswarm.node.config import DhtMode, Role
 from p2pswarm.nat.reachability import Reachability
 
 

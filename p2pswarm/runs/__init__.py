@@ -1,1 +1,1 @@
-"""Packaged run files (``p2pswarm join --run NAME``): one TOML per run, read by ``p2pswarm.model.run``."""
+"""Packaged run files (``p2pswarm join --run NAME``): one TOML per run, read by ``p2pswarm.run.spec``."""

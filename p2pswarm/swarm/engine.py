@@ -68,7 +68,7 @@ AGREED_KEPT = 2  # outer rounds whose agreed weights are kept for evaluation: ou
 @dataclass(frozen=True)
 class TrainConfig:
     """How a stage trains; the defaults are the named constants above. A run file
-    (``p2pswarm.model.run``) fills every field, so that all peers of a swarm agree on them."""
+    (``p2pswarm.run.spec``) fills every field, so that all peers of a swarm agree on them."""
 
     lr: float = LEARNING_RATE  # peak AdamW learning rate
     weight_decay: float = WEIGHT_DECAY  # on matrices only (embeddings, norms and biases get none)

@@ -1,4 +1,4 @@
-"""Text generation through the swarm: the ``Completer`` the HTTP API serves (``p2pswarm/completions.py``).
+"""Text generation through the swarm: the ``Completer`` the HTTP API serves (``p2pswarm/swarm/completions.py``).
 
 ``SwarmCompleter.stream(request)`` tokenizes the prompt (longer than the context: ``ConfigError``)
 and runs one inference session (``swarm/inference.py``) per request. For each new token the
@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import trio
 
 from p2pswarm import wire
-from p2pswarm.completions import CompletionChunk, CompletionRequest
+from p2pswarm.swarm.completions import CompletionChunk, CompletionRequest
 from p2pswarm.errors import ConfigError, DialError, NoCandidates, Overloaded, P2PSwarmError, RemoteProtocolError
 from p2pswarm.net.budget import frame_deadline
 from p2pswarm.swarm.activation import NO_ROUND, SESSION_BYTES, UNNAMED_RUN

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import trio
 
 from p2pswarm.errors import ConfigError, RemoteProtocolError
-from p2pswarm.heal.health import BLOCK_CHECK_S, BlockWatch
+from p2pswarm.dht.health import BLOCK_CHECK_S, BlockWatch
 from p2pswarm.model import corpus as corpora
 from p2pswarm.model import token_shards
 from p2pswarm.model.tokenizer import ByteTokenizer
@@ -110,7 +110,7 @@ class SwarmService:
                  placement: Placement = Placement(), run=None, tokenizer=None) -> None:
         self.spec, self.stage, self.me = spec, stage, me
         self.tokenizer = tokenizer or ByteTokenizer()  # the run's (model/tokenizer.py): what stage 0 feeds
-        self.training_run = run  # the RunSpec we train (p2pswarm.model.run); None: unnamed (tests)
+        self.training_run = run  # the RunSpec we train (p2pswarm.run.spec); None: unnamed (tests)
         self.run_id = run.run_bytes if run is not None else UNNAMED_RUN  # every frame we send carries it
         self._other_runs: set[str] = set()  # peers of another run, logged once each
         self._pool, self._stage_map, self._host = pool, stage_map, host
@@ -188,13 +188,13 @@ class SwarmService:
     def _max_payload(self) -> int:
         """The largest micro-batch a peer may send us: MAX_ROWS x context in the run's activation
         dtype with its targets, within one frame (``model.plan``)."""
-        from p2pswarm.model import plan  # sizes only (pure): imported here, where the bound is made
+        from p2pswarm.run import plan  # sizes only (pure): imported here, where the bound is made
 
         return plan.max_message_bytes(self.spec, MAX_ROWS, self.spec.context, self.config.activation_dtype)
 
     def _eval_rows(self, seq: int) -> int:
         """Rows per held-out micro-batch: EVAL_ROWS, or fewer where those would not fit one frame."""
-        from p2pswarm.model import plan
+        from p2pswarm.run import plan
 
         return plan.fitting_rows(self.spec, EVAL_ROWS, seq, self.config.activation_dtype)
 

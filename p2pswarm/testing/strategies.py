@@ -5,7 +5,7 @@ message types that other modules register later. A type whose ``check`` constrai
 payload (as TensorFrame's does) registers its own frame strategy with ``register_frames``.
 ``unchecked_frame`` and ``decodes_or_raises_remote_error`` are the two halves of every "a peer's
 garbage is a RemoteProtocolError, nothing else" property. ``run_ids`` and ``run_bytes`` are run
-identities (``p2pswarm.model.run``) as stage records and as request frames carry them.
+identities (``p2pswarm.run.spec``) as stage records and as request frames carry them.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ _SCALARS = {
     bytes: st.binary(max_size=SMALL_BYTES),
 }
 _CUSTOM_FRAMES: dict[type, st.SearchStrategy] = {}
-RUN_BYTES = 8  # a run identity on the wire (p2pswarm.model.run): 64 bits
+RUN_BYTES = 8  # a run identity on the wire (p2pswarm.run.spec): 64 bits
 run_bytes = st.binary(min_size=RUN_BYTES, max_size=RUN_BYTES)  # as activation, DiLoCo and snapshot requests carry it
 run_ids = run_bytes.map(bytes.hex)  # as stage records and keys carry it: 16 lowercase hex characters
 

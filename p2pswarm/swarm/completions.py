@@ -1,5 +1,5 @@
 """What the HTTP API asks of text generation, and what generation answers: the seam between the
-OpenAI-compatible endpoint (``p2pswarm/api.py``) and generation through the swarm
+OpenAI-compatible endpoint (``p2pswarm/api/serve.py``) and generation through the swarm
 (``p2pswarm/swarm/generation.py``), so that each is built and tested on its own.
 
 A ``CompletionRequest`` is validated before any work starts (``check``); a ``Completer`` turns it

@@ -33,12 +33,14 @@ from pathlib import Path
 
 import trio
 
-from p2pswarm import checkpoint, wire
+from p2pswarm import wire
+
+from p2pswarm.diloco import checkpoint
 from p2pswarm.dht.records import MAX_BACKUP_CLAIMS, BackupClaim
 from p2pswarm.diloco import snapshots
 from p2pswarm.errors import DialError, ProtocolError, RemoteProtocolError
 from p2pswarm.files import write_atomic
-from p2pswarm.heal.backups import (
+from p2pswarm.diloco.backups import (
     BACKUP_COPIES,
     BACKUP_EVERY_ROUNDS,
     AgreedLedger,

@@ -13,10 +13,10 @@ import urllib.parse
 
 import trio
 
-from p2pswarm import api
+from p2pswarm.api import serve as api
 from p2pswarm.errors import ConfigError, DialError, NoCandidates, Overloaded, first_error
 
-log = logging.getLogger("p2pswarm.api")
+log = logging.getLogger("p2pswarm.api.serve")
 
 JSON = [(b"content-type", b"application/json")]
 
@@ -126,7 +126,7 @@ class ApiApp:
                             "invalid_api_key")
         path, method = scope["path"], scope["method"]
         if path.startswith("/v1/"):
-            from p2pswarm.api_openai import serve_v1
+            from p2pswarm.api.openai_v1 import serve_v1
 
             return await serve_v1(self.completer(), scope, receive, send)
         route = self.routes.get(path)

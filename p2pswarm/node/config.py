@@ -6,9 +6,10 @@ import enum
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from p2pswarm.diloco.settings import DilocoSettings
+from p2pswarm.run.diloco import DilocoSettings
 from p2pswarm.model.catalog import DEFAULT_MODEL
-from p2pswarm.model.run import RunSpec, agreed_diloco, default_run
+from p2pswarm.run.spec import RunSpec, agreed_diloco, default_run
+from p2pswarm.run.tunables import Tunables
 from p2pswarm.nat.relay_service import RelayConfig
 from p2pswarm.net.host import DEFAULT_LIMITS
 from p2pswarm.swarm.device import DEFAULT_DEVICE, DEFAULT_PRECISION
@@ -57,6 +58,7 @@ class NodeConfig:
     rebalance: bool = False  # move to an under-served stage at runtime (heal.rebalance); the CLI turns it on with
     #                          --layers auto; off, the peer announces FLAG_PINNED and never moves
     backup_budget_mb: int = DEFAULT_BACKUP_BUDGET_MB  # disk for the other stages' backups we hold
+    tunables: Tunables = Tunables()  # benches' and tests' knobs (--tune): defaults on a real peer
 
     @property
     def training_run(self) -> RunSpec:

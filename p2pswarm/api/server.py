@@ -24,9 +24,9 @@ from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import ConnectionState
 from hypercorn.utils import parse_socket_addr, wrap_app
 
-from p2pswarm import api
+from p2pswarm.api import serve as api
 
-log = logging.getLogger("p2pswarm.api")
+log = logging.getLogger("p2pswarm.api.serve")
 
 
 class _ReplyDeadlineStream(trio.abc.HalfCloseableStream):
@@ -106,7 +106,7 @@ def hypercorn_config() -> HypercornConfig:
     config.keep_alive_timeout = api.REQUEST_TIMEOUT
     config.include_server_header = False
     config.accesslog = None
-    config.errorlog = logging.getLogger("p2pswarm.api.hypercorn")
+    config.errorlog = logging.getLogger("p2pswarm.api.serve.hypercorn")
     return config
 
 

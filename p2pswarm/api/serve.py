@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
-from p2pswarm.completions import Completer
+from p2pswarm.swarm.completions import Completer
 from p2pswarm.errors import ConfigError, StartupError
 
 log = logging.getLogger(__name__)
@@ -73,8 +73,8 @@ async def serve_api(address: str | list[trio.SocketListener], routes: Routes, *,
                     task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Serve ``routes`` (and ``/v1`` when ``completer()`` gives one) on ``address`` (HOST:PORT, or
     listeners already bound) until cancelled; with ``token``, every request must carry it."""
-    from p2pswarm.api_app import ApiApp
-    from p2pswarm.api_server import serve_asgi  # hypercorn: imported by a serving node only
+    from p2pswarm.api.app import ApiApp
+    from p2pswarm.api.server import serve_asgi  # hypercorn: imported by a serving node only
 
     listeners = await open_api_listeners(address) if isinstance(address, str) else address
     bound = listeners[0].socket.getsockname()

@@ -12,8 +12,8 @@ import sys
 import time
 from collections.abc import Iterator
 
-from p2pswarm.api import parse_host_port
-from p2pswarm.completions import CompletionRequest
+from p2pswarm.api.serve import parse_host_port
+from p2pswarm.swarm.completions import CompletionRequest
 from p2pswarm.errors import ConfigError, DialError
 
 GENERATE_NEW_TOKENS = 64  # a few lines of text: enough to see what the model does

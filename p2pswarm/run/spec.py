@@ -59,7 +59,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from p2pswarm.diloco import settings as dls
+from p2pswarm.run import diloco as dls
 from p2pswarm.errors import ConfigError
 from p2pswarm.model.catalog import ModelSpec, get_model
 
@@ -337,7 +337,7 @@ def _problem(run: RunSpec, model: ModelSpec) -> tuple[str, str] | None:
 def _plan_problem(run: RunSpec, model: ModelSpec) -> tuple[str, str] | None:
     """Whether a micro-batch's activation message fits a frame (``model.plan`` when present)."""
     try:
-        from p2pswarm.model import plan
+        from p2pswarm.run import plan
     except ImportError:
         return None
     check = getattr(plan, "activation_problem", None)

@@ -22,17 +22,17 @@ from pathlib import Path
 import trio
 
 from p2pswarm import __version__
-from p2pswarm.api import check_api_exposure, parse_host_port
-from p2pswarm.config import (DEFAULT_BACKUP_BUDGET_MB, DEFAULT_BOOTSTRAP_LISTEN, DEFAULT_LISTEN, DEFAULT_RELAY_LISTEN,
+from p2pswarm.api.serve import check_api_exposure, parse_host_port
+from p2pswarm.node.config import (DEFAULT_BACKUP_BUDGET_MB, DEFAULT_BOOTSTRAP_LISTEN, DEFAULT_LISTEN, DEFAULT_RELAY_LISTEN,
                              DhtMode, NodeConfig, Role)
 from p2pswarm.errors import ConfigError, P2PSwarmError, first_error
 from p2pswarm.demo import DEMO_INNER_STEPS
-from p2pswarm.diloco import settings as dls
-from p2pswarm.logs import LOG_FORMATS, quiet_libp2p, setup_logging
-from p2pswarm.memory import use_system_malloc
+from p2pswarm.run import diloco as dls
+from p2pswarm.cli.logs import LOG_FORMATS, quiet_libp2p, setup_logging
+from p2pswarm.node.memory import use_system_malloc
 from p2pswarm.model import catalog
 from p2pswarm.model.catalog import DEFAULT_MODEL, MODELS, parse_layers
-from p2pswarm.model.run import DEFAULT_RUN, RunSpec, format_run, format_runs_table, load_run, packaged_runs, run_for_join
+from p2pswarm.run.spec import DEFAULT_RUN, RunSpec, format_run, format_runs_table, load_run, packaged_runs, run_for_join
 from p2pswarm.model.corpus import data_corpus
 from p2pswarm.nat.relay_service import RelayConfig, load_relay_config
 from p2pswarm.nat.stun import parse_stun_server
@@ -147,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     ping.add_argument("--bytes", type=int, default=1024 * 1024, help="bytes to push (default 1 MiB; 0: none)")
     ping.add_argument("--json", action="store_true", help="print the raw JSON")
     api_token_option(ping)
-    from p2pswarm.api_client import add_parser as _generate_parser
+    from p2pswarm.api.client import add_parser as _generate_parser
 
     _generate_parser(sub, api_token_option)
 
@@ -492,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "ping":
             return cmd_ping(args)
         if args.command == "generate":
-            from p2pswarm.api_client import cmd_generate
+            from p2pswarm.api.client import cmd_generate
 
             return cmd_generate(args)
         if args.command == "models":

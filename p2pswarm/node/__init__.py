@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 import trio
 
 from p2pswarm import __version__, wire
-from p2pswarm.api import open_api_listeners, serve_api
-from p2pswarm.config import BOOTSTRAP_DIAL_TIMEOUT, NodeConfig, Role
+from p2pswarm.api.serve import open_api_listeners, serve_api
+from p2pswarm.node.config import BOOTSTRAP_DIAL_TIMEOUT, NodeConfig, Role
 from p2pswarm.dht.announce import capacity_flags, stage_record
 from p2pswarm.dht.discovery import (
     RECORD_TTL,
@@ -48,15 +48,15 @@ from p2pswarm.dht.stagemap import (
 )
 from p2pswarm.dht.store import RecordStore
 from p2pswarm.errors import LocalProtocolError
-from p2pswarm.heal.health import serve_health_watch
+from p2pswarm.dht.health import serve_health_watch
 from p2pswarm.heal.mover import Mover
 from p2pswarm.heal.rebalance import Rebalancer
 from p2pswarm.identity import Identity, load_or_create_key
-from p2pswarm.memory import serve_memory_upkeep
+from p2pswarm.node.memory import serve_memory_upkeep
 from p2pswarm.model.catalog import ModelSpec
-from p2pswarm.model.run import RunSpec
+from p2pswarm.run.spec import RunSpec
 from p2pswarm.model.tokenizer import load_tokenizer
-from p2pswarm.nat.traversal import NatTraversal
+from p2pswarm.node.traversal import NatTraversal
 from p2pswarm.net.connect import Connector
 from p2pswarm.net.control import ControlService
 from p2pswarm.net import probe
@@ -92,7 +92,7 @@ class NodeState:
     swarm: object = None  # the SwarmService training our stage (p2pswarm.swarm.service), join only
     diloco: object = None  # its outer rounds and snapshots (p2pswarm.diloco.service), join only
     completer: object = None  # text generation through the swarm (p2pswarm.swarm.generation), once joined
-    backups: object = None  # other stages' backups we hold (p2pswarm.heal.backup_service), join only
+    backups: object = None  # other stages' backups we hold (p2pswarm.diloco.backup_service), join only
     mover: Mover | None = None  # moves us to an under-served stage (join --rebalance)
     started_at: float = field(default_factory=time.time)
 
@@ -214,7 +214,7 @@ async def _join_dht(state: NodeState, nursery: trio.Nursery, rng: random.Random,
 
 def _backup_service(state: NodeState):
     """Our holder of other stages' backups, on disk under ``data_dir/backups`` (memory only without one)."""
-    from p2pswarm.heal.backup_service import BackupService  # imports torch: a training peer only
+    from p2pswarm.diloco.backup_service import BackupService  # imports torch: a training peer only
 
     config = state.config
     directory = config.data_dir / "backups" / f"{state.model.name.replace('/', '-')}-{state.run.identity}" \

@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
-from p2pswarm.config import NodeConfig, Role
+from p2pswarm.node.config import NodeConfig, Role
 from p2pswarm.nat.autonat import AutonatService, serve_reachability
 from p2pswarm.nat.holepunch import HolePunchService, punch_stats
 from p2pswarm.nat.policy import RelayAction, react

@@ -28,11 +28,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from p2pswarm import checkpoint
+from p2pswarm.diloco import checkpoint
 from p2pswarm.dht.records import DIGEST_BYTES, BackupClaim, StageRecord
 from p2pswarm.errors import RemoteProtocolError
 from p2pswarm.model.catalog import ModelSpec, param_count
-from p2pswarm.model.plan import FP32_BYTES, SNAPSHOT_OVERHEAD
+from p2pswarm.run.plan import FP32_BYTES, SNAPSHOT_OVERHEAD
 
 BACKUP_FORMAT = 1  # the layout of a backup's state tree; a new layout gets a new number
 BACKUP_KIND = "backup"  # tells a backup from a hot snapshot (whose tree has "engine")

@@ -44,8 +44,8 @@ import torch
 
 from p2pswarm.errors import RemoteProtocolError
 from p2pswarm.files import write_atomic
-from p2pswarm.model import plan
-from p2pswarm.snapshot_tree import (  # noqa: F401 - the tree's limits are the snapshot's (tests import them here)
+from p2pswarm.run import plan
+from p2pswarm.diloco.snapshot_tree import (  # noqa: F401 - the tree's limits are the snapshot's (tests import them here)
     INT_MAX, INT_MIN, MAX_DEPTH, MAX_TENSORS, RESERVED_NAME, decode_tree, dumps, encode_tree, loads,
 )
 
