@@ -215,7 +215,7 @@ def fetch_from_api(api: str) -> tuple[list[StageSnapshot], dict, dict | None]:
     import trio
 
     from p2pswarm.cli import _get_json
-    from p2pswarm.cli.logs import quiet_libp2p
+    from p2pswarm.logs import quiet_libp2p
 
     stats, stages = _get_json(api, "/api/stats"), _get_json(api, "/api/stages")
     swarm = _get_json(api, "/api/swarm") if stats.get("role") == "join" else None

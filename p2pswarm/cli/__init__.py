@@ -28,7 +28,7 @@ from p2pswarm.node.config import (DEFAULT_BACKUP_BUDGET_MB, DEFAULT_BOOTSTRAP_LI
 from p2pswarm.errors import ConfigError, P2PSwarmError, first_error
 from p2pswarm.demo import DEMO_INNER_STEPS
 from p2pswarm.run import diloco as dls
-from p2pswarm.cli.logs import LOG_FORMATS, quiet_libp2p, setup_logging
+from p2pswarm.logs import LOG_FORMATS, quiet_libp2p, setup_logging
 from p2pswarm.node.memory import use_system_malloc
 from p2pswarm.model import catalog
 from p2pswarm.model.catalog import DEFAULT_MODEL, MODELS, parse_layers

@@ -12,8 +12,20 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from p2pswarm.node.config import DhtMode, Role
 from p2pswarm.nat.reachability import Reachability
+
+
+
+class Role(enum.Enum):
+    BOOTSTRAP = "bootstrap"  # a public DHT server that serves no layers
+    JOIN = "join"  # a peer that serves a layer range
+    RELAY = "relay"  # a public DHT server that also relays circuits (circuit relay v2 hop)
+
+
+class DhtMode(enum.Enum):
+    AUTO = "auto"  # a joining peer is a client until reachability detection says it is public
+    SERVER = "server"
+    CLIENT = "client"
 
 
 class RelayAction(enum.Enum):

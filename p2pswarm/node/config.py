@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -10,6 +9,7 @@ from p2pswarm.run.diloco import DilocoSettings
 from p2pswarm.model.catalog import DEFAULT_MODEL
 from p2pswarm.run.spec import RunSpec, agreed_diloco, default_run
 from p2pswarm.run.tunables import Tunables
+from p2pswarm.nat.policy import DhtMode, Role
 from p2pswarm.nat.relay_service import RelayConfig
 from p2pswarm.net.host import DEFAULT_LIMITS
 from p2pswarm.swarm.device import DEFAULT_DEVICE, DEFAULT_PRECISION
@@ -20,17 +20,6 @@ DEFAULT_RELAY_LISTEN = DEFAULT_BOOTSTRAP_LISTEN  # a relay is a public DHT serve
 BOOTSTRAP_DIAL_TIMEOUT = 10.0  # a bootstrap peer across the internet may take a few round trips
 DEFAULT_BACKUP_BUDGET_MB = 2048  # disk for other stages' backups: a few copies of a mid-size stage (heal.backups)
 
-
-class Role(enum.Enum):
-    BOOTSTRAP = "bootstrap"  # a public DHT server that serves no layers
-    JOIN = "join"  # a peer that serves a layer range
-    RELAY = "relay"  # a public DHT server that also relays circuits (circuit relay v2 hop)
-
-
-class DhtMode(enum.Enum):
-    AUTO = "auto"  # a joining peer is a client until reachability detection says it is public
-    SERVER = "server"
-    CLIENT = "client"
 
 
 @dataclass(frozen=True)
