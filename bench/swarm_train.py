@@ -15,11 +15,11 @@ figure is that of the agreed weights after each DiLoCo outer round (the same thr
 ``swarm/evaluation.py``), at the tokens the stage-0 replicas had trained by then; it is compared with
 the baseline at those tokens (interpolated). Printed per arm: tokens/s (steady, and against the
 baseline's), the held-out ratio at the last round and over the rounds of the second half, the spread
-between chains, compute-busy. Last, ``2x2`` with ``P2PSWARM_LINK_DELAY_MS=50`` (every frame waits 50 ms
+between chains, compute-busy. Last, ``2x2`` with ``--tune link_delay_s=0.05`` (every frame waits 50 ms
 before it is written), for compute-busy (``--no-delay-arm`` skips it).
 
-Variables of the environment reach the peers: e.g. ``P2PSWARM_AFFINITY=0`` (no stage-to-stage affinity)
-for an ablation of that.
+``--tune KEY=VALUE`` (repeatable) reaches every peer of every arm: e.g. ``--tune affinity=0`` (no
+stage-to-stage affinity) for an ablation of that.
 
 With ``--links unshaped,home,...`` (names of ``p2pswarm.testing.linklab.PROFILES``, or ``relayed``)
 the same 2 x 2 swarm then runs in a shaped-link lab (root; network namespaces and ``tc tbf``), one
@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import re
 import signal
 import subprocess
@@ -108,15 +107,18 @@ def at_tokens(curve: list[tuple[int, float]], tokens: int) -> float:
     return curve[-1][1]
 
 
+TUNE: list[str] = []  # --tune KEY=VALUE flags for every arm's peers (main() fills it from the command line)
+
+
 def swarm(seconds: float, stages: int = 2, replicas: int = 2, delay_ms: int = 0) -> dict:
     """One ``p2pswarm demo`` arm: its --summary document plus the steady tokens/s of its progress lines."""
-    env = dict(os.environ, P2PSWARM_LINK_DELAY_MS=str(delay_ms))
+    tune = [flag for pair in TUNE for flag in ("--tune", pair)] + ["--tune", f"link_delay_s={delay_ms / 1000}"]
     with tempfile.TemporaryDirectory(prefix="swarm-train-") as workdir:
         summary = Path(workdir) / "summary.json"
         out = subprocess.run([sys.executable, "-m", "p2pswarm", "demo", "--duration", str(seconds),
                               "--stages", str(stages), "--peers", str(stages * replicas), "--summary", str(summary),
-                              "--dir", str(Path(workdir) / "demo")],
-                             capture_output=True, text=True, env=env, timeout=seconds + 300).stdout
+                              "--dir", str(Path(workdir) / "demo"), *tune],
+                             capture_output=True, text=True, timeout=seconds + 300).stdout
         if not summary.exists():
             raise RuntimeError(f"the demo wrote no summary; its output ended: {out[-800:]}")
         doc = json.loads(summary.read_text())
@@ -231,7 +233,10 @@ def main() -> int:
     parser.add_argument("--arms", default=",".join(ARMS), metavar="SxR,...",
                         help=f"ablation arms, stages x replicas (default {','.join(ARMS)})")
     parser.add_argument("--no-delay-arm", action="store_true", help="skip the 2x2 arm with 50 ms links")
+    parser.add_argument("--tune", action="append", default=[], metavar="KEY=VALUE",
+                        help="a knob for every peer of every arm (p2pswarm join --help), e.g. affinity=0")
     args = parser.parse_args()
+    TUNE.extend(args.tune)
     links = [n.strip() for n in args.links.split(",") if n.strip()]
     if links:
         from p2pswarm.testing.linklab import PROFILES, link_lab_available

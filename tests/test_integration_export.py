@@ -40,7 +40,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]  # the deadline
 
 SPEC = get_model("tiny-lm/2")
 FLAGS = ("--model", "tiny-lm/2", "--inner-steps", "16", "--gather", "1", "--snapshot-period", "5")
-EVERY_ROUND = {"P2PSWARM_EVAL_SHARE": "1"}  # the held-out figure of every outer round: an export's round has one
+EVERY_ROUND = ("--tune", "eval_share=1")  # the held-out figure of every outer round: an export's round has one
 TRAIN_DEADLINE = 200.0  # seconds until the last stage measured an outer round >= 1 (2 shared cores)
 EXPORT_DEADLINE = 400.0  # seconds of exports until one finds both stages on one round (loaded, they drift apart)
 FIGURE_WAIT = 60.0  # seconds for the exported round's held-out figure, once exported
@@ -118,8 +118,8 @@ def test_export_round_trip_through_a_training_swarm(tmp_path):
     swarm = Swarm(tmp_path)
     try:
         boot = swarm.bootstrap()
-        _, first = swarm.join(boot, "0:4", "p0", *FLAGS, env=EVERY_ROUND)
-        _, last = swarm.join(boot, "4:8", "p1", *FLAGS, env=EVERY_ROUND)
+        _, first = swarm.join(boot, "0:4", "p0", *FLAGS, *EVERY_ROUND)
+        _, last = swarm.join(boot, "4:8", "p1", *FLAGS, *EVERY_ROUND)
         assert wait_until(lambda: any(e["outer_round"] >= 1 for e in
                                       (get_json(last, "/api/swarm") or {}).get("heldout_by_round", [])),
                           TRAIN_DEADLINE), (get_json(last, "/api/swarm"), get_json(first, "/api/diloco"))

@@ -14,7 +14,6 @@ nothing here depends on how fast the machine is.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -25,7 +24,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 ROUNDS = 2  # outer rounds to evaluate; the kill comes once round ROUNDS // 2 is evaluated (keeps the suite short)
 INNER_STEPS = 20  # half the demo's H: rounds come twice as often (keeps the suite short)
-EVERY_ROUND = {"P2PSWARM_EVAL_SHARE": "1"}  # the held-out figure of every round, not of one in ten seconds' worth
+EVERY_ROUND = ("--tune", "eval_share=1")  # the held-out figure of every round, not of one in ten seconds' worth
 GUARD_S = 480  # the demo's --duration: a guard only, far beyond what 2 rounds of H = 20 take
 AGREEMENT = 0.05  # bits/byte between chains evaluating the same round (bit-equal weights give 0)
 
@@ -35,8 +34,8 @@ def test_two_by_two_swarm_learns_and_survives_a_sigkill(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "p2pswarm", "demo", "--peers", "4", "--stages", "2", "--rounds", str(ROUNDS),
          "--inner-steps", str(INNER_STEPS), "--duration", str(GUARD_S), "--kill-one", "--dir", str(tmp_path / "demo"),
-         "--summary", str(summary)],
-        capture_output=True, text=True, timeout=GUARD_S + 100, env={**os.environ, **EVERY_ROUND})
+         "--summary", str(summary), *EVERY_ROUND],
+        capture_output=True, text=True, timeout=GUARD_S + 100)
     out = result.stdout
     logs = {p.name: p.read_text(errors="replace") for p in (tmp_path / "demo").glob("*.log")}
     assert result.returncode == 0, (out, result.stderr, {n: t[-3000:] for n, t in logs.items()})
