@@ -149,7 +149,7 @@ def quiet_logs() -> None:
     during identify, say) silenced the way the p2pswarm CLI silences them."""
     import logging
 
-    from p2pswarm.cli.logs import quiet_libp2p, setup_logging
+    from p2pswarm.logs import quiet_libp2p, setup_logging
 
     setup_logging("warning")
     quiet_libp2p("warning")

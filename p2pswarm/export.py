@@ -25,6 +25,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from p2pswarm.api.client import get_json
 from p2pswarm.errors import ConfigError, DialError, ProtocolError
 from p2pswarm.model import hf_export
 from p2pswarm.model.hf_export import MAX_ROUND_SPREAD, Card, StageSnapshot
@@ -214,11 +215,10 @@ def fetch_from_api(api: str) -> tuple[list[StageSnapshot], dict, dict | None]:
     """(the stages' snapshots, /api/stats, /api/swarm or None) from the swarm behind ``api``."""
     import trio
 
-    from p2pswarm.cli import _get_json
     from p2pswarm.logs import quiet_libp2p
 
-    stats, stages = _get_json(api, "/api/stats"), _get_json(api, "/api/stages")
-    swarm = _get_json(api, "/api/swarm") if stats.get("role") == "join" else None
+    stats, stages = get_json(api, "/api/stats"), get_json(api, "/api/stages")
+    swarm = get_json(api, "/api/swarm") if stats.get("role") == "join" else None
     run = stages.get("run") or (stats.get("run") or {}).get("identity")
     if not isinstance(run, str) or not re.fullmatch(r"[0-9a-f]{16}", run):
         raise ConfigError(f"{api}: the node names no run identity")

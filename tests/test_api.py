@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from p2pswarm import wire
 
-from p2pswarm.api import serve as api
+from p2pswarm.api import http as api
 from p2pswarm.api.serve import check_api_exposure, is_loopback, open_api_listeners, parse_host_port, serve_api
 from p2pswarm.errors import ConfigError, DialError, StartupError
 from p2pswarm.net.streams import ByteStream

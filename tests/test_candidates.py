@@ -11,7 +11,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from p2pswarm.dht.candidates import ANSWER_FRESH, CHECK_PERIOD, RETRY_AFTER, CandidateBook, asks_first
 from p2pswarm.dht.protocol import StoreRecord
-from p2pswarm.dht.records import Capacity, StageRecord, sign_record
+from p2pswarm.dht.record_codec import sign_record
+from p2pswarm.dht.records import Capacity, StageRecord
 from p2pswarm.identity import generate_identity
 from p2pswarm.net.control import ControlService
 from p2pswarm.net.host import connect, open_host, peer_info_from_multiaddr

@@ -33,9 +33,9 @@ from p2pswarm.dht.records import (
     Capacity,
     StageRecord,
     routing_rank,
-    sign_record,
     stage_key,
 )
+from p2pswarm.dht.record_codec import sign_record
 from p2pswarm.dht.store import MAX_ENTRIES_PER_IP_PER_KEY, RecordStore, StoredRecord
 from p2pswarm.identity import generate_identity
 from p2pswarm.model.catalog import get_model

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from p2pswarm import wire
 from p2pswarm.dht.protocol import (FETCH_REPLY_BUDGET, FetchRecords, FetchReply, StoreRecord, StoreReply,
                                    handle_fetch, handle_store)
-from p2pswarm.dht.records import Capacity, StageRecord, sign_record, verify_record
+from p2pswarm.dht.record_codec import sign_record, verify_record
+from p2pswarm.dht.records import Capacity, StageRecord
 from p2pswarm.dht.store import RecordStore
 from p2pswarm.errors import RemoteProtocolError
 from p2pswarm.identity import generate_identity

@@ -25,7 +25,7 @@ from p2pswarm.demo import free_port  # noqa: E402
 from p2pswarm.diloco.outer import OuterOptimizer  # noqa: E402
 from p2pswarm.errors import ConfigError  # noqa: E402
 from p2pswarm.export import heldout_figure, stage_peers, tokenizer_file  # noqa: E402
-from p2pswarm.model import hf_export  # noqa: E402
+from p2pswarm.model import hf_export, hf_files  # noqa: E402
 from p2pswarm.model.catalog import get_model  # noqa: E402
 from p2pswarm.run.spec import load_run  # noqa: E402
 from p2pswarm.model.tokenizer import FileTokenizer, train_bpe  # noqa: E402
@@ -152,8 +152,8 @@ def test_a_bpe_run_exports_its_tokenizer(tmp_path):
 
 
 def test_the_byte_tokenizer_ids_are_the_bytes_for_every_byte(tmp_path):
-    (tmp_path / "tokenizer.json").write_text(hf_export.byte_tokenizer_json())
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(hf_export.tokenizer_config_json(get_model("tiny-lm"))))
+    (tmp_path / "tokenizer.json").write_text(hf_files.byte_tokenizer_json())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(hf_files.tokenizer_config_json(get_model("tiny-lm"))))
     tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path)
     text = bytes(range(128)).decode() + "é€😀 \t\n  x"
     assert tokenizer(text).input_ids == list(text.encode())

@@ -18,7 +18,7 @@ import openai
 import pytest
 import trio
 
-from p2pswarm.api import serve as api
+from p2pswarm.api import http as api
 from p2pswarm.api.serve import parse_host_port
 from p2pswarm.swarm.completions import CompletionChunk, CompletionRequest
 from p2pswarm.errors import ConfigError, DialError, NoCandidates, Overloaded

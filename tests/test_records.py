@@ -12,6 +12,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from p2pswarm.dht.record_codec import (
+    MAX_BODY_KEYS,
+    MAX_CAPACITY_KEYS,
+    MAX_RECORD_BYTES,
+    RECORD_VERSION,
+    SIGNATURE_DOMAIN,
+    sign_record,
+    verify_record,
+)
 from p2pswarm.dht.records import (
     DIGEST_BYTES,
     FLAG_PINNED,
@@ -23,23 +32,18 @@ from p2pswarm.dht.records import (
     MAX_ADDRS,
     MAX_BACKUP_CLAIMS,
     MAX_FREE_MEMORY_MB,
-    MAX_BODY_KEYS,
-    MAX_CAPACITY_KEYS,
     MAX_LAYERS,
     MAX_STAGES,
     MAX_THROUGHPUT,
     MAX_MODEL_CHARS,
     MAX_PEER_ID_CHARS,
     MAX_QUEUE_DEPTH,
-    MAX_RECORD_BYTES,
     MAX_TIMESTAMP,
     MAX_TTL,
     MIN_TTL,
     PLAUSIBLE_FREE_MEMORY_MB,
     PLAUSIBLE_QUEUE_DEPTH,
     PLAUSIBLE_THROUGHPUT,
-    RECORD_VERSION,
-    SIGNATURE_DOMAIN,
     UNNAMED_RUN,
     BackupClaim,
     Capacity,
@@ -47,8 +51,6 @@ from p2pswarm.dht.records import (
     best_first,
     stage_key,
     routing_rank,
-    sign_record,
-    verify_record,
 )
 from p2pswarm.errors import LocalProtocolError, RemoteProtocolError
 from p2pswarm.identity import generate_identity

@@ -1,5 +1,6 @@
-"""``p2pswarm generate``: a streaming ``POST /v1/completions`` to a node's API (stdlib
-``http.client``), the text written to stdout as it comes, figures on stderr at the end.
+"""A node's API from the client side: ``get_json`` (its JSON status documents, for ``p2pswarm
+status`` and ``p2pswarm export``) and ``p2pswarm generate``, a streaming ``POST /v1/completions``
+(stdlib ``http.client``), the text written to stdout as it comes, figures on stderr at the end.
 
 Bad input and an unreachable or refusing node are one line and exit 1, like ``status``.
 """
@@ -8,17 +9,42 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 
 from p2pswarm.api.serve import parse_host_port
-from p2pswarm.swarm.completions import CompletionRequest
 from p2pswarm.errors import ConfigError, DialError
+from p2pswarm.swarm.completions import CompletionRequest
 
 GENERATE_NEW_TOKENS = 64  # a few lines of text: enough to see what the model does
 GENERATE_TEMPERATURE = 0.0  # greedy by default: the same prompt gives the same text
 GENERATE_TIMEOUT = 60.0  # seconds without a byte from the node; a first token through a busy swarm fits
+API_TIMEOUT = 5.0  # seconds to wait for a node's API before saying it is not answering
+API_TOKEN_ENV = "P2PSWARM_API_TOKEN"  # the token when none is given: keeps it out of process listings
+
+
+def get_json(api: str, path: str, timeout: float = API_TIMEOUT, token: str | None = None) -> dict:
+    """The JSON document at ``path`` of the node's API at ``api`` (HOST:PORT); ConfigError, one line, when
+    the node refuses (its own message) or does not answer."""
+    host, port = parse_host_port(api)
+    token = token or os.environ.get(API_TOKEN_ENV)
+    request = urllib.request.Request(f"http://{host}:{port}{path}",
+                                     headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return json.load(response)
+    except urllib.error.HTTPError as exc:  # the node answered: a bad request or an unreachable peer
+        try:
+            reason = json.load(exc).get("error", exc.reason)
+        except (ValueError, OSError, AttributeError):
+            reason = exc.reason
+        raise ConfigError(str(reason.get("message", reason) if isinstance(reason, dict) else reason)) from None
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        raise ConfigError(f"no p2pswarm node answers at {api}: {getattr(exc, 'reason', exc)}") from None
 
 
 def add_parser(sub, token_option) -> None:

@@ -17,7 +17,7 @@ from contextlib import aclosing, nullcontext
 
 import trio
 
-from p2pswarm.api.app import ClientGone, HttpError, cancel_on_disconnect, error_for, read_body, send_json
+from p2pswarm.api.http import ClientGone, HttpError, cancel_on_disconnect, error_for, read_body, send_json
 from p2pswarm.swarm.completions import DEFAULT_NEW_TOKENS, Completer, CompletionChunk, CompletionRequest
 
 OPENAI_TEMPERATURE = 1.0  # OpenAI's default when a request names none: clients that omit it get what they expect

@@ -1,11 +1,11 @@
 """The node's HTTP API: JSON status documents (``p2pswarm status``), the OpenAI-compatible
 ``/v1`` endpoints (``p2pswarm generate``, any OpenAI client), served by hypercorn on trio.
 
-hypercorn (``api_server.py``) speaks HTTP/1.1 over listeners bound early (``open_api_listeners``:
-a port in use fails before the node listens for peers); our own small ASGI app (``api_app.py``)
-answers. The limits below are read when used (tests shorten them). What a client does (garbage,
-a reset, a stall, a huge body) ends in its connection's task: nothing escapes into ``serve_api``
-and so into the node.
+hypercorn (``api/server.py``) speaks HTTP/1.1 over listeners bound early (``open_api_listeners``:
+a port in use fails before the node listens for peers); our own small ASGI app (``api/app.py``)
+answers. The limits are in ``api/http.py``, read when used (tests shorten them). What a client
+does (garbage, a reset, a stall, a huge body) ends in its connection's task: nothing escapes into
+``serve_api`` and so into the node.
 
 Routes map a path to an async function taking the query parameters (a dict) and returning a
 JSON-able dict; ``ConfigError`` is a 400, ``DialError`` a 502 (also inside an exception group).
@@ -15,25 +15,16 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-from collections.abc import Awaitable, Callable
 
 import trio
 
-from p2pswarm.swarm.completions import Completer
+from p2pswarm.api.app import ApiApp
+from p2pswarm.api.http import CompleterSource, Routes
 from p2pswarm.errors import ConfigError, StartupError
 
 log = logging.getLogger(__name__)
 
-MAX_HEADER_BYTES = 16 * 1024  # a request head still incomplete past it is a 431; ours need far less
-MAX_BODY_BYTES = 4 * 1024 * 1024  # a completion request: a 1 MiB prompt as UTF-8 JSON fits, with room (413 beyond)
-MAX_QUERY_FIELDS = 16  # endpoints take two or three parameters
-REQUEST_TIMEOUT = 5.0  # a client that has not sent its request head in 5 s (or is idle between requests) is dropped
-BODY_TIMEOUT = 30.0  # a request body of MAX_BODY_BYTES arrives in 30 s over a ~1 Mbit/s link (408 beyond)
-REPLY_TIMEOUT = 10.0  # a client that will not take a piece of its reply in 10 s is dropped
 LOOPBACK_NAMES = ("localhost",)  # host names that are loopback without resolving them
-
-Routes = dict[str, Callable[[dict[str, str]], Awaitable[dict]]]
-CompleterSource = Callable[[], Completer | None]  # read per request: generation may start after the API
 
 
 def parse_host_port(text: str) -> tuple[str, int]:
@@ -73,8 +64,8 @@ async def serve_api(address: str | list[trio.SocketListener], routes: Routes, *,
                     task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Serve ``routes`` (and ``/v1`` when ``completer()`` gives one) on ``address`` (HOST:PORT, or
     listeners already bound) until cancelled; with ``token``, every request must carry it."""
-    from p2pswarm.api.app import ApiApp
-    from p2pswarm.api.server import serve_asgi  # hypercorn: imported by a serving node only
+    # Lazy: hypercorn is imported by a serving node only, not by the CLI's status and generate.
+    from p2pswarm.api.server import serve_asgi
 
     listeners = await open_api_listeners(address) if isinstance(address, str) else address
     bound = listeners[0].socket.getsockname()

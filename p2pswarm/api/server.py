@@ -24,9 +24,9 @@ from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import ConnectionState
 from hypercorn.utils import parse_socket_addr, wrap_app
 
-from p2pswarm.api import serve as api
+from p2pswarm.api import http as api
 
-log = logging.getLogger("p2pswarm.api.serve")
+log = api.log
 
 
 class _ReplyDeadlineStream(trio.abc.HalfCloseableStream):

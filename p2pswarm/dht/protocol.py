@@ -16,7 +16,8 @@ clock and the authenticated sender.
 from __future__ import annotations
 
 from p2pswarm import wire
-from p2pswarm.dht.records import UNNAMED_RUN, stage_key, verify_record
+from p2pswarm.dht.record_codec import verify_record
+from p2pswarm.dht.records import UNNAMED_RUN, stage_key
 from p2pswarm.dht.store import LOCAL_SOURCE, RecordStore, StoredRecord
 from p2pswarm.errors import LocalProtocolError, RemoteProtocolError
 

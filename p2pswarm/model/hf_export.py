@@ -17,8 +17,9 @@ behind (or a file is old): the mix would be a model no one trained, so it is ref
 The directory (``write_export``): ``config.json`` (Llama), ``model.safetensors`` (or shards of at
 most ``shard_bytes`` with ``model.safetensors.index.json``), ``generation_config.json``, tokenizer
 files ``AutoTokenizer`` loads (the run's ``tokenizer.json``; for the byte-level run a ``tokenizers``
-byte-level BPE with no merges whose ids are the byte values), and a model card. It is written into
-a temporary directory beside the target and renamed into place: a failure (a full disk) removes it.
+byte-level BPE with no merges whose ids are the byte values; their contents in ``model.hf_files``),
+and a model card. It is written into a temporary directory beside the target and renamed into
+place: a failure (a full disk) removes it.
 
 Torch (imported when first needed: the CLI's parser reads ``MAX_ROUND_SPREAD``) and safetensors; no
 transformers (a dev extra), no trio.
@@ -38,7 +39,8 @@ from typing import TYPE_CHECKING
 
 from p2pswarm.errors import ConfigError
 from p2pswarm.model.catalog import ModelSpec, get_model, param_count
-from p2pswarm.model.hf_names import hf_name, llama_config
+from p2pswarm.model.hf_files import byte_tokenizer_json, config_json, generation_config_json, tokenizer_config_json
+from p2pswarm.model.hf_names import hf_name
 
 if TYPE_CHECKING:
     import torch
@@ -49,7 +51,6 @@ STATE_FORMAT = 1  # the snapshot state layout this reads (diloco.service.STATE_F
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 SAFETENSORS_METADATA = {"format": "pt"}  # what transformers expects of a PyTorch safetensors file
-TOKENIZER_CLASS = "PreTrainedTokenizerFast"  # the generic tokenizers-backed class: no custom code
 TEMP_PREFIX = ".export-"  # the temporary directory beside the target
 LOAD_LINES = ("from transformers import AutoModelForCausalLM, AutoTokenizer",
               'model = AutoModelForCausalLM.from_pretrained("{dir}")',
@@ -198,46 +199,7 @@ def shard_names(count: int) -> list[str]:
     return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
 
 
-# --- the files -----------------------------------------------------------------------------------
-
-
-def config_json(spec: ModelSpec) -> dict:
-    """config.json: ``LlamaConfig(**llama_config(spec))`` as transformers writes it, fp32."""
-    values = llama_config(spec)
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **values,
-            "rope_theta": spec.rope_theta, "torch_dtype": "float32", "dtype": "float32", "use_cache": True,
-            "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
-
-
-def generation_config_json(spec: ModelSpec) -> dict:
-    """Greedy up to the context: the model has no end-of-text token (bytes, or the run's BPE as trained)."""
-    return {"do_sample": False, "max_length": spec.context}
-
-
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte-level alphabet: byte value -> the printable character ``tokenizers``' ByteLevel uses."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = dict(zip(printable, map(chr, printable))), 0
-    for b in range(256):
-        if b not in chars:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return dict(sorted(chars.items()))
-
-
-def byte_tokenizer_json() -> str:
-    """A ``tokenizers`` file whose ids are the byte values: byte-level BPE with no merges, no regex split."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    tokenizer = Tokenizer(models.BPE(vocab={char: b for b, char in bytes_to_unicode().items()}, merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    return tokenizer.to_str()
-
-
-def tokenizer_config_json(spec: ModelSpec) -> dict:
-    return {"tokenizer_class": TOKENIZER_CLASS, "model_max_length": spec.context,
-            "clean_up_tokenization_spaces": False, "add_bos_token": False, "add_eos_token": False}
+# --- the model card -----------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)

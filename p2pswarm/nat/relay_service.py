@@ -223,62 +223,20 @@ async def _reset_quietly(stream) -> None:
 
 def make_relay_protocol(host, config: RelayConfig, book: RelayBook | None = None, clock=time.monotonic):
     """A hop-enabled ``CircuitV2Protocol`` that consults ``book`` (see the module docstring)."""
-    from libp2p.peer.id import ID
     from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
-    from libp2p.relay.circuit_v2.protocol_buffer import StatusCode
     from libp2p.relay.circuit_v2.resources import RelayLimits
 
     class EnforcingRelayProtocol(CircuitV2Protocol):
         async def _handle_reserve(self, stream, msg) -> None:
-            msg.ClearField("peer")  # reserve only for the authenticated peer of the connection
-            peer = stream.muxed_conn.peer_id
-            refusal = self.book.reserve(peer, remote_ip(stream), self.clock())
-            if refusal is not None:
-                log.info("relay: refused reservation of %s (%s)", peer, refusal.reason)
-                await self._send_status(stream, StatusCode(refusal.status), refusal.reason)
-                return
-            await super()._handle_reserve(stream, msg)
+            if not await _refused_reservation(self, stream, msg):
+                await super()._handle_reserve(stream, msg)
 
         async def _handle_connect(self, stream, msg) -> None:
-            src = stream.muxed_conn.peer_id
-            try:
-                dst = ID(msg.peer.id)
-            except Exception:
-                await self._send_status(stream, StatusCode.MALFORMED_MESSAGE, "bad destination peer id")
-                return
-            admitted = self.book.open_circuit(src, dst, self.clock())
-            if isinstance(admitted, Refusal):
-                log.info("relay: refused circuit %s -> %s (%s)", src, dst, admitted.reason)
-                await self._send_status(stream, StatusCode(admitted.status), admitted.reason)
-                return
-            circuit = _Circuit([stream])
-            token = _CURRENT_CIRCUIT.set(circuit)
-            try:
-                with trio.move_on_after(self.config.circuit_duration) as timer:
-                    await super()._handle_connect(stream, msg)
-                if timer.cancelled_caught:
-                    self.book.closed_at_duration += 1
-                    log.info("relay: circuit %s -> %s closed after %.0f s", src, dst, self.config.circuit_duration)
-                    for s in circuit.streams:
-                        await _reset_quietly(s)
-            finally:
-                _CURRENT_CIRCUIT.reset(token)
-                self.book.close_circuit(admitted)
+            await _connect_within_limits(self, stream, msg, super()._handle_connect)
 
         async def _relay_data(self, src_stream, dst_stream, *args, **kwargs) -> None:
-            circuit = _CURRENT_CIRCUIT.get() or _Circuit()
-            if dst_stream not in circuit.streams:
-                circuit.streams.append(dst_stream)
-            direction = trio.CancelScope()
-            circuit.directions.append(direction)
-            try:
-                with direction:
-                    await super()._relay_data(src_stream, dst_stream, *args, **kwargs)
-            finally:  # one direction ended: end this circuit (and only this one) in both directions
-                for other in circuit.directions:  # a read blocked on a locally reset stream never wakes
-                    other.cancel()
-                await _reset_quietly(src_stream)
-                await _reset_quietly(dst_stream)
+            relay = functools.partial(super()._relay_data, src_stream, dst_stream, *args, **kwargs)
+            await _relay_one_direction(src_stream, dst_stream, relay)
 
     limits = RelayLimits(duration=int(config.circuit_duration), data=config.circuit_bytes,
                          max_circuit_conns=config.max_circuits_per_peer,
@@ -291,6 +249,81 @@ def make_relay_protocol(host, config: RelayConfig, book: RelayBook | None = None
     protocol.clock = clock
     watch_connections(host, on_disconnected=functools.partial(_end_reservation, protocol, host.get_network()))
     return protocol
+
+
+async def _refused_reservation(protocol, stream, msg) -> bool:
+    """Whether the book refuses the RESERVE on ``stream`` (the refusal is then answered); clears the
+    optional ``peer`` field, so a reservation is only ever for the connection's authenticated peer."""
+    from libp2p.relay.circuit_v2.protocol_buffer import StatusCode
+
+    msg.ClearField("peer")  # reserve only for the authenticated peer of the connection
+    peer = stream.muxed_conn.peer_id
+    refusal = protocol.book.reserve(peer, remote_ip(stream), protocol.clock())
+    if refusal is None:
+        return False
+    log.info("relay: refused reservation of %s (%s)", peer, refusal.reason)
+    await protocol._send_status(stream, StatusCode(refusal.status), refusal.reason)
+    return True
+
+
+async def _admitted_circuit(protocol, stream, msg) -> tuple[int, object, object] | None:
+    """The book's (circuit id, src, dst) for the CONNECT on ``stream``, or None once it is refused
+    (the refusal answered)."""
+    from libp2p.peer.id import ID
+    from libp2p.relay.circuit_v2.protocol_buffer import StatusCode
+
+    src = stream.muxed_conn.peer_id
+    try:
+        dst = ID(msg.peer.id)
+    except Exception:
+        await protocol._send_status(stream, StatusCode.MALFORMED_MESSAGE, "bad destination peer id")
+        return None
+    admitted = protocol.book.open_circuit(src, dst, protocol.clock())
+    if isinstance(admitted, Refusal):
+        log.info("relay: refused circuit %s -> %s (%s)", src, dst, admitted.reason)
+        await protocol._send_status(stream, StatusCode(admitted.status), admitted.reason)
+        return None
+    return admitted, src, dst
+
+
+async def _connect_within_limits(protocol, stream, msg, handle_connect) -> None:
+    """The library's ``handle_connect`` for an admitted circuit, cut (both streams reset) when the
+    circuit duration ends whether or not data flows."""
+    admitted = await _admitted_circuit(protocol, stream, msg)
+    if admitted is None:
+        return
+    circuit_id, src, dst = admitted
+    circuit = _Circuit([stream])
+    token = _CURRENT_CIRCUIT.set(circuit)  # read by _relay_data in the tasks handle_connect starts
+    try:
+        with trio.move_on_after(protocol.config.circuit_duration) as timer:
+            await handle_connect(stream, msg)
+        if timer.cancelled_caught:
+            protocol.book.closed_at_duration += 1
+            log.info("relay: circuit %s -> %s closed after %.0f s", src, dst, protocol.config.circuit_duration)
+            for s in circuit.streams:
+                await _reset_quietly(s)
+    finally:
+        _CURRENT_CIRCUIT.reset(token)
+        protocol.book.close_circuit(circuit_id)
+
+
+async def _relay_one_direction(src_stream, dst_stream, relay) -> None:
+    """The library's relaying of one direction (``relay()``); when it ends, this circuit (and only
+    this one) ends in both directions."""
+    circuit = _CURRENT_CIRCUIT.get() or _Circuit()
+    if dst_stream not in circuit.streams:
+        circuit.streams.append(dst_stream)
+    direction = trio.CancelScope()
+    circuit.directions.append(direction)
+    try:
+        with direction:
+            await relay()
+    finally:  # one direction ended: end this circuit (and only this one) in both directions
+        for other in circuit.directions:  # a read blocked on a locally reset stream never wakes
+            other.cancel()
+        await _reset_quietly(src_stream)
+        await _reset_quietly(dst_stream)
 
 
 def _end_reservation(protocol, network, conn) -> None:

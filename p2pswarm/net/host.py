@@ -113,15 +113,34 @@ def build_host(identity: Identity, limits: HostLimits = DEFAULT_LIMITS):
     """A libp2p host speaking TCP + Noise + Yamux only, with explicit limits."""
     from libp2p import new_host
     from libp2p.crypto.x25519 import create_new_key_pair as new_x25519_key_pair
-    from libp2p.network.config import ConnectionConfig
-    from libp2p.rcmgr import ResourceLimits, new_resource_manager
     from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_ID
     from libp2p.security.noise.transport import Transport as NoiseTransport
     from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_ID
     from libp2p.stream_muxer.yamux.yamux import Yamux
 
     noise = NoiseTransport(identity.key_pair, noise_privkey=new_x25519_key_pair().private_key)
-    connection_config = ConnectionConfig(
+    resource_manager = _resource_manager(limits)
+    interface_ips = interface_ipv4_addresses()
+    host = new_host(
+        key_pair=identity.key_pair,
+        sec_opt={NOISE_ID: noise},
+        muxer_opt={YAMUX_ID: Yamux},
+        connection_config=_connection_config(limits),
+        resource_manager=resource_manager,
+        addrs_factory=lambda addrs: expand_wildcards(addrs, interface_ips),
+        enable_mDNS=False,
+        enable_upnp=False,
+    )
+    _install_fixes(host, limits, resource_manager)
+    _advertise_extra_addrs(host)
+    return host
+
+
+def _connection_config(limits: HostLimits):
+    """The swarm's connection limits (one above ours: defect 9) and timeouts."""
+    from libp2p.network.config import ConnectionConfig
+
+    return ConnectionConfig(
         max_connections=limits.max_connections + LIBP2P_CONNECTION_LIMIT_SLACK,
         min_connections=0,
         low_watermark=limits.max_connections * 3 // 4,  # the pruner trims down to this
@@ -131,7 +150,13 @@ def build_host(identity: Identity, limits: HostLimits = DEFAULT_LIMITS):
         inbound_upgrade_timeout=limits.upgrade_timeout,
         outbound_upgrade_timeout=limits.upgrade_timeout,
     )
-    resource_manager = new_resource_manager(
+
+
+def _resource_manager(limits: HostLimits):
+    """libp2p's resource manager with our memory and stream limits, and room for every connection."""
+    from libp2p.rcmgr import ResourceLimits, new_resource_manager
+
+    return new_resource_manager(
         limits=ResourceLimits(
             # Every inbound handshake holds two of its connection scopes for a moment (one before
             # the upgrade, one after); with the swarm's cap here, a burst of cap/2 handshakes took
@@ -142,18 +167,10 @@ def build_host(identity: Identity, limits: HostLimits = DEFAULT_LIMITS):
         ),
         enable_metrics=False,
     )
-    interface_ips = interface_ipv4_addresses()
-    extra_addrs: list[multiaddr.Multiaddr] = []  # e.g. /p2p-circuit addresses; see set_extra_addrs
-    host = new_host(
-        key_pair=identity.key_pair,
-        sec_opt={NOISE_ID: noise},
-        muxer_opt={YAMUX_ID: Yamux},
-        connection_config=connection_config,
-        resource_manager=resource_manager,
-        addrs_factory=lambda addrs: expand_wildcards(addrs, interface_ips),
-        enable_mDNS=False,
-        enable_upnp=False,
-    )
+
+
+def _install_fixes(host, limits: HostLimits, resource_manager) -> None:
+    """The stream guard, no auto-connector, per-connection slots and dials of every address."""
     # Without the swarm's stream semaphore: it queues instead of refusing (see the module doc).
     host.get_network().set_resource_manager(resource_manager, enable_stream_semaphore=False)
     host.p2pswarm_guard = StreamGuard(host, limits.streams)
@@ -161,6 +178,12 @@ def build_host(identity: Identity, limits: HostLimits = DEFAULT_LIMITS):
     host.get_network().auto_connector.start = _auto_connector_stays_off
     swarm_fixes.install(host.get_network(), limits.max_connections)  # slots released when connections close
     host.get_network().dial_peer = _dial_every_address(host)
+
+
+def _advertise_extra_addrs(host) -> None:
+    """``host.get_addrs`` also gives ``host.p2pswarm_extra_addrs`` (e.g. /p2p-circuit addresses; see
+    set_extra_addrs); the listen addresses alone stay as ``host.p2pswarm_listen_addrs``."""
+    extra_addrs: list[multiaddr.Multiaddr] = []
     host.p2pswarm_extra_addrs = extra_addrs
     listen_addrs = host.get_addrs
 
@@ -176,7 +199,6 @@ def build_host(identity: Identity, limits: HostLimits = DEFAULT_LIMITS):
 
     host.get_addrs = get_addrs
     host.p2pswarm_listen_addrs = listen_addrs
-    return host
 
 
 def _dial_every_address(host):

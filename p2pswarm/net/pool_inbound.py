@@ -26,16 +26,14 @@ import functools
 import logging
 import math
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Union
+from typing import Any, Protocol, Union
 
 import trio
 
 from p2pswarm import wire
 from p2pswarm.errors import DialError, LocalProtocolError, ProtocolError, RemoteProtocolError
-from p2pswarm.net.budget import Ticket, Verdict, frame_deadline
-
-if TYPE_CHECKING:
-    from p2pswarm.net.pool import PoolStream, StreamPool
+from p2pswarm.net.budget import InboundBudget, Ticket, Verdict, frame_deadline
+from p2pswarm.net.streams import ByteStream
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +43,19 @@ Reply = Union[wire.Message, tuple[wire.Message, bytes], None]
 Handler = Callable[[str, wire.Message, bytes], Awaitable[Reply]]
 
 
+class InboundPool(Protocol):
+    """What the inbound side uses of its pool (``net.pool.StreamPool``), named here so that this
+    module need not import the pool that imports it."""
+
+    host: Any  # the libp2p host whose stream handlers serve the pool's protocols
+    budget: InboundBudget
+    stats: Any  # pool.PoolStats: inbound_refused, handler_failures and frames_served are counted here
+
+    def adopt(self, raw: Any) -> ByteStream: ...
+
+    async def send_frame(self, stream: Any, message: wire.Message, payload: bytes = b"") -> None: ...
+
+
 class _Refused(Exception):
     """The budget refused a frame; the stream is reset."""
 
@@ -52,7 +63,7 @@ class _Refused(Exception):
 class InboundServer:
     """Serves the pool's protocols; one instance per pool."""
 
-    def __init__(self, pool: StreamPool, budget_wait: float) -> None:
+    def __init__(self, pool: InboundPool, budget_wait: float) -> None:
         self._pool = pool
         self._budget = pool.budget
         self._budget_wait = budget_wait
@@ -91,7 +102,7 @@ class InboundServer:
                 else:
                     await stream.close()
 
-    async def _read_frames(self, stream: PoolStream, peer: str, max_payload: int, send) -> None:
+    async def _read_frames(self, stream: ByteStream, peer: str, max_payload: int, send) -> None:
         """Read frames until EOF at a frame boundary; each admitted by the budget before its payload."""
         while True:
             head = await wire.read_header(stream, max_payload=max_payload)
@@ -138,7 +149,7 @@ class InboundServer:
             self._release(ticket)
         receive.close()
 
-    async def _handle_frames(self, stream: PoolStream, peer: str, handler: Handler, receive, failure: list[str],
+    async def _handle_frames(self, stream: ByteStream, peer: str, handler: Handler, receive, failure: list[str],
                              scope: trio.CancelScope) -> None:
         while True:
             try:
