@@ -4,29 +4,26 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
-
 
 from p2pswarm.api.serve import check_api_exposure
-from p2pswarm.node.config import (DEFAULT_BOOTSTRAP_LISTEN, DEFAULT_LISTEN, DEFAULT_RELAY_LISTEN,
-                             DhtMode, NodeConfig, Role)
 from p2pswarm.errors import ConfigError
-from p2pswarm.run import diloco as dls
 from p2pswarm.model.catalog import parse_layers
-from p2pswarm.run.tunables import parse_tunables
-from p2pswarm.run.spec import RunSpec, run_for_join
 from p2pswarm.model.corpus import data_corpus
 from p2pswarm.nat.relay_service import RelayConfig, load_relay_config
 from p2pswarm.nat.stun import parse_stun_server
 from p2pswarm.net.host import peer_info_from_multiaddr
+from p2pswarm.node.config import (
+    DEFAULT_BOOTSTRAP_LISTEN,
+    DEFAULT_LISTEN,
+    DEFAULT_RELAY_LISTEN,
+    DhtMode,
+    NodeConfig,
+    Role,
+)
+from p2pswarm.run import diloco as dls
+from p2pswarm.run.spec import RunSpec, run_for_join
+from p2pswarm.run.tunables import parse_tunables
 from p2pswarm.swarm.device import resolve_placement
-
-
-log = logging.getLogger("p2pswarm")
-
-STATUS_TIMEOUT = 5.0  # seconds to wait for a node's API before saying it is not answering
-API_TOKEN_ENV = "P2PSWARM_API_TOKEN"  # --api-token's default: keeps the token out of process listings
-
 
 
 def _join_run(args: argparse.Namespace) -> tuple[RunSpec, dls.DilocoSettings]:

@@ -4,29 +4,28 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
 import os
 from pathlib import Path
 
-
 from p2pswarm import __version__
-from p2pswarm.node.config import (DEFAULT_BACKUP_BUDGET_MB, DEFAULT_BOOTSTRAP_LISTEN, DEFAULT_LISTEN, DEFAULT_RELAY_LISTEN,
-                             DhtMode)
+from p2pswarm.api.client import API_TOKEN_ENV
+from p2pswarm.api.client import add_parser as add_generate_parser
 from p2pswarm.demo import DEMO_INNER_STEPS
-from p2pswarm.run import diloco as dls
+from p2pswarm.export import add_parser as add_export_parser
 from p2pswarm.logs import LOG_FORMATS
 from p2pswarm.model.catalog import DEFAULT_MODEL, MODELS
-from p2pswarm.run.tunables import Tunables
-from p2pswarm.run.spec import DEFAULT_RUN
 from p2pswarm.net.host import DEFAULT_LIMITS
+from p2pswarm.node.config import (
+    DEFAULT_BACKUP_BUDGET_MB,
+    DEFAULT_BOOTSTRAP_LISTEN,
+    DEFAULT_LISTEN,
+    DEFAULT_RELAY_LISTEN,
+    DhtMode,
+)
+from p2pswarm.run import diloco as dls
+from p2pswarm.run.spec import DEFAULT_RUN
+from p2pswarm.run.tunables import Tunables
 from p2pswarm.swarm.device import PRECISIONS
-
-
-log = logging.getLogger("p2pswarm")
-
-STATUS_TIMEOUT = 5.0  # seconds to wait for a node's API before saying it is not answering
-API_TOKEN_ENV = "P2PSWARM_API_TOKEN"  # --api-token's default: keeps the token out of process listings
-
 
 
 def api_token_option(parser: argparse.ArgumentParser, serving: bool = False) -> None:
@@ -71,15 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_relay(sub)
     _add_join(sub)
     _add_status_and_ping(sub)
-    from p2pswarm.api.client import add_parser as _generate_parser
-
-    _generate_parser(sub, api_token_option)
+    add_generate_parser(sub, api_token_option)
 
     _add_demo(sub)
     _tokenizer_parser(sub)
-    from p2pswarm.export import add_parser as _export_parser
-
-    _export_parser(sub)
+    add_export_parser(sub)
     _add_models(sub)
     return parser
 

@@ -10,15 +10,9 @@ import urllib.error
 import urllib.parse
 import urllib.request
 
-
-from p2pswarm.api.client import get_json
-
+from p2pswarm.api.client import API_TIMEOUT, get_json
 
 log = logging.getLogger("p2pswarm")
-
-STATUS_TIMEOUT = 5.0  # seconds to wait for a node's API before saying it is not answering
-API_TOKEN_ENV = "P2PSWARM_API_TOKEN"  # --api-token's default: keeps the token out of process listings
-
 
 
 def _stage(stats: dict) -> str:
@@ -162,6 +156,6 @@ def cmd_ping(args: argparse.Namespace) -> int:
     from p2pswarm.net.probe import PROBE_TIMEOUT
 
     query = urllib.parse.urlencode({"peer": args.peer, "bytes": args.bytes})
-    doc = get_json(args.api, f"/api/ping?{query}", timeout=PROBE_TIMEOUT + STATUS_TIMEOUT, token=args.api_token)
+    doc = get_json(args.api, f"/api/ping?{query}", timeout=PROBE_TIMEOUT + API_TIMEOUT, token=args.api_token)
     print(json.dumps(doc, indent=1, sort_keys=True) if args.json else format_ping(doc))
     return 0
