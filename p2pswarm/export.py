@@ -25,12 +25,21 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+import trio
+
 from p2pswarm.api.client import get_json
+from p2pswarm.dht.records import FLAG_SNAPSHOT
+from p2pswarm.diloco.snapshots import fetch_snapshot
 from p2pswarm.errors import ConfigError, DialError, ProtocolError
+from p2pswarm.identity import generate_identity
+from p2pswarm.logs import quiet_libp2p
 from p2pswarm.model import hf_export
 from p2pswarm.model.hf_export import MAX_ROUND_SPREAD, Card, StageSnapshot
-from p2pswarm.run.spec import BYTES_TOKENIZER, RunSpec, load_run, packaged_runs
 from p2pswarm.model.tokenizer import BYTE_VOCAB
+from p2pswarm.net.connect import Connector
+from p2pswarm.net.host import open_host
+from p2pswarm.net.pool import StreamPool
+from p2pswarm.run.spec import BYTES_TOKENIZER, RunSpec, load_run, packaged_runs
 
 EPHEMERAL_LISTEN = "/ip4/127.0.0.1/tcp/0"  # the exporter only dials out: a loopback port it never announces
 SNAPSHOT_FILE = re.compile(r"snapshot-(\d+)-r(\d+)-s(\d+)\.\w+")  # checkpoint.SnapshotStore's names
@@ -111,7 +120,7 @@ def load_file_snapshots(paths: list[Path]) -> list[StageSnapshot]:
     outer rounds fit the rule, else the newest of each (the rule's check then says why not). Stages
     snapshot at their own times, so the newest files of two stages can be rounds apart while older
     kept ones match; files are decoded only when chosen."""
-    from p2pswarm.diloco.checkpoint import decode_state
+    from p2pswarm.diloco.checkpoint import decode_state  # lazy: imports torch, which export --help need not load
 
     groups, loaded = _expand(paths), {}
 
@@ -154,8 +163,6 @@ def load_file_snapshots(paths: list[Path]) -> list[StageSnapshot]:
 
 def stage_peers(stages: dict, api: str) -> dict[int, list[tuple[str, tuple[str, ...]]]]:
     """Per stage, the peers that serve snapshots of it, highest outer round first; ConfigError for a stage with none."""
-    from p2pswarm.dht.records import FLAG_SNAPSHOT
-
     try:
         n_stages, by_stage = int(stages["n_stages"]), stages["stages"]
         peers = {stage: sorted((p for p in by_stage.get(str(stage), {}).get("peers", [])
@@ -171,10 +178,7 @@ def stage_peers(stages: dict, api: str) -> dict[int, list[tuple[str, tuple[str, 
 
 
 async def _fetch_stage(pool, connector, model: str, stage: int, peers, run: str) -> StageSnapshot:
-    import trio
-
-    from p2pswarm.diloco.checkpoint import decode_state
-    from p2pswarm.diloco.snapshots import fetch_snapshot
+    from p2pswarm.diloco.checkpoint import decode_state  # lazy: imports torch
 
     problems = []
     for peer, addrs in peers:
@@ -196,13 +200,6 @@ async def _fetch_stage(pool, connector, model: str, stage: int, peers, run: str)
 
 
 async def _fetch_all(model: str, plan: dict, run: str) -> list[StageSnapshot]:
-    import trio
-
-    from p2pswarm.identity import generate_identity
-    from p2pswarm.net.connect import Connector
-    from p2pswarm.net.host import open_host
-    from p2pswarm.net.pool import StreamPool
-
     async with open_host(generate_identity(), [EPHEMERAL_LISTEN]) as host, trio.open_nursery() as nursery:
         connector = Connector(host, nursery)
         pool = StreamPool(host, nursery, connector)
@@ -213,10 +210,6 @@ async def _fetch_all(model: str, plan: dict, run: str) -> list[StageSnapshot]:
 
 def fetch_from_api(api: str) -> tuple[list[StageSnapshot], dict, dict | None]:
     """(the stages' snapshots, /api/stats, /api/swarm or None) from the swarm behind ``api``."""
-    import trio
-
-    from p2pswarm.logs import quiet_libp2p
-
     stats, stages = get_json(api, "/api/stats"), get_json(api, "/api/stages")
     swarm = get_json(api, "/api/swarm") if stats.get("role") == "join" else None
     run = stages.get("run") or (stats.get("run") or {}).get("identity")

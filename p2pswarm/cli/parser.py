@@ -14,6 +14,7 @@ from p2pswarm.demo import DEMO_INNER_STEPS
 from p2pswarm.export import add_parser as add_export_parser
 from p2pswarm.logs import LOG_FORMATS
 from p2pswarm.model.catalog import DEFAULT_MODEL, MODELS
+from p2pswarm.model.tokenizer import MAX_BPE_VOCAB, MIN_BPE_VOCAB
 from p2pswarm.net.host import DEFAULT_LIMITS
 from p2pswarm.node.config import (
     DEFAULT_BACKUP_BUDGET_MB,
@@ -204,8 +205,6 @@ def tune_option(parser: argparse.ArgumentParser) -> None:
 
 
 def _tokenizer_parser(sub) -> None:
-    from p2pswarm.model.tokenizer import MAX_BPE_VOCAB, MIN_BPE_VOCAB
-
     tokenizer = sub.add_parser("tokenizer", help="make a tokenizer for a run file ('tokenizer = PATH')")
     actions = tokenizer.add_subparsers(dest="tokenizer_command", required=True, metavar="ACTION")
     train = actions.add_parser(

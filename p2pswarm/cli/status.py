@@ -11,6 +11,7 @@ import urllib.parse
 import urllib.request
 
 from p2pswarm.api.client import API_TIMEOUT, get_json
+from p2pswarm.net.probe import PROBE_TIMEOUT
 
 log = logging.getLogger("p2pswarm")
 
@@ -153,8 +154,6 @@ def format_ping(doc: dict) -> str:
 
 
 def cmd_ping(args: argparse.Namespace) -> int:
-    from p2pswarm.net.probe import PROBE_TIMEOUT
-
     query = urllib.parse.urlencode({"peer": args.peer, "bytes": args.bytes})
     doc = get_json(args.api, f"/api/ping?{query}", timeout=PROBE_TIMEOUT + API_TIMEOUT, token=args.api_token)
     print(json.dumps(doc, indent=1, sort_keys=True) if args.json else format_ping(doc))

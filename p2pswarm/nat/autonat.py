@@ -20,13 +20,14 @@ from __future__ import annotations
 import logging
 import random
 import time
+
 import multiaddr
 import trio
 
 from p2pswarm import wire
 from p2pswarm.errors import DialError, RemoteProtocolError
 from p2pswarm.identity import generate_identity
-from p2pswarm.nat.reachability import MIN_CONFIRMATIONS, DialBackResult, RateLimiter
+from p2pswarm.nat.reachability import MIN_CONFIRMATIONS, DialBackResult, RateLimiter, Reachability
 from p2pswarm.net.host import connect, open_host
 from p2pswarm.net.streams import ByteStream, open_stream
 
@@ -224,8 +225,6 @@ async def serve_reachability(host, service: AutonatService, tracker, rng: random
     ``find_servers(n)`` is asked to connect to about ``n`` more peers when fewer than two
     servers are connected (a DHT client talks to few peers on its own).
     """
-    from p2pswarm.nat.reachability import Reachability
-
     verdict = Reachability.UNKNOWN
     await trio.sleep(FIRST_CHECK_DELAY)
     while True:

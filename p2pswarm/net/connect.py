@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import trio
 
 from p2pswarm.errors import DialError, RemoteProtocolError
+from p2pswarm.net.budget import CircuitLimit
 from p2pswarm.net.dialplan import (
     DIRECT,
     HOLEPUNCH,
@@ -142,8 +143,6 @@ async def dial_via_relay(host, circuit: str, peer_id) -> object:
 
 def circuit_limit(reply):
     """The ``CircuitLimit`` a relay's STATUS reply announces, or None when it names none."""
-    from p2pswarm.net.budget import CircuitLimit
-
     if not reply.HasField("limit"):
         return None
     try:

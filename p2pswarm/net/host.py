@@ -43,9 +43,10 @@ import trio
 
 from p2pswarm.errors import ConfigError, DialError, StartupError
 from p2pswarm.identity import Identity
+from p2pswarm.net import swarm_fixes
+from p2pswarm.net.dialplan import plan_dials
 from p2pswarm.net.guard import StreamGuard
 from p2pswarm.net.limits import StreamLimits
-from p2pswarm.net import swarm_fixes
 
 log = logging.getLogger(__name__)
 
@@ -210,8 +211,6 @@ def _dial_every_address(host):
     """
     from libp2p.network.exceptions import SwarmException
     from libp2p.peer.peerinfo import PeerInfo
-
-    from p2pswarm.net.dialplan import plan_dials
 
     network = host.get_network()
     locks: dict = {}

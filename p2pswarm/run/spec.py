@@ -59,9 +59,10 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from p2pswarm.run import diloco as dls
 from p2pswarm.errors import ConfigError
 from p2pswarm.model.catalog import ModelSpec, get_model
+from p2pswarm.model.tokenizer import load_tokenizer
+from p2pswarm.run import diloco as dls
 
 DEFAULT_RUN = "tiny-lm"  # what ``join`` trains without --run: today's demo behaviour
 RUN_FORMAT = 1  # part of the canonical form: a change of meaning changes every identity
@@ -285,8 +286,6 @@ def _betas(value: list, source: str) -> tuple[float, float]:
 
 
 def _with_tokenizer(run: RunSpec, spec: str, source: str, base_dir: Path | None) -> RunSpec:
-    from p2pswarm.model.tokenizer import load_tokenizer
-
     if spec != BYTES_TOKENIZER and base_dir is None and not Path(spec).is_absolute():
         raise ConfigError(f"run file {source}: tokenizer: a packaged run can only use 'bytes' or an absolute path")
     try:

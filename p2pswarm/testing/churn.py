@@ -18,6 +18,7 @@ import trio
 
 from p2pswarm import wire
 from p2pswarm.identity import generate_identity
+from p2pswarm.net.connect import HOP_PROTOCOL
 from p2pswarm.net.control import ControlService
 from p2pswarm.net.host import connect, open_host, peer_info_from_multiaddr
 
@@ -57,8 +58,6 @@ async def reserve_work(host, target, control: ControlService) -> None:
     """A lifetime's work on a relay: one circuit v2 reservation, which must be accepted."""
     from libp2p.relay.circuit_v2.pb.circuit_pb2 import HopMessage
     from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_msg
-
-    from p2pswarm.net.connect import HOP_PROTOCOL
 
     stream = await host.new_stream(target.peer_id, [HOP_PROTOCOL])
     try:
