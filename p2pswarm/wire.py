@@ -7,15 +7,14 @@ exception escapes. It also gives one set of limits, checked before anything is r
 allocated, and exactly one encoding per message (the decoder re-encodes and compares).
 ``docs/protocols.md`` is the normative description; the constants below are its limits.
 
-This module is pure: it does not import trio or torch when it loads (the tensor helpers
-import torch lazily), so any process can use it cheaply.
+This module is pure: it imports neither trio nor torch, so any process can use it cheaply. A
+``TensorFrame`` is checked here; turning tensors into frames and back is ``swarm/codec.py``'s.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import sys
 import types
 import typing
 from collections.abc import Mapping
@@ -402,42 +401,6 @@ class TensorFrame(Message):
 
     def check(self, payload_len: int) -> None:
         check_tensor(self.dtype, self.shape, payload_len)
-
-
-def _swap_to_little_endian(raw: Any, itemsize: int) -> Any:
-    """Byte-swap a flat uint8 tensor of ``itemsize`` elements on big-endian hosts (an involution)."""
-    if sys.byteorder == "little" or itemsize == 1:
-        return raw
-    return raw.reshape(-1, itemsize).flip(-1).reshape(-1)
-
-
-def tensor_to_frame(name: str, tensor: Any) -> tuple[TensorFrame, bytes]:
-    """A TensorFrame and payload for ``tensor`` (copied to CPU, contiguous, little-endian)."""
-    import torch
-
-    dtype = str(tensor.dtype).removeprefix("torch.")
-    if dtype not in DTYPE_SIZES:
-        raise LocalProtocolError(f"tensor dtype {tensor.dtype} cannot be sent")
-    flat = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-    buffer = bytearray(flat.numel())
-    if buffer:  # frombuffer rejects an empty buffer; bytes(storage) would be very slow
-        torch.frombuffer(buffer, dtype=torch.uint8).copy_(
-            _swap_to_little_endian(flat, DTYPE_SIZES[dtype])
-        )
-    return TensorFrame(name, dtype, tuple(tensor.shape)), bytes(buffer)
-
-
-def frame_to_tensor(frame: TensorFrame, payload: bytes) -> Any:
-    """The torch tensor a TensorFrame carries; it owns its memory (a copy of ``payload``)."""
-    check_tensor(frame.dtype, frame.shape, len(payload))
-    import torch
-
-    dtype = getattr(torch, frame.dtype)
-    if not payload:
-        return torch.empty(frame.shape, dtype=dtype)
-    raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    raw = _swap_to_little_endian(raw, DTYPE_SIZES[frame.dtype])
-    return raw.view(dtype).reshape(frame.shape)
 
 
 # --- generic messages -----------------------------------------------------------------

@@ -146,10 +146,12 @@ def test_registered_and_tensor_free():
 def test_tensor_round_trip_through_a_forward():
     torch = pytest.importorskip("torch")
     tensor = torch.arange(6, dtype=torch.float32).reshape(2, 3)
-    frame, payload = wire.tensor_to_frame("x", tensor)
+    from p2pswarm.swarm import codec
+
+    frame, payload = codec.tensor_to_frame("x", tensor)
     msg = Forward(b"s" * SESSION_BYTES, 7, 1, int(Priority.TRAINING_FORWARD), 3, frame.dtype, frame.shape, 0)
     got, body = wire.decode_frame(wire.encode_frame(msg, payload))
-    back = wire.frame_to_tensor(wire.TensorFrame("x", got.dtype, got.shape), body)
+    back = codec.frame_to_tensor(wire.TensorFrame("x", got.dtype, got.shape), body)
     assert torch.equal(back, tensor)
 
 

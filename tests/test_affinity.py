@@ -1,5 +1,5 @@
 """A training peer's affinity: the partner it picks each upkeep tick from the stage map, what
-``/api/swarm`` shows of it, and the ``P2PSWARM_AFFINITY=0`` ablation switch."""
+``/api/swarm`` shows of it, and the ``affinity=False`` ablation switch (``Tunables``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import trio  # noqa: E402
 
 from p2pswarm.dht.records import Capacity, StageRecord  # noqa: E402
 from p2pswarm.model.catalog import get_model  # noqa: E402
-from p2pswarm.swarm.service import AFFINITY_ENV, SwarmService  # noqa: E402
+from p2pswarm.run.tunables import Tunables  # noqa: E402
+from p2pswarm.swarm.service import SwarmService  # noqa: E402
 
 SPEC = get_model("tiny-lm/2")
 
@@ -26,30 +27,28 @@ class StageMapOf:
                 for p in self.peers.get(stage, [])]
 
 
-def partners_of(stage0: list[str], stage1: list[str]) -> dict[str, str | None]:
+def partners_of(stage0: list[str], stage1: list[str], tunables: Tunables = Tunables()) -> dict[str, str | None]:
     """Each stage-0 peer's partner, every one of them seeing only the others (not itself) in the map."""
     async def main():
         chosen = {}
         for me in stage0:
             stage_map = StageMapOf({0: [p for p in stage0 if p != me], 1: stage1})
-            svc = SwarmService(spec=SPEC, stage=0, me=me, pool=None, stage_map=stage_map, host=None)
-            svc._choose_partner()
-            chosen[me] = svc._router_doc()["partner"]
+            svc = SwarmService(spec=SPEC, stage=0, me=me, pool=None, stage_map=stage_map, host=None,
+                               tunables=tunables)
+            svc.upkeep.choose_partner()
+            chosen[me] = svc.doc()["router"]["partner"]
         return chosen
     return trio.run(main)
 
 
-def test_two_by_two_forms_disjoint_chains(monkeypatch):
-    monkeypatch.delenv(AFFINITY_ENV, raising=False)
+def test_two_by_two_forms_disjoint_chains():
     chosen = partners_of(["B", "A"], ["Y", "X"])
     assert chosen == {"A": "X", "B": "Y"}
 
 
-def test_the_ablation_switch_turns_affinity_off(monkeypatch):
-    monkeypatch.setenv(AFFINITY_ENV, "0")
-    assert partners_of(["A", "B"], ["X", "Y"]) == {"A": None, "B": None}
+def test_the_ablation_switch_turns_affinity_off():
+    assert partners_of(["A", "B"], ["X", "Y"], Tunables(affinity=False)) == {"A": None, "B": None}
 
 
-def test_no_next_stage_peer_means_no_partner(monkeypatch):
-    monkeypatch.delenv(AFFINITY_ENV, raising=False)
+def test_no_next_stage_peer_means_no_partner():
     assert partners_of(["A"], []) == {"A": None}

@@ -18,7 +18,8 @@ from p2pswarm.diloco import checkpoint  # noqa: E402
 from p2pswarm.diloco.outer import OuterOptimizer, flatten  # noqa: E402
 from p2pswarm.model.catalog import get_model  # noqa: E402
 from p2pswarm.swarm.device import Placement  # noqa: E402
-from p2pswarm.swarm.engine import StageEngine, TrainConfig, Work, from_wire  # noqa: E402
+from p2pswarm.swarm.codec import from_wire, to_wire  # noqa: E402
+from p2pswarm.swarm.engine import StageEngine, TrainConfig, Work  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -45,9 +46,9 @@ def engines(placement: Placement, config: TrainConfig = TrainConfig()) -> tuple[
 
 def train_through_the_wire(first: StageEngine, last: StageEngine, key, ids, targets) -> float:
     """One micro-batch through a two-stage chain, activations and gradients as wire bytes; its loss."""
-    hidden = from_wire(*first.wire_out(first.compute(Work("forward", key, ids, targets)).forward))
+    hidden = from_wire(*to_wire(first.host_out(first.compute(Work("forward", key, ids, targets)).forward)))
     out = last.compute(Work("forward", key, hidden, targets))
-    first.compute(Work("backward", key, from_wire(*last.wire_out(out.backward)), None))
+    first.compute(Work("backward", key, from_wire(*to_wire(last.host_out(out.backward))), None))
     return out.loss_nats / out.tokens
 
 
@@ -145,7 +146,7 @@ def test_bf16_activations_cross_the_wire_from_pinned_buffers():
     first = StageEngine(SPEC, 0, TrainConfig(activation_dtype="bfloat16"), Placement(device, "bf16"))
     hidden = torch.randn(2, 8, SPEC.width, device=device)
     for _ in range(2):  # the second time through reuses the pinned buffer
-        dtype, shape, data = first.wire_out(hidden)
+        dtype, shape, data = to_wire(first.host_out(hidden))
         assert (dtype, shape) == ("bfloat16", (2, 8, SPEC.width))
         assert torch.equal(from_wire(dtype, shape, data), hidden.to(torch.bfloat16).cpu())
     last = StageEngine(SPEC, 1, dataclasses.replace(TrainConfig(), activation_dtype="bfloat16"),

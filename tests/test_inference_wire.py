@@ -16,6 +16,7 @@ from p2pswarm import wire
 from p2pswarm.errors import LocalProtocolError, RemoteProtocolError
 from p2pswarm.model.catalog import ModelSpec
 from p2pswarm.model.transformer import build_model
+from p2pswarm.swarm import codec
 from p2pswarm.swarm import engine as eng
 from p2pswarm.swarm.activation import NO_ROUND, SESSION_BYTES, UNNAMED_RUN
 from p2pswarm.swarm.compute_thread import open_compute_thread
@@ -159,7 +160,7 @@ def _service(stage, compute):
 
 
 def _step(stage, session, position, tensor, round_=NO_ROUND):
-    dtype, shape, data = eng.to_wire(tensor)
+    dtype, shape, data = codec.to_wire(tensor)
     return InferStep(UNNAMED_RUN, SPEC.name, stage, session, position, round_, dtype, shape), data
 
 
@@ -180,10 +181,10 @@ async def test_steps_through_two_servers_equal_the_full_forward_and_say_their_ro
         for start, end in ((0, 6), (6, 7), (7, 8), (8, 10)):
             out, data = await _ask(servers[0], _step(0, session, start, ids[:, start:end]))
             assert (out.position, out.round, out.shape) == (start, NO_ROUND, (1, end - start, SPEC.width))
-            hidden = eng.from_wire(out.dtype, out.shape, data)
+            hidden = codec.from_wire(out.dtype, out.shape, data)
             out, data = await _ask(servers[1], _step(1, session, start, hidden))
             assert out.shape == (1, SPEC.vocab) and out.dtype == "float32"
-            got.append(eng.from_wire(out.dtype, out.shape, data))
+            got.append(codec.from_wire(out.dtype, out.shape, data))
         assert servers[0].table.sessions[session].length == 10
         assert await _ask(servers[0], (InferClose(session), b"")) is None
         assert not servers[0].table.sessions
@@ -232,7 +233,7 @@ async def test_a_session_decodes_with_the_agreed_weights_of_its_first_round():
         doubled = {n: p.detach() * 2 for n, p in engine.params.items()}
         with torch.no_grad():
             expected = torch.func.functional_call(engine.module, doubled, (hidden[:, :5],))[0, -1]
-        assert (eng.from_wire(out.dtype, out.shape, data)[0] - expected).abs().max().item() <= 1e-5
+        assert (codec.from_wire(out.dtype, out.shape, data)[0] - expected).abs().max().item() <= 1e-5
         await compute.run(engine.agree, 4, flat)
         out, _ = await _ask(server, _step(1, session, 5, hidden[:, 5:6]))
         assert out.round == 3  # pinned while it is kept

@@ -26,7 +26,7 @@ import pytest
 
 from p2pswarm.demo import DEMO_GATHER_S, DEMO_INNER_STEPS, DEMO_OUTER_LR, DEMO_OUTER_MOMENTUM
 from p2pswarm.model.catalog import get_model
-from p2pswarm.swarm.service import MIN_IN_FLIGHT
+from p2pswarm.run.tunables import MIN_IN_FLIGHT
 from tests.procs import Swarm, get_json, wait_until
 
 pytest.importorskip("torch")

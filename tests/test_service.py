@@ -19,7 +19,8 @@ from p2pswarm.model.catalog import get_model  # noqa: E402
 from p2pswarm.swarm.activation import SESSION_BYTES, Ack, Backward, Busy, Forward  # noqa: E402
 from p2pswarm.swarm.buffers import INBOUND_CAPACITY_ITEMS, Priority  # noqa: E402
 from p2pswarm.swarm.engine import Output, Work  # noqa: E402
-from p2pswarm.swarm.service import Job, SwarmService  # noqa: E402
+from p2pswarm.swarm.service import SwarmService  # noqa: E402
+from p2pswarm.swarm.stage_core import Job  # noqa: E402
 
 SPEC = get_model("tiny-lm/2")
 SESSION = b"s" * SESSION_BYTES

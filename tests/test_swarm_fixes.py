@@ -82,8 +82,8 @@ def test_a_failing_handler_ends_its_stream_not_the_connection():
     async def body(node, nursery):
         async def handler(stream):
             await stream.read(1)
-            await trio.sleep(0.01)  # the peer's reset arrives
-            await stream.write(b"y")  # raises: the stream was reset
+            await stream.read(1)  # waits for the peer's reset, then raises (no sleep racing its arrival)
+            await stream.write(b"y")  # were the read ever to return: raises, the stream was reset
 
         node.set_stream_handler(ECHO, handler)
         async with open_host(generate_identity(), LOOPBACK) as client:

@@ -185,7 +185,7 @@ def test_target_width_follows_the_vocabulary():
        seq=st.integers(1, 9), data=st.data())
 def test_targets_round_trip_at_every_width(vocab, rows, seq, data):
     torch = pytest.importorskip("torch")
-    from p2pswarm.swarm.engine import targets_from_bytes, targets_to_bytes
+    from p2pswarm.swarm.codec import targets_from_bytes, targets_to_bytes
 
     ids = data.draw(st.lists(st.integers(0, vocab - 1), min_size=rows * seq, max_size=rows * seq))
     targets = torch.tensor(ids, dtype=torch.int64).reshape(rows, seq)
@@ -198,7 +198,7 @@ def test_targets_round_trip_at_every_width(vocab, rows, seq, data):
 
 def test_a_target_outside_the_vocabulary_is_a_protocol_error():
     pytest.importorskip("torch")
-    from p2pswarm.swarm.engine import targets_from_bytes
+    from p2pswarm.swarm.codec import targets_from_bytes
 
     with pytest.raises(RemoteProtocolError):
         targets_from_bytes((VOCAB).to_bytes(2, "little") * 2, 1, 2, VOCAB)
@@ -228,7 +228,8 @@ def test_stage_0_feeds_bpe_micro_batches_whose_targets_cross_the_wire(bpe, tmp_p
     from p2pswarm.model.catalog import get_model
     from p2pswarm.swarm.activation import SESSION_BYTES, Ack, Forward
     from p2pswarm.swarm.buffers import Priority
-    from p2pswarm.swarm.engine import Output, TrainConfig, targets_to_bytes
+    from p2pswarm.swarm.codec import targets_to_bytes
+    from p2pswarm.swarm.engine import Output, TrainConfig
     from p2pswarm.swarm.service import SwarmService
 
     data = write_corpus(tmp_path / "data")

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from p2pswarm import wire
 from p2pswarm.errors import LocalProtocolError, RemoteProtocolError
+from p2pswarm.swarm import codec  # tensors as frames and back: the activation codec's
 from p2pswarm.testing.strategies import frames, messages
 from p2pswarm.wire import ErrorReply, Message, Ping, Pong, TensorFrame, message
 
@@ -264,18 +265,18 @@ def test_registration_rules():
 def test_tensor_round_trip(dtype):
     for shape in [(), (0,), (3,), (2, 3, 4), (2, 0, 5)]:
         tensor = (torch.randn(shape) * 100).to(getattr(torch, dtype))
-        frame, payload = tensor_frame = wire.tensor_to_frame("w", tensor)
+        frame, payload = tensor_frame = codec.tensor_to_frame("w", tensor)
         assert (frame.dtype, frame.shape, len(payload)) == (dtype, shape, tensor.nbytes)
         msg, got = wire.decode_frame(wire.encode_frame(*tensor_frame))
-        out = wire.frame_to_tensor(msg, got)
+        out = codec.frame_to_tensor(msg, got)
         assert out.dtype == tensor.dtype and torch.equal(out, tensor)
         out.zero_()  # the tensor owns writable memory; the payload is untouched
         assert got == payload
     strided = torch.arange(12, dtype=torch.int32).reshape(3, 4).t()
-    assert torch.equal(wire.frame_to_tensor(*wire.tensor_to_frame("t", strided)), strided)
-    assert wire.tensor_to_frame("x", torch.tensor([1.0]))[1] == b"\x00\x00\x80\x3f"  # little-endian
+    assert torch.equal(codec.frame_to_tensor(*codec.tensor_to_frame("t", strided)), strided)
+    assert codec.tensor_to_frame("x", torch.tensor([1.0]))[1] == b"\x00\x00\x80\x3f"  # little-endian
     with pytest.raises(LocalProtocolError):
-        wire.tensor_to_frame("b", torch.tensor([True]))
+        codec.tensor_to_frame("b", torch.tensor([True]))
 
 
 @pytest.mark.parametrize("dtype, shape, nbytes", [
@@ -287,7 +288,7 @@ def test_check_tensor_rejects(dtype, shape, nbytes):
     with pytest.raises(RemoteProtocolError):
         wire.check_tensor(dtype, shape, nbytes)
     with pytest.raises(RemoteProtocolError):
-        wire.frame_to_tensor(TensorFrame("w", dtype, shape), b"\x00" * nbytes)
+        codec.frame_to_tensor(TensorFrame("w", dtype, shape), b"\x00" * nbytes)
 
 
 def test_import_pulls_in_neither_torch_nor_trio():
@@ -316,7 +317,7 @@ def test_frame_to_tensor_is_total(dtype, shape, data):
     fitting = small_size(dtype, shape)
     nbytes = data.draw(st.integers(0, 64) if fitting is None else st.sampled_from([fitting, fitting + 1, 0]))
     try:
-        tensor = wire.frame_to_tensor(TensorFrame("w", dtype, shape), bytes(nbytes))
+        tensor = codec.frame_to_tensor(TensorFrame("w", dtype, shape), bytes(nbytes))
     except RemoteProtocolError:
         return
     assert tuple(tensor.shape) == shape and str(tensor.dtype) == f"torch.{dtype}"
@@ -328,7 +329,7 @@ def test_empty_tensor_with_huge_other_dims_is_refused(dtype):
     """One dim 0 and the others near 2**31: torch's stride arithmetic overflows; we refuse first."""
     frame = TensorFrame("w", dtype, (0, 3036988439, 3037012561))
     with pytest.raises(RemoteProtocolError, match="too large"):
-        wire.frame_to_tensor(frame, b"")
+        codec.frame_to_tensor(frame, b"")
     with pytest.raises(RemoteProtocolError, match="too large"):
         wire.decode_frame(framed(header(
             t="tensor", n=0, f={"name": "w", "dtype": dtype, "shape": [0, 3036988439, 3037012561]})))

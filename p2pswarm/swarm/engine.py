@@ -25,7 +25,7 @@ the live parameters, which AdamW steps every ``accumulate`` micro-batches.
 weights and AdamW's states are fp32 there (the master copy); with ``bf16`` each forward runs under
 ``torch.autocast`` (the matrix products in bf16) and its backward follows the recorded dtypes.
 Hidden states and their gradients cross the wire in ``TrainConfig.activation_dtype`` and come in
-as fp32; ``wire_out`` and ``_input`` move them through ``swarm/staging.py``'s host buffers. On
+as fp32; ``host_out`` and ``_input`` move them through ``swarm/staging.py``'s host buffers. On
 the CPU in fp32 nothing is cast or staged: the numerics are exactly those of a plain module. The
 engine is made and called on one thread for its whole life (``swarm/compute_thread.py``): a CUDA
 device's current device, stream and autocast state are per thread.
@@ -33,7 +33,8 @@ device's current device, stream and autocast state are per thread.
 The optimizer state, the weights and the step counter are in ``state_dict`` (DiLoCo and snapshots
 build on it; ``host_state_dict`` is a copy of it on the host, safe to encode on another thread).
 Initial weights are ``build_stage(spec, stage, seed)``: identical on every replica.
-This module imports torch (with ``model/``, the only place that does).
+The engine computes only: frames and their checks are ``swarm/codec.py``'s. This module imports
+torch (with ``model/``, the codec and DiLoCo, the only places that do).
 """
 
 from __future__ import annotations
@@ -45,13 +46,12 @@ from dataclasses import dataclass
 import torch
 from torch.func import functional_call
 
-from p2pswarm import wire
-from p2pswarm.errors import ConfigError, RemoteProtocolError
-from p2pswarm.model.catalog import BYTE_VOCAB, ModelSpec
+from p2pswarm.errors import ConfigError
+from p2pswarm.model.catalog import ModelSpec
 from p2pswarm.model.transformer import build_stage
-from p2pswarm.swarm.schedule import lr_at
-from p2pswarm.swarm.activation import NO_ROUND, target_bytes_per_token
+from p2pswarm.swarm.activation import NO_ROUND
 from p2pswarm.swarm.device import Placement
+from p2pswarm.swarm.schedule import lr_at
 from p2pswarm.swarm.staging import Staging
 
 LEARNING_RATE = 3e-3  # AdamW's lr: the tiny-lm sweep's best for a 3-minute run (docs/benchmarks.md)
@@ -175,8 +175,8 @@ class StageEngine:
         if kept is None:
             return Output()  # given up already (the deadline passed): nothing to do
         x, y, weights = kept
-        if work.tensor.shape != y.shape:
-            raise RemoteProtocolError(f"gradient of shape {tuple(work.tensor.shape)} for an output of "
+        if work.tensor.shape != y.shape:  # the codec checked the frame; this is a peer's lie about the graph
+            raise ValueError(f"gradient of shape {tuple(work.tensor.shape)} for an output of "
                                       f"{tuple(y.shape)}")
         y.backward(self._staging.to_device(work.tensor, y.dtype))
         self._absorb(weights, y.shape[0] * y.shape[1])
@@ -228,7 +228,7 @@ class StageEngine:
             offset += p.numel()
         return weights
 
-    # --- devices, precision and the wire ----------------------------------------------------------
+    # --- devices and precision ----------------------------------------------------------
 
     def _input(self, tensor: torch.Tensor) -> torch.Tensor:
         """A job's input on our device: token ids as they are, hidden states as fp32 (a new leaf)."""
@@ -243,9 +243,9 @@ class StageEngine:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=getattr(torch, dtype))
 
-    def wire_out(self, tensor: torch.Tensor) -> tuple[str, tuple[int, ...], bytes]:
-        """(dtype, shape, bytes) of an output (activations or a gradient) in the run's activation dtype."""
-        return to_wire(self._staging.to_host(tensor, self.wire_dtype))
+    def host_out(self, tensor: torch.Tensor) -> torch.Tensor:
+        """An output (activations or a gradient) on the host in the run's activation dtype, for the codec."""
+        return self._staging.to_host(tensor, self.wire_dtype)
 
     # --- weights and optimizer -----------------------------------------------------------------
 
@@ -343,7 +343,7 @@ def param_groups(module: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": plain, "weight_decay": 0.0}]
 
 
-# --- tensors on the wire ------------------------------------------------------------------------
+# --- activation dtypes and token ids -----------------------------------------------------------
 
 
 WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # activation dtypes
@@ -367,20 +367,6 @@ def _to_host(node):
     return node
 
 
-def to_wire(tensor: torch.Tensor) -> tuple[str, tuple[int, ...], bytes]:
-    """(dtype, shape, bytes) of a tensor, as the activation protocol carries it."""
-    frame, payload = wire.tensor_to_frame("", tensor)
-    return frame.dtype, frame.shape, payload
-
-
-def from_wire(dtype: str, shape: tuple[int, ...], payload: bytes) -> torch.Tensor:
-    """The tensor a frame carries (RemoteProtocolError if it does not match its header)."""
-    return wire.frame_to_tensor(wire.TensorFrame("", dtype, shape), payload)
-
-
-_TARGET_DTYPES = {1: "u1", 2: "<u2", 4: "<i4"}  # target bytes per token -> its little-endian numpy dtype
-
-
 def ids_tensor(rows) -> torch.Tensor:
     """Rows of equal length as an int64 [batch, seq] tensor: byte rows (the byte tokenizer) or
     integer arrays of token ids (a tokenized corpus)."""
@@ -390,27 +376,6 @@ def ids_tensor(rows) -> torch.Tensor:
         return torch.from_numpy(np.stack(rows).astype(np.int64))
     flat = torch.frombuffer(bytearray(b"".join(rows)), dtype=torch.uint8)
     return flat.reshape(len(rows), -1).to(torch.int64)
-
-
-def targets_from_bytes(data: bytes, batch: int, seq: int, vocab: int = BYTE_VOCAB) -> torch.Tensor:
-    """Target tokens that travelled with a forward (``target_bytes_per_token(vocab)`` bytes each,
-    little-endian), as int64 [batch, seq]; RemoteProtocolError if the count or an id is wrong."""
-    import numpy as np
-
-    width = target_bytes_per_token(vocab)
-    if len(data) != batch * seq * width:
-        raise RemoteProtocolError(f"{len(data)} target bytes for a [{batch}, {seq}] micro-batch "
-                                  f"of {width}-byte tokens")
-    ids = np.frombuffer(data, dtype=_TARGET_DTYPES[width]).astype(np.int64).reshape(batch, seq)
-    if ids.size and (ids.min() < 0 or ids.max() >= vocab):
-        raise RemoteProtocolError(f"a target token outside the vocabulary of {vocab}")
-    return torch.from_numpy(ids)
-
-
-def targets_to_bytes(targets: torch.Tensor, vocab: int = BYTE_VOCAB) -> bytes:
-    """Targets as the forward frame carries them: ``target_bytes_per_token(vocab)`` bytes a token."""
-    dtype = _TARGET_DTYPES[target_bytes_per_token(vocab)]
-    return targets.detach().cpu().contiguous().numpy().astype(dtype).tobytes()
 
 
 def set_threads(threads: int | None) -> None:

@@ -204,7 +204,7 @@ class InferenceServer:
         from torch.func import functional_call
 
         from p2pswarm.model.transformer import KVCache
-        from p2pswarm.swarm import engine as eng
+        from p2pswarm.swarm import codec
 
         engine = self.service.engine
         wanted = entry.round if entry.round is not None else message.round
@@ -212,15 +212,15 @@ class InferenceServer:
         if entry.round is not None and round_ != entry.round:
             raise RoundGone()
         cache = entry.cache if entry.cache is not None else KVCache()
-        x = engine._input(eng.from_wire(message.dtype, message.shape, payload))
+        x = engine._input(codec.from_wire(message.dtype, message.shape, payload))
         if self.stage == 0 and (int(x.min()) < 0 or int(x.max()) >= self.spec.vocab):
             raise ValueError(f"a token id outside the vocabulary of {self.spec.vocab}")
         with torch.no_grad(), engine._autocast():
             y = engine.module(x, cache=cache) if weights is None else \
                 functional_call(engine.module, weights, (x,), {"cache": cache})
         if self.service.is_last:
-            return round_, cache, eng.to_wire(y.float().cpu())
-        return round_, cache, engine.wire_out(y)
+            return round_, cache, codec.to_wire(y.float().cpu())
+        return round_, cache, codec.to_wire(engine.host_out(y))
 
     def _decode_agreed(self, entry, message: InferStep, payload: bytes):
         """Inference thread: one step on the agreed weights of the pinned (or wanted) round. Reads only
@@ -230,7 +230,7 @@ class InferenceServer:
         from torch.func import functional_call
 
         from p2pswarm.model.transformer import KVCache
-        from p2pswarm.swarm import engine as eng
+        from p2pswarm.swarm import codec
 
         engine, held = self.service.engine, dict(self.service.engine._agreed)
         if entry.round is not None and entry.round not in held:
@@ -238,15 +238,15 @@ class InferenceServer:
         round_ = entry.round if entry.round is not None else message.round if message.round in held else max(held)
         weights = self._weights_of(engine, round_, held)
         cache = entry.cache if entry.cache is not None else KVCache()
-        x = eng.from_wire(message.dtype, message.shape, payload)
+        x = codec.from_wire(message.dtype, message.shape, payload)
         if self.stage == 0 and (int(x.min()) < 0 or int(x.max()) >= self.spec.vocab):
             raise ValueError(f"a token id outside the vocabulary of {self.spec.vocab}")
         x = x.to(engine.device) if self.stage == 0 else x.to(engine.device, torch.float32)
         with torch.no_grad(), engine._autocast():  # our own module: functional_call swaps a module's parameters
             y = functional_call(self._own_module(engine), weights, (x,), {"cache": cache})
         if self.service.is_last:
-            return round_, cache, eng.to_wire(y.float().cpu())
-        return round_, cache, eng.to_wire(y.to("cpu", engine.wire_dtype))
+            return round_, cache, codec.to_wire(y.float().cpu())
+        return round_, cache, codec.to_wire(y.to("cpu", engine.wire_dtype))
 
     def _own_module(self, engine):
         """The stage's module for this thread alone (its own weights are never used: every call

@@ -41,7 +41,6 @@ raises out of here. Imports neither torch nor the model.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -50,11 +49,20 @@ from dataclasses import dataclass
 import trio
 
 from p2pswarm import wire
-from p2pswarm.errors import CircuitExhausted, LocalProtocolError, NoCandidates, P2PSwarmError, Stalled, first_error
+from p2pswarm.errors import (
+    CircuitExhausted,
+    LocalProtocolError,
+    NoCandidates,
+    P2PSwarmError,
+    Stalled,
+    first_error,
+)
 from p2pswarm.net.budget import MIN_FRAME_CHARGE, PEER_BUDGET_BYTES
-from p2pswarm.swarm.activation import PROTOCOL_ID, Ack, Backward, Busy, Forward
+from p2pswarm.run.tunables import Tunables
+from p2pswarm.swarm.activation import PROTOCOL_ID, Ack, Busy, Forward
 from p2pswarm.swarm.buffers import Priority
 from p2pswarm.swarm.router import Failure, Router
+from p2pswarm.swarm.stage_core import Key, Send
 
 log = logging.getLogger(__name__)
 
@@ -66,21 +74,7 @@ BACKWARD_TRIES = 6  # Busy replies, timeouts or full circuits a gradient waits o
 BUSY_WAIT_CAP = 1.0  # seconds: the longest a sender sleeps on a Busy's retry-after hint
 IDLE_POLL = 0.05  # seconds between looks for a candidate when there is none
 ACK_READ_GRACE = 1.0  # seconds past the ack deadline the read itself may run (the watch cancels it first)
-LINK_DELAY = float(os.environ.get("P2PSWARM_LINK_DELAY_MS", "0")) / 1000  # benchmarks only: latency added per frame
 ACK_SAMPLES = 1000  # recent ack latencies kept for the p50/p99 of /api/swarm
-
-
-Key = tuple[bytes, int]
-
-
-@dataclass(frozen=True)
-class Send:
-    """A frame waiting in the outbound queue."""
-
-    message: Forward | Backward
-    payload: bytes
-    key: Key
-    to: str | None = None  # the gradient's destination; None for a forward (the router chooses)
 
 
 @dataclass(frozen=True)
@@ -97,8 +91,9 @@ class Deliverer:
 
     def __init__(self, pool, router: Router, *,
                  on_acked: Callable[[Key, str], None], on_lost: Callable[[Send, str], None],
-                 on_peer_error: Callable[[str], None]) -> None:
+                 on_peer_error: Callable[[str], None], tunables: Tunables = Tunables()) -> None:
         self._pool, self._router = pool, router
+        self._link_delay = tunables.link_delay_s  # a benchmark's simulated link latency (bench/swarm_train.py)
         self._on_acked, self._on_lost, self._on_peer_error = on_acked, on_lost, on_peer_error
         self.counts: Counter = Counter()  # sent, acked, busy, timeouts, errors, rerouted, lost, duplicates
         self.failover_ms: list[float] = []  # failure -> ack of the re-routed micro-batch, recent ones
@@ -221,8 +216,8 @@ class Deliverer:
     async def _exchange(self, peer: str, send: Send, deadline: float) -> Reply:
         started = trio.current_time()
         try:
-            if LINK_DELAY:  # a benchmark's simulated link latency (bench/swarm_train.py)
-                await trio.sleep(LINK_DELAY)
+            if self._link_delay:  # a benchmark's simulated link latency
+                await trio.sleep(self._link_delay)
             async with self._pool.lease(peer, PROTOCOL_ID, timeout=min(LEASE_TIMEOUT, deadline)) as lease:
                 started = trio.current_time()  # the deadline runs from the first byte, not from a dial
                 await lease.write_frame(send.message, send.payload, stall=deadline)
