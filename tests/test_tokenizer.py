@@ -27,7 +27,7 @@ from p2pswarm.model.tokenizer import (
     load_tokenizer,
     train_bpe,
 )
-from p2pswarm.swarm.activation import MAX_TARGETS, target_bytes_per_token
+from p2pswarm.run.plan import MAX_TARGETS, target_bytes_per_token
 from p2pswarm.swarm.evaluation import EvalBook
 
 VOCAB = 300  # 256 byte symbols and 44 merges: trains in well under a second

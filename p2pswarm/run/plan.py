@@ -4,7 +4,7 @@ A stage sends the next one micro-batches of hidden states (``[rows, seq, width]`
 activation dtype) with their target tokens, each micro-batch as ONE frame of the activation
 protocol; the gradient that comes back is the same tensor without targets. So the rule is simple:
 a micro-batch's message must fit one frame (``FRAME_BUDGET``, the wire's payload limit), and its
-targets ``activation.MAX_TARGETS``. ``activation_plan`` says how many rows fit; a run file whose
+targets ``MAX_TARGETS``. ``activation_plan`` says how many rows fit; a run file whose
 micro-batch does not fit is refused with one line (``activation_problem``), and a place that cuts
 micro-batches of its own (evaluation) takes at most ``fitting_rows``.
 
@@ -25,13 +25,23 @@ from dataclasses import dataclass
 from p2pswarm import wire
 from p2pswarm.errors import ConfigError
 from p2pswarm.model.catalog import MODELS, SIZING_VOCAB, ModelSpec, param_count
-from p2pswarm.swarm import activation
 
 FRAME_BUDGET = wire.MAX_PAYLOAD_BYTES  # a micro-batch's tensor and targets are one frame's payload
 FP32_BYTES = 4  # snapshots keep every tensor in float32 (master weights and optimizer state)
 SNAPSHOT_COPIES = 6  # weights, AdamW exp_avg and exp_avg_sq, DiLoCo start and momentum, error-feedback residual
 SNAPSHOT_OVERHEAD = 64 * 1024 * 1024  # the header (<= 16 MiB), padding and digest, with room to spare
 GIB = 1024**3  # the snapshot limit is rounded up to whole GiB
+MAX_TARGETS = 1 << 22  # target bytes a forward may carry: 256 rows x 4096 tokens x 4 bytes fits
+BYTE_TOKEN_VOCAB = 1 << 8  # vocabularies up to here send a target as one byte (uint8)
+SHORT_TOKEN_VOCAB = 1 << 16  # up to here as two (little-endian uint16); beyond, four (little-endian int32)
+
+
+def target_bytes_per_token(vocab: int) -> int:
+    """How many bytes one target token takes on the wire for a run of this vocabulary: 1 (uint8) up to
+    256, 2 (uint16) up to 65,536, else 4 (int32: torch has no arithmetic on uint32; ids < 2^31 fit)."""
+    if vocab < 1:
+        raise ValueError(f"a vocabulary has at least one token, not {vocab}")
+    return 1 if vocab <= BYTE_TOKEN_VOCAB else 2 if vocab <= SHORT_TOKEN_VOCAB else 4
 
 
 @dataclass(frozen=True)
@@ -52,7 +62,7 @@ class ActivationPlan:
 
 def target_bytes(spec: ModelSpec) -> int:
     """Bytes one target token takes on the wire for this model's vocabulary (1, 2 or 4)."""
-    return activation.target_bytes_per_token(spec.vocab)
+    return target_bytes_per_token(spec.vocab)
 
 
 def activation_plan(spec: ModelSpec, rows: int, seq: int, dtype: str, *, budget: int = FRAME_BUDGET) -> ActivationPlan:
@@ -65,7 +75,7 @@ def activation_plan(spec: ModelSpec, rows: int, seq: int, dtype: str, *, budget:
         raise ConfigError(f"a micro-batch needs positive rows and seq, not {rows!r} x {seq!r}")
     targets = seq * target_bytes(spec)
     row_bytes = seq * spec.width * itemsize + targets
-    fit = min(budget // row_bytes, activation.MAX_TARGETS // targets)
+    fit = min(budget // row_bytes, MAX_TARGETS // targets)
     return ActivationPlan(rows, seq, dtype, row_bytes, rows * row_bytes, fit)
 
 

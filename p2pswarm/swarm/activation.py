@@ -22,6 +22,7 @@ from p2pswarm import wire
 from p2pswarm.dht.records import MAX_STAGES, RUN_BYTES
 from p2pswarm.dht.records import UNNAMED_RUN_BYTES as UNNAMED_RUN  # frames made without a run (tests, tools)
 from p2pswarm.errors import RemoteProtocolError
+from p2pswarm.run.plan import MAX_TARGETS, target_bytes_per_token  # noqa: F401 - part of the frame format
 from p2pswarm.swarm.buffers import Priority  # the inbound buffer's classes: one enum for both
 
 PROTOCOL_ID = "/p2pswarm/activation/1.0.0"  # the libp2p protocol these frames travel on
@@ -31,20 +32,9 @@ MAX_STEP = wire.INT_MAX  # training steps count up for a whole run: any u63 is f
 NO_ROUND = -1  # in an evaluation's ``rounds``: this stage has no outer rounds and used its live weights
 MAX_QUEUE_DEPTH = 1 << 20  # far beyond any real buffer; bounds what a peer can claim
 MAX_RETRY_AFTER_MS = 10_000  # a hint beyond 10 s means "dead" to a router: fail over instead
-MAX_TARGETS = 1 << 22  # target bytes a forward may carry: 256 rows x 4096 tokens x 4 bytes fits
-BYTE_TOKEN_VOCAB = 1 << 8  # vocabularies up to here send a target as one byte (uint8)
-SHORT_TOKEN_VOCAB = 1 << 16  # up to here as two (little-endian uint16); beyond, four (little-endian int32)
 
 
 _PRIORITIES = frozenset(int(p) for p in Priority)
-
-
-def target_bytes_per_token(vocab: int) -> int:
-    """How many bytes one target token takes on the wire for a run of this vocabulary: 1 (uint8) up to
-    256, 2 (uint16) up to 65,536, else 4 (int32: torch has no arithmetic on uint32; ids < 2^31 fit)."""
-    if vocab < 1:
-        raise ValueError(f"a vocabulary has at least one token, not {vocab}")
-    return 1 if vocab <= BYTE_TOKEN_VOCAB else 2 if vocab <= SHORT_TOKEN_VOCAB else 4
 
 
 def _check_int(kind: str, name: str, value: int, low: int, high: int) -> None:
