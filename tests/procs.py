@@ -21,9 +21,11 @@ class Swarm:
         self.workdir = workdir
         self.processes: list[subprocess.Popen] = []
 
-    def start(self, *args: str, name: str, env: dict | None = None) -> subprocess.Popen:
+    def start(self, *args: str, name: str, env: dict | None = None,
+              program: tuple[str, ...] = ("-m", "p2pswarm")) -> subprocess.Popen:
+        """``python PROGRAM ARGS``: ``p2pswarm``, or a test's script that wraps it (``attacking_peer.py``)."""
         log = open(self.workdir / f"{name}.log", "w")
-        process = subprocess.Popen([sys.executable, "-m", "p2pswarm", *args], stdout=subprocess.PIPE,
+        process = subprocess.Popen([sys.executable, *program, *args], stdout=subprocess.PIPE,
                                    stderr=log, stdin=subprocess.DEVNULL, text=True,
                                    env={**os.environ, **env} if env else None)
         self.processes.append(process)
@@ -36,13 +38,15 @@ class Swarm:
         return addr
 
     def join(self, boot_addr: str, layers: str, name: str, *extra: str, api: str | None = None,
-             log_name: str | None = None, env: dict | None = None) -> tuple[subprocess.Popen, str]:
+             log_name: str | None = None, env: dict | None = None,
+             program: tuple[str, ...] = ("-m", "p2pswarm")) -> tuple[subprocess.Popen, str]:
         """A ``join`` peer keeping its key and files in ``workdir/name`` (a restart passes the same
         name, and its old ``api``); ``extra`` are more flags."""
         api = api or f"127.0.0.1:{free_port()}"
         process = self.start("join", "--bootstrap", boot_addr, "--listen", "/ip4/127.0.0.1/tcp/0",
                              "--layers", layers, "--api", api, "--data-dir", str(self.workdir / name),
-                             "--threads", "1", *extra, name=log_name or name, env=env)  # peers share 2 cores
+                             "--threads", "1", *extra, name=log_name or name, env=env,
+                             program=program)  # peers share 2 cores
         return process, api
 
     def close(self) -> None:

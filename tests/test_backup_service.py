@@ -216,6 +216,7 @@ def test_a_backup_over_the_budget_is_neither_held_nor_announced():
 
 def test_a_loaded_backup_is_our_weights_and_outer_state_and_announced_with_its_digest():
     from p2pswarm.diloco.checkpoint import decode_state
+    from p2pswarm.diloco.loading import outer_config
     from p2pswarm.diloco.outer import OuterOptimizer, flatten
     from p2pswarm.swarm.engine import StageEngine
 
@@ -227,14 +228,15 @@ def test_a_loaded_backup_is_our_weights_and_outer_state_and_announced_with_its_d
     s = DilocoService(settings=DilocoSettings(), spec=SPEC, stage=STAGE, me="me", pool=None,
                       stage_map=SimpleNamespace(stages={}), run=RUN)
     s.swarm = SimpleNamespace(with_engine=with_engine)
-    s.outer = OuterOptimizer(engine.params, s._outer_config())
+    s.outer = OuterOptimizer(engine.params, outer_config(s.settings))
     numel = s.outer.numel
     data = encode_backup(SPEC.name, STAGE, RUN.identity, 7, torch.linspace(-1, 1, numel), torch.full((numel,), 0.5))
     state = check_backup(decode_state(data), SPEC, STAGE, RUN.identity, 7)
-    trio.run(s._load_backup, state)
+    trio.run(s.loader.load_backup, state)
     assert torch.equal(flatten(engine.params), torch.linspace(-1, 1, numel)) and s.outer.rounds == 7
     assert torch.equal(s.outer.momentum, torch.full((numel,), 0.5))
-    assert engine.step == 7 * s.settings.inner_steps == s.outer.round_started_step and not engine.optimizer.state
+    outer = s.outer
+    assert engine.step == 7 * s.settings.inner_steps == outer.round_started_step and not engine.optimizer.state
     assert s.agreed_claim() == (7, digest(data))  # every replica that loads it announces what the holders hold
 
 

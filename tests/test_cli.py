@@ -372,7 +372,7 @@ def test_demo_keeps_each_replicas_newest_heldout_when_survivors_report_older_rou
 
 
 def test_the_demo_curve_is_one_figure_per_outer_round_with_the_spread_between_chains(capsys):
-    from p2pswarm.demo import Progress, _round_verdict
+    from p2pswarm.demo.progress import Progress, round_verdict
 
     progress = Progress()
     entry = {"tokens": 8192, "at": 0.0}
@@ -391,5 +391,5 @@ def test_the_demo_curve_is_one_figure_per_outer_round_with_the_spread_between_ch
     lines = progress.new_round_lines()  # the newest round may still be missing chains: not shown yet
     assert len(lines) == 2 and "outer round 1: 5.120 bits/byte (81000 tokens" in lines[1] and "spread 0.040" in lines[1]
     assert progress.new_round_lines() == []
-    assert _round_verdict([(progress.tokens_at(a.round), a) for a in curve]) == 0
+    assert round_verdict([(progress.tokens_at(a.round), a) for a in curve]) == 0
     assert "held-out loss 7.930 -> 4.600 bits/byte at outer round 2 after 121000 tokens" in capsys.readouterr().out

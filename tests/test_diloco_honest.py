@@ -1,13 +1,13 @@
 """An honest replica's DiLoCo contribution, and an honest owner's result, are never refused.
 
 The defences of an outer round (``aggregation.combine``'s verification of the parts an owner
-receives, ``service.result_check`` of the results a member receives) must tell poison from
+receives, ``policy.result_check`` of the results a member receives) must tell poison from
 honest work that merely disagrees: early in training, or with replicas that read different
 data, honest pseudo-gradients are nearly orthogonal or even slightly opposed, and their norms
 differ (one replica took more inner steps while it waited in the gather). These tests run
 honest pseudo-gradients through the exact check path of a round (int8 with error feedback over
 several rounds, the owners' ``offload.combine_shard``, the members' ``offload.assemble``) and
-require that nothing is refused; the attacks of ``service._poisoned`` are still refused.
+require that nothing is refused; the attacks of ``tests/attacking_peer.poisoned`` are still refused.
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ from hypothesis import strategies as st
 
 from p2pswarm.diloco import compression, offload
 from p2pswarm.diloco.messages import expected_bytes, shard_plan
+from p2pswarm.diloco.policy import result_check
 from p2pswarm.diloco.round_actions import Outcome
-from p2pswarm.diloco.service import _poisoned, result_check
+from tests.attacking_peer import poisoned
 
 CODEC = "int8"
 MIN_PIECE = 2000  # elements of the smallest piece drawn: a real stage's shards hold 1e5 and more
@@ -62,7 +63,7 @@ def honest_rounds(draw):
 def run_rounds(rounds, names, d, pieces, poison=None):
     """The check path of ``len(rounds)`` outer rounds; the refusals: (round, by, whom, why).
 
-    ``poison`` (an attack of ``service._poisoned``) makes the last member send poisoned parts."""
+    ``poison`` (an attack of ``attacking_peer.poisoned``) makes the last member send poisoned parts."""
     plan = shard_plan(d, len(names), CODEC, size=expected_bytes,
                       **({} if pieces is None else {"max_elements": pieces}))
     residuals = {name: torch.zeros(d) for name in names}
@@ -75,7 +76,7 @@ def run_rounds(rounds, names, d, pieces, poison=None):
                            for a, b in plan.bounds]
         if poison is not None:
             bad = names[-1]
-            parts[bad] = [compression.encode(_poisoned(own[bad][a:b], poison), CODEC) for a, b in plan.bounds]
+            parts[bad] = [compression.encode(poisoned(own[bad][a:b], poison), CODEC) for a, b in plan.bounds]
         results = {}
         for index, (a, b) in enumerate(plan.bounds):
             owner = names[plan.owner(index)]

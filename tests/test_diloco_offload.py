@@ -20,7 +20,8 @@ import pytest
 torch = pytest.importorskip("torch")
 import trio  # noqa: E402
 
-from p2pswarm.diloco import aggregation, compression, offload, service as diloco_service, snapshots  # noqa: E402
+from p2pswarm.diloco import aggregation, compression, contribution, offload, snapshots  # noqa: E402
+from p2pswarm.diloco.loading import outer_config  # noqa: E402
 from p2pswarm.diloco.outer import OuterOptimizer  # noqa: E402
 from p2pswarm.diloco.service import DilocoService  # noqa: E402
 from p2pswarm.run.diloco import DilocoSettings  # noqa: E402
@@ -100,7 +101,7 @@ def replicas(n: int, numel: int) -> list[DilocoService]:
                           stage=STAGE, me=me, pool=Pool(handlers, me), stage_map=StageMap(ids))
         engine = Engine(numel)
         s.swarm = Swarm(engine)
-        s.outer = OuterOptimizer(engine.params, s._outer_config())
+        s.outer = OuterOptimizer(engine.params, outer_config(s.settings))
         own = torch.randn(numel, generator=torch.Generator().manual_seed(i + 1))
         delta = -1e-2 * (common + 0.5 * own)
         engine.params["a"] += delta[:numel // 2]
@@ -137,7 +138,7 @@ def test_every_heavy_step_of_a_round_runs_in_a_worker_thread(monkeypatch):
     the replicas leave the round with the same start weights."""
     calls: list[tuple[str, int]] = []
     for module, names in ((compression, ("encode", "decode")), (aggregation, ("combine", "verify")),
-                          (offload, ("combine_shard", "assemble")), (diloco_service, ("flatten",))):
+                          (offload, ("combine_shard", "assemble")), (contribution, ("flatten",))):
         for name in names:
             monkeypatch.setattr(module, name, recording(calls, name, getattr(module, name)))
     for cls, name in ((OuterOptimizer, "pseudo_gradient"), (OuterOptimizer, "outer_step"), (torch.Tensor, "norm")):

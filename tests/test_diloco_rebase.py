@@ -1,5 +1,5 @@
 """A replica left out of one outer round keeps its own work: it takes the round's new start and
-momentum, and its live weights move with the start (``DilocoService._rebase``), instead of being
+momentum, and its live weights move with the start (``StageLoader._rebase``), instead of being
 replaced by the replica's it loaded from (which threw away the tokens it trained in that round)."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import pytest
 torch = pytest.importorskip("torch")
 trio = pytest.importorskip("trio")
 
-from p2pswarm.diloco.outer import flatten  # noqa: E402
-from p2pswarm.diloco.service import STATE_FORMAT  # noqa: E402
-from p2pswarm.errors import RemoteProtocolError  # noqa: E402
-from tests.test_diloco_offload import STAGE, replicas  # noqa: E402
+from p2pswarm.diloco.loading import STATE_FORMAT
+from p2pswarm.diloco.outer import flatten
+from p2pswarm.errors import RemoteProtocolError
+from tests.test_diloco_offload import STAGE, replicas
 
 
 def snapshot_of(service, rounds: int) -> dict:
@@ -32,7 +32,7 @@ def test_a_replica_one_round_behind_rebases_and_keeps_its_progress():
         engine.step = 40
         start, live = left_out.outer.start.clone(), flatten(engine.params).clone()
         state = snapshot_of(neighbour, rounds=1)
-        assert await left_out._load_state(state, ours=False, rebase=True)
+        assert await left_out.loader.load_state(state, ours=False, rebase=True)
         assert torch.equal(left_out.outer.start, state["diloco"]["start"])
         assert torch.equal(left_out.outer.momentum, state["diloco"]["momentum"])
         assert left_out.outer.rounds == 1 and left_out.outer.round_started_step == 40 == engine.step
@@ -49,6 +49,6 @@ def test_a_replica_further_behind_or_at_prepare_loads_the_whole_state():
         # the stand-in engine has no load_state_dict: a whole load reaches it and is refused, nothing changed
         for state, rebase in ((snapshot_of(neighbour, rounds=2), True), (snapshot_of(neighbour, rounds=1), False)):
             with pytest.raises(RemoteProtocolError):
-                await behind._load_state(state, ours=False, rebase=rebase)
+                await behind.loader.load_state(state, ours=False, rebase=rebase)
             assert torch.equal(behind.outer.start, before) and behind.outer.rounds == 0
     trio.run(main)

@@ -8,9 +8,10 @@ import pytest
 
 pytest.importorskip("torch")
 
-from p2pswarm.diloco.service import STRIKE_ROUNDS, STRIKES, DilocoService, result_check  # noqa: E402
-from p2pswarm.run.diloco import DilocoSettings  # noqa: E402
-from p2pswarm.model.catalog import get_model  # noqa: E402
+from p2pswarm.diloco.policy import STRIKE_ROUNDS, STRIKES, result_check
+from p2pswarm.diloco.service import DilocoService
+from p2pswarm.model.catalog import get_model
+from p2pswarm.run.diloco import DilocoSettings
 
 ME, AHEAD, STRANGER = "12D3KooWme", "12D3KooWahead", "12D3KooWstranger"
 
@@ -39,17 +40,19 @@ def test_a_claim_beyond_the_signed_record_or_from_a_stranger_is_ignored(peer, cl
 
 def test_a_peer_refused_in_enough_recent_rounds_is_no_longer_met():
     s = service()
+    outer = s.outer
     for round_ in range(STRIKES - 1):
-        s.outer.rounds = round_
-        s._rejected(AHEAD, "cosine -1")
-    assert not s._barred(AHEAD) and AHEAD in s._replicas()
-    s.outer.rounds = STRIKES - 1
-    s._rejected(AHEAD, "cosine -1")
-    assert s._barred(AHEAD) and AHEAD not in s._replicas()
-    s._note_ahead(AHEAD, s.outer.rounds + 1)
+        outer.rounds = round_
+        s.strikes.refuse(AHEAD, outer.rounds, "cosine -1")
+    assert not s.strikes.barred(AHEAD, outer.rounds) and AHEAD in s._replicas()
+    outer.rounds = STRIKES - 1
+    s.strikes.refuse(AHEAD, outer.rounds, "cosine -1")
+    assert s.strikes.barred(AHEAD, outer.rounds) and AHEAD not in s._replicas()
+    assert s.penalties[AHEAD] == STRIKES and s.counts["rejected_contributions"] == STRIKES
+    s._note_ahead(AHEAD, outer.rounds + 1)
     assert s._behind is None  # a barred peer cannot make us load its state either
-    s.outer.rounds += STRIKE_ROUNDS  # strikes age out: it is met again
-    assert not s._barred(AHEAD)
+    outer.rounds += STRIKE_ROUNDS  # strikes age out: it is met again
+    assert not s.strikes.barred(AHEAD, outer.rounds)
 
 
 def test_an_owner_aggregate_check_admits_the_mean_of_orthogonal_honest_shards_and_refuses_lies():
@@ -130,7 +133,8 @@ def test_a_group_of_one_applies_its_own_pseudo_gradient():
     s = service()
     pseudo = torch.arange(10, dtype=torch.float32)
     done = trio.run(s._assemble, Outcome((ME,)), {"pseudo": pseudo.clone(), "bounds": ((0, 10),)})
-    assert torch.equal(done.aggregated, pseudo) and done.missing == [] and done.refused == {} and s.residual is None
+    assert torch.equal(done.aggregated, pseudo) and done.missing == [] and done.refused == {}
+    assert s.residual is None
     assert done.pseudo_norm == done.update_norm == float(pseudo.norm())
 
 
@@ -186,8 +190,8 @@ def test_only_our_own_snapshot_gives_us_its_error_feedback_residual():
     import torch
     import trio
 
+    from p2pswarm.diloco.loading import STATE_FORMAT, outer_config
     from p2pswarm.diloco.outer import OuterOptimizer
-    from p2pswarm.diloco.service import STATE_FORMAT
     from p2pswarm.swarm.engine import StageEngine
 
     spec = get_model("tiny-lm/2")
@@ -198,11 +202,11 @@ def test_only_our_own_snapshot_gives_us_its_error_feedback_residual():
 
     s = service()
     s.swarm = SimpleNamespace(with_engine=with_engine)
-    s.outer = OuterOptimizer(engine.params, s._outer_config())
+    s.outer = OuterOptimizer(engine.params, outer_config(s.settings))
     theirs = torch.full((s.outer.numel,), 0.5)
     state = {"format": STATE_FORMAT, "model": spec.name, "stage": 1, "engine": engine.state_dict(),
              "diloco": s.outer.state_dict(), "feedback": {"residual": theirs}}
-    trio.run(s._load_state, state, False)
+    trio.run(s.loader.load_state, state, False)
     assert s.residual is None  # from a neighbour
-    trio.run(s._load_state, state, True)
+    trio.run(s.loader.load_state, state, True)
     assert torch.equal(s.residual, theirs)  # our own snapshot, from disk

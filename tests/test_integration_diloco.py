@@ -9,9 +9,10 @@ micro-batches and computes its own loss), with a small H so that rounds come eve
   neighbour (a hot snapshot at a later outer round, not its initial weights, not its old file),
   trains again, and takes part in rounds again.
 
-A second swarm has a replica that sends poisoned pseudo-gradients (-10 times its own, through
-the test-only ``P2PSWARM_DILOCO_ATTACK``): the honest replicas reject its contributions, count
-them against it, and still complete their rounds. No process may log a traceback.
+A second swarm has a replica that sends poisoned pseudo-gradients (-10 times its own: it runs
+``tests/attacking_peer.py``, which wraps ``p2pswarm`` and replaces what a replica sends): the
+honest replicas reject its contributions, count them against it, and still complete their
+rounds. No process may log a traceback.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import math
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -30,6 +32,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
 DILOCO = ("--model", "tiny-lm/1", "--inner-steps", "8", "--gather", "8", "--snapshot-period", "20")
 LAYERS = "0:8"  # tiny-lm/1: one stage of all 8 blocks
+ATTACKER = (str(Path(__file__).with_name("attacking_peer.py")), "negate10")  # run instead of `-m p2pswarm`
 
 
 def diloco(api: str) -> dict:
@@ -90,7 +93,7 @@ def test_a_poisoned_pseudo_gradient_is_rejected_and_the_round_completes(tmp_path
     try:
         boot = swarm.bootstrap()
         honest = [swarm.join(boot, LAYERS, f"h{i}", *DILOCO)[1] for i in range(2)]
-        poisoner = swarm.join(boot, LAYERS, "bad", *DILOCO, env={"P2PSWARM_DILOCO_ATTACK": "negate10"})[1]
+        poisoner = swarm.join(boot, LAYERS, "bad", *DILOCO, program=ATTACKER)[1]
         bad_id = peer_id(poisoner)
 
         def rejected_everywhere():

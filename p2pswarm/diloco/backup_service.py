@@ -64,6 +64,11 @@ def _spread(me: str, peer: str) -> bytes:
     return hashlib.sha256(me.encode() + b"|" + peer.encode()).digest()
 
 
+def backup_path(directory: Path, stage: int, round_: int) -> Path:
+    """The file of our held backup of ``stage`` at outer round ``round_``."""
+    return directory / f"stage{stage}-round{round_}.backup"
+
+
 @dataclass(frozen=True)
 class Held:
     """A backup we hold for another stage."""
@@ -217,7 +222,7 @@ class BackupService:
         held = self._held.pop(stage)
         self._previous.pop(stage, None)
         if self.directory is not None:
-            self._path(stage, held.snapshot.round).unlink(missing_ok=True)
+            backup_path(self.directory, stage, held.snapshot.round).unlink(missing_ok=True)
 
     def _refuse(self, peer: str, stage: int, exc: Exception) -> None:
         why = "unreachable" if isinstance(exc, DialError) else "refused"
@@ -228,15 +233,12 @@ class BackupService:
 
     # --- disk --------------------------------------------------------------------------------------
 
-    def _path(self, stage: int, round_: int) -> Path:
-        return self.directory / f"stage{stage}-round{round_}.backup"
-
     def _write(self, stage: int, snapshot: snapshots.Snapshot, old: Held | None) -> None:
         """Atomically (the bytes are small next to a stage's snapshot; the old copy removed after)."""
         self.directory.mkdir(parents=True, exist_ok=True)
-        write_atomic(self._path(stage, snapshot.round), snapshot.data)
+        write_atomic(backup_path(self.directory, stage, snapshot.round), snapshot.data)
         if old is not None and old.snapshot.round != snapshot.round:
-            self._path(stage, old.snapshot.round).unlink(missing_ok=True)
+            backup_path(self.directory, stage, old.snapshot.round).unlink(missing_ok=True)
 
     def _read_directory(self) -> None:
         """Worker thread, at start: the newest backup of each stage in ``directory`` that still checks."""
@@ -295,8 +297,8 @@ class BackupService:
                 "refused": dict(self.refused), "recent_refusals": list(self.recent_refusals),
                 "claims": [{"stage": c.stage, "round": c.round} for c in self.claims()]}
 
-    async def doc_json(self, params: dict) -> dict:
-        return self.doc()
-
     def routes(self) -> dict:
-        return {"/api/backups": self.doc_json}
+        async def doc_json(params: dict) -> dict:
+            return self.doc()
+
+        return {"/api/backups": doc_json}

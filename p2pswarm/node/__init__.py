@@ -37,7 +37,8 @@ from p2pswarm.dht.discovery import (
     push_identify,
     serve_routing_upkeep,
 )
-from p2pswarm.dht.records import FLAG_GPU, FLAG_PINNED, FLAG_SNAPSHOT, Capacity, StageRecord, sign_record
+from p2pswarm.dht.record_codec import sign_record
+from p2pswarm.dht.records import FLAG_GPU, FLAG_PINNED, FLAG_SNAPSHOT, Capacity, StageRecord
 from p2pswarm.dht.stagemap import (
     StageMap,
     control_round_trip,
@@ -309,13 +310,15 @@ async def _train(state: NodeState, rng: random.Random, task_status=trio.TASK_STA
     backups = state.backups
     state.diloco = DilocoService(settings=run.diloco(config.diloco), spec=state.model, stage=state.stage, me=me,
                                  pool=state.pool, stage_map=state.stage_map, snapshot_dir=snapshot_dir, run=run,
-                                 backups=backups, serve_snapshots=backups.attach_server if backups else None)
+                                 backups=backups, serve_snapshots=backups.attach_server if backups else None,
+                                 tunables=config.tunables)
     service = SwarmService(spec=state.model, stage=state.stage, me=me, pool=state.pool,
                            stage_map=state.stage_map, host=state.host, data=config.data,
                            threads=config.threads, rng=rng, extensions=[state.diloco],
                            placement=Placement(config.device, config.precision),
                            config=TrainConfig(**run.train_values()), run=run,
-                           tokenizer=load_tokenizer(run.tokenizer))  # resolved already: an absolute path or "bytes"
+                           tokenizer=load_tokenizer(run.tokenizer),  # resolved already: an absolute path or "bytes"
+                           tunables=config.tunables)
     await service.run(task_status=task_status)
 
 

@@ -1,0 +1,49 @@
+"""What a replica contributes to an outer round: its pseudo-gradient, taken and encoded shard by shard.
+
+These run on the engine's compute thread (``SwarmService.with_engine``): the parameters may be
+on a GPU, and ``outer.flatten`` moves them to the host slice by slice.
+
+``encode_contribution`` is the one function that turns our pseudo-gradient into the bytes the
+other members of the group receive (our ``Part`` of each owner's shard). It is the seam a test's
+attacking replica replaces (``tests/attacking_peer.py``: -10 times our shards, or noise): the
+package itself never sends anything else.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from p2pswarm.diloco import compression
+from p2pswarm.diloco.outer import OuterOptimizer, flatten
+
+Buffers = tuple[torch.Tensor, torch.Tensor]  # (weights at the close, pseudo-gradient), stage-sized, on the host
+
+
+def round_buffers(buffers: Buffers | None, numel: int) -> Buffers:
+    """Two stage-sized vectors a round fills, kept from round to round (``buffers``, unless they are
+    of another size): one round at a time uses them, and fresh ones would cost page faults."""
+    if buffers is None or buffers[0].numel() != numel:
+        buffers = (torch.empty(numel), torch.empty(numel))
+    return buffers
+
+
+def take_pseudo_gradient(engine, outer: OuterOptimizer, buffers: Buffers) -> Buffers:
+    """Our weights now (``at``) and the pseudo-gradient ``start - at``, written into ``buffers``."""
+    at, pseudo = buffers
+    flatten(engine.params, out=at)
+    outer.pseudo_gradient(at, out=pseudo)
+    return at, pseudo
+
+
+def take_alone(engine, outer: OuterOptimizer, buffers: Buffers) -> dict:
+    """A group of one: our own pseudo-gradient is the aggregate (DiLoCo with one worker), nothing is encoded."""
+    at, pseudo = take_pseudo_gradient(engine, outer, buffers)
+    return {"at": at, "pseudo": pseudo, "bounds": ((0, outer.numel),)}
+
+
+def encode_contribution(pseudo: torch.Tensor, bounds, codec: str, residual: torch.Tensor | None) -> list[bytes]:
+    """Our pseudo-gradient's piece ``pseudo[a:b]`` for each ``(a, b)`` of ``bounds``, encoded with
+    ``codec``; what the codec leaves out of each piece goes into ``residual[a:b]`` (error feedback:
+    carried on to the next round), if there is a residual."""
+    return [compression.encode(pseudo[a:b], codec, error_out=None if residual is None else residual[a:b])
+            for a, b in bounds]

@@ -1,0 +1,267 @@
+"""Where a DiLoCo replica's state comes from and goes to: loads, catch-up, snapshots, agreed backups.
+
+``StageLoader`` is the I/O half of ``service.DilocoService`` that is not an outer round:
+
+- **before training** (``load_at_start``) it loads the current state of its stage from a
+  neighbour replica over ``/p2pswarm/snapshot/1.0.0`` (``snapshots.py``), else the freshest
+  verified agreed backup that peers of other stages hold (``backups.fetch_freshest``,
+  ``backup_service``), else its own newest snapshot on disk, else it keeps the initial weights
+  (the first replica of a stage); the order is ``policy.load_sources``;
+- **a peer that fell behind** (left out of a round, or meeting a replica at a later round) loads
+  that replica's snapshot (``catch_up``), rebased on its own progress when it missed one round;
+- **every** ``snapshot_period`` it writes its state atomically to ``--data-dir`` (last 5 kept:
+  ``checkpoint.SnapshotStore``), and it makes the hot snapshots its ``SnapshotServer`` serves;
+- **after every outer round and every load** it encodes the stage's *agreed backup* (start,
+  momentum, round: ``backups``), served by digest and announced in our record (``agreed_claim``).
+
+The loader reads and writes its driver only through ``Replica`` (the engine's service, the outer
+optimizer, the residual and its lock). The engine's tensors are touched only through
+``SwarmService.with_engine``, and the error-feedback residual only under ``Replica.state_lock``
+(a snapshot holds it while it copies).
+A snapshot is made of host copies (``StageEngine.host_state_dict``) and encoded in a worker
+thread; a loaded one is moved to the engine's device by ``StageEngine.load_state_dict``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from collections import Counter
+from typing import Any, Protocol
+
+import torch
+import trio
+
+from p2pswarm.diloco import backups as backup_core
+from p2pswarm.diloco import checkpoint, snapshots
+from p2pswarm.diloco.outer import OuterConfig, OuterOptimizer, shift_flat
+from p2pswarm.diloco.policy import Source, load_sources, neighbours_by_round
+from p2pswarm.errors import DialError, ProtocolError, RemoteProtocolError
+from p2pswarm.run import plan
+from p2pswarm.run.diloco import DilocoSettings
+
+log = logging.getLogger(__name__)
+
+CATCH_UP_WAIT = 30.0  # how long a peer that starts looks for a replica to load from
+STATE_FORMAT = 1  # the layout of a snapshot's state tree
+
+
+class Replica(Protocol):
+    """What the loader shares with its round driver (``service.DilocoService``): the engine's service
+    (``with_engine``), the outer optimizer, the error-feedback residual (what compression left out,
+    carried on), and the lock under which the residual is written (by a round's assembly, or a load)
+    and read (by a snapshot)."""
+
+    swarm: Any  # the SwarmService, from ``prepare``
+    outer: OuterOptimizer | None
+    residual: torch.Tensor | None
+    state_lock: trio.Lock
+
+
+def outer_config(settings: DilocoSettings) -> OuterConfig:
+    """Our outer optimizer's flags, from our settings (never a neighbour's)."""
+    return OuterConfig(inner_steps=settings.inner_steps, lr=settings.outer_lr, momentum=settings.momentum,
+                       nesterov=settings.momentum > 0)
+
+
+class StageLoader:
+    """Loads, snapshots and agreed backups of one stage (module docstring)."""
+
+    def __init__(self, replica: Replica, *, settings: DilocoSettings, spec, stage: int, me: str, run_id: bytes,
+                 pool, stage_map, store: checkpoint.SnapshotStore | None, backups, counts: Counter) -> None:
+        self.replica, self.settings, self.spec, self.stage, self.me = replica, settings, spec, stage, me
+        self.run_id, self._pool, self._stage_map, self.store = run_id, pool, stage_map, store
+        self._backups = backups  # backup_service.BackupService, or None: no backups to load from
+        self.counts = counts  # the driver's: "catch_ups", "backup_loads", "snapshots"
+        self.server = snapshots.SnapshotServer(spec.name, stage, self.make_snapshot, run=run_id)
+        self.last_snapshot: dict | None = None
+        self.agreed_backup: snapshots.Snapshot | None = None  # our stage's agreed backup (backups.py)
+
+    # --- loading -------------------------------------------------------------------------------------
+
+    async def load_at_start(self) -> dict | None:
+        """Before training: our stage's current state from the first source that has it
+        (``policy.load_sources``); where it came from (None: our initial weights are kept)."""
+        with trio.move_on_after(CATCH_UP_WAIT):
+            await self._stage_map.refresh_stages([self.stage])
+        neighbours = neighbours_by_round(self._stage_map.stages.get(self.stage, []), self.me)
+        for source in load_sources(neighbours=bool(neighbours), backups=self._backups is not None,
+                                   disk=self.store is not None):
+            if source is Source.NEIGHBOUR:
+                loaded = await self.catch_up(neighbours)
+            else:
+                loaded = await (self._load_from_backup() if source is Source.BACKUP else self._load_from_disk())
+            if loaded is not None:
+                return loaded
+        log.info("stage %d starts from its initial weights (no replica, backup or snapshot to load)", self.stage)
+        await self.refresh_agreed()
+        return None
+
+    async def catch_up(self, peers: list[str], rebase: bool = False) -> dict | None:
+        """The state of the first of ``peers`` that serves one that fits; where it came from (None: none did)."""
+        for peer in peers:
+            try:
+                fetched = await snapshots.fetch_snapshot(
+                    self._pool, peer, self.spec.name, self.stage, run=self.run_id,
+                    max_bytes=plan.snapshot_plan(self.spec, self.stage).total_bytes)
+                state = await trio.to_thread.run_sync(checkpoint.decode_state, fetched.data)
+                rebased = await self.load_state(state, ours=False, rebase=rebase)
+            except (DialError, ProtocolError) as exc:
+                log.warning("could not load stage %d from %s: %s", self.stage, peer, exc)
+                continue
+            self.counts["catch_ups"] += 1
+            log.info("loaded stage %d from %s: outer round %d, inner step %d, %.1f MB in %.1f s%s", self.stage, peer,
+                     fetched.round, fetched.step, len(fetched.data) / 1e6, fetched.seconds,
+                     "; our own progress since our last round kept on top (rebased)" if rebased else "")
+            return {"peer": peer, "round": fetched.round, "step": fetched.step, "bytes": len(fetched.data),
+                    "seconds": round(fetched.seconds, 2), "rebased": rebased}
+        return None
+
+    async def _load_from_disk(self) -> dict | None:
+        found = await trio.to_thread.run_sync(self.store.latest)
+        if found is None:
+            return None
+        path, state = found
+        try:
+            await self.load_state(state, ours=True)
+        except ProtocolError as exc:
+            log.warning("snapshot %s does not fit stage %d: %s", path, self.stage, exc)
+            return None
+        log.info("loaded stage %d from %s (outer round %d)", self.stage, path, self.replica.outer.rounds)
+        return {"file": str(path), "round": self.replica.outer.rounds}
+
+    async def _load_from_backup(self) -> dict | None:
+        """No replica to load from: the freshest verified backup of our stage that a peer holds."""
+        found = await self._backups.fetch_freshest(self.stage)
+        if found is None:
+            return None
+        state, info = found
+        try:
+            await self.load_backup(state)
+        except ProtocolError as exc:
+            log.warning("the backup of stage %d held by %s does not fit: %s", self.stage, info["holder"], exc)
+            return None
+        self.counts["backup_loads"] += 1
+        log.info("loaded stage %d from the backup held by %s: outer round %d (%.1f MB in %.1f s)", self.stage,
+                 info["holder"], info["round"], info["bytes"] / 1e6, info["seconds"])
+        return {"backup": info["holder"], "round": info["round"], "bytes": info["bytes"],
+                "seconds": round(info["seconds"], 2)}
+
+    async def load_state(self, state: dict, ours: bool, rebase: bool = False) -> bool:
+        """Take a snapshot's state as ours (RemoteProtocolError if it is not a state of our stage); True if
+        it was rebased.
+
+        The error-feedback residual is taken only from our own snapshot: a neighbour's is what *it*
+        still has to send (carried parts included), and sending it too would count it twice.
+
+        **Rebase.** A replica left out of exactly one round (``rebase``, and the snapshot is one round
+        ahead of us: it missed the gather by seconds) takes only the outer state, the round's new
+        start and momentum, and keeps its own work: its live weights move by ``new start - our start``
+        (``shift_flat``), its AdamW state and step stay, and its progress since our last round goes
+        into its next pseudo-gradient. Replacing its weights with the replica's would throw away the
+        tokens it trained in the round it missed."""
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT or \
+                state.get("model") != self.spec.name or state.get("stage") != self.stage:
+            raise RemoteProtocolError("the snapshot is not of our model and stage")
+        rebased = rebase and isinstance(state.get("diloco"), dict) \
+            and state["diloco"].get("rounds") == self.replica.outer.rounds + 1
+
+        def load(engine):
+            outer, mine = self.replica.outer, (engine.micro_batches, engine.tokens)
+            try:
+                if rebased:
+                    return self._rebase(engine, state["diloco"])
+                engine.load_state_dict(state["engine"])
+                outer.load_state_dict(state["diloco"])
+                outer.config = outer_config(self.settings)  # our flags, not the neighbour's
+                residual = state.get("feedback", {}).get("residual") if ours else None
+                self.replica.residual = residual if isinstance(residual, torch.Tensor) and \
+                    residual.dtype == torch.float32 and residual.shape == (outer.numel,) else None
+            except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as exc:
+                raise RemoteProtocolError(f"the snapshot's state does not fit: {exc!r:.200}") from None
+            engine.micro_batches, engine.tokens = mine  # our own work counters stay ours
+            engine.weights_changed()
+            engine.agree(outer.rounds, outer.start.clone())  # what held-out rounds evaluate
+
+        async with self.replica.state_lock:
+            await self.replica.swarm.with_engine(load)
+        await self.refresh_agreed()
+        return rebased
+
+    def _rebase(self, engine, outer_state: dict) -> None:
+        """Compute thread: the outer state of the round we missed, with our live progress kept (``load_state``)."""
+        outer = self.replica.outer
+        ours = outer.start
+        outer.load_state_dict(outer_state)
+        outer.config = outer_config(self.settings)
+        outer.round_started_step = engine.step  # our next round comes after H more of our steps
+        shift_flat(engine.params, ours, outer.start)
+        engine.weights_changed()
+        engine.agree(outer.rounds, outer.start.clone())
+
+    async def load_backup(self, state: dict) -> None:
+        """Take a checked backup (``backups.check_backup``) as our state: the weights are its start
+        (a fresh AdamW), the outer state its start, momentum and round; the engine's step goes to
+        ``round x inner_steps``, so the LR schedule continues about where the stage was."""
+        config = dataclasses.asdict(outer_config(self.settings))
+
+        def load(engine):
+            backup_core.apply_backup(engine, self.replica.outer, state, self.settings.inner_steps, config)
+            self.replica.residual = None  # what compression left out is per replica too
+
+        async with self.replica.state_lock:
+            await self.replica.swarm.with_engine(load)
+        await self.refresh_agreed()
+
+    # --- agreed backups and snapshots --------------------------------------------------------------
+
+    async def refresh_agreed(self) -> None:
+        """Encode our stage's agreed backup (in a worker thread) and serve it by digest."""
+        def take(engine):
+            outer = self.replica.outer
+            momentum = outer.momentum.clone() if outer.config.momentum > 0 else None  # 0: never acts
+            return outer.rounds, outer.start.clone(), momentum
+
+        round_, start, momentum = await self.replica.swarm.with_engine(take)
+        encode = functools.partial(backup_core.encode_backup, self.spec.name, self.stage, self.run_id.hex(),
+                                   round_, start, momentum)
+        data = await trio.to_thread.run_sync(encode)
+        backup = snapshots.Snapshot(data, round_, 0, trio.current_time())
+        await trio.to_thread.run_sync(lambda: backup.digest)  # hashed once, off the loop
+        if self.agreed_backup is None or round_ >= self.agreed_backup.round:
+            self.agreed_backup = backup
+            self.server.add_agreed(backup)
+
+    def agreed_claim(self) -> tuple[int, bytes] | None:
+        """(outer round, digest) of our stage's agreed backup, for our record; None before the first."""
+        backup = self.agreed_backup
+        return (backup.round, backup.digest) if backup is not None else None
+
+    async def make_snapshot(self) -> snapshots.Snapshot:
+        """Our stage's state now, encoded: what the snapshot server serves and the disk loop writes."""
+        def take(engine):  # on the compute thread: host copies (of device tensors on a GPU), nothing more
+            residual = self.replica.residual.clone() if self.replica.residual is not None else None
+            return engine.host_state_dict(), self.replica.outer.state_dict(), residual
+
+        async with self.replica.state_lock:  # (not while a round's assembly writes the residual)
+            engine_state, outer_state, residual = await self.replica.swarm.with_engine(take)
+        state = {"format": STATE_FORMAT, "model": self.spec.name, "stage": self.stage, "engine": engine_state,
+                 "diloco": outer_state, "feedback": {"residual": residual} if residual is not None else {}}
+        data = await trio.to_thread.run_sync(checkpoint.encode_state, state)  # O(snapshot), off the engine
+        return snapshots.Snapshot(data, outer_state["rounds"], engine_state["step"], trio.current_time())
+
+    async def run_snapshots(self) -> None:
+        """Every ``snapshot_period``: our newest snapshot written to disk (never returns; at once without a store)."""
+        if self.store is None:
+            log.info("no --data-dir: stage %d keeps no snapshots on disk (neighbours still serve it)", self.stage)
+            return
+        while True:
+            await trio.sleep(self.settings.snapshot_period)
+            snapshot = await self.server.newest()
+            save = functools.partial(self.store.save, snapshot.data, round=snapshot.round, step=snapshot.step)
+            path = await trio.to_thread.run_sync(save)
+            self.last_snapshot = {"path": str(path), "round": snapshot.round, "step": snapshot.step,
+                                  "bytes": len(snapshot.data)}
+            self.counts["snapshots"] += 1
+            log.info("snapshot of stage %d written: %s (%.1f MB)", self.stage, path, len(snapshot.data) / 1e6)

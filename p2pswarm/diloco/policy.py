@@ -1,0 +1,126 @@
+"""The DiLoCo driver's pure decisions: no trio, no I/O, no clock but the ``now`` it is given.
+
+- ``next_move``: what the driver does at a tick: load the state of a replica that is ahead
+  (``CATCH_UP``), forget such a claim that our own round overtook, start a round, tick the open
+  one, or wait;
+- ``believed_ahead``: whether a replica's claim to be at a later round is believed (only from a
+  replica we meet, and only as far as its signed record goes);
+- ``load_sources``: where a peer that starts looks for its stage's state, in order;
+- ``Strikes``: whom we refused in which rounds, and whom we therefore stop meeting;
+- ``result_check``: how far an owner's aggregate may stray from our own shard before we call it a lie.
+
+``service`` (the driver) and ``loading`` act on these answers.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections import Counter
+from collections.abc import Iterable
+
+from p2pswarm.diloco import aggregation
+from p2pswarm.diloco.round import Phase
+
+log = logging.getLogger(__name__)
+
+STRIKES = 3  # a peer whose contributions we refused in this many of the last STRIKE_ROUNDS rounds...
+STRIKE_ROUNDS = 10  # ...is left out of our groups (its Hellos get our status, nothing more)
+RESULT_MIN_PROJECTION = -1.0  # an aggregate may not undo more than all of our own step (honest: >= -0.6)
+RESULT_MAX_NORM_RATIO = aggregation.MAX_NORM_RATIO  # honest: <= 3 (a mean of shards within 3x of ours); -10x of 2: ~5
+
+
+class Move(enum.Enum):
+    """What the driver does at one tick (``next_move``)."""
+
+    CATCH_UP = "catch_up"  # load the state of the replica that said it is ahead (then forget the claim)
+    FORGET = "forget"  # a replica was ahead, our own round has reached it meanwhile: forget the claim
+    START = "start"  # a round is due and may start: start it
+    TICK = "tick"  # a round is open: tick it (its deadlines)
+    WAIT = "wait"  # nothing to do yet
+
+
+def next_move(now: float, *, behind_round: int | None, phase: Phase | None, rounds: int, due: bool,
+              retry_at: float) -> Move:
+    """The driver's next move at ``now``. ``behind_round``: the later round a replica claimed (None:
+    no claim); ``phase``: the open round's (None: none open); ``rounds``: our outer rounds so far;
+    ``due``: enough inner steps for a round; ``retry_at``: no new round before it (after being left out).
+
+    A claim is acted on only when no round is open or ours went on without us: a round that is DONE
+    is still applying its outer step, and a state must not be loaded under it."""
+    if behind_round is not None and (phase is None or phase is Phase.LEFT_OUT):
+        return Move.CATCH_UP if behind_round > rounds else Move.FORGET
+    if phase is None:
+        return Move.START if due and now >= retry_at else Move.WAIT
+    return Move.TICK
+
+
+def believed_ahead(peer: str, their_round: int, *, our_round: int, met: frozenset[str],
+                   record_round: int | None) -> bool:
+    """Whether ``peer`` saying it is at ``their_round`` makes us load its state: only a replica we
+    meet (``met``), with a signed record (``record_round``: the outer round it announced, None: no
+    record), and only as far as that record goes plus the one round it may have finished since:
+    a peer claiming round 10^18 must not make us load whatever it serves."""
+    return our_round < their_round and peer in met and record_round is not None \
+        and their_round <= record_round + 1
+
+
+class Source(enum.Enum):
+    """Where a starting peer may find its stage's state (``load_sources``)."""
+
+    NEIGHBOUR = "neighbour"  # a replica of our stage: its hot snapshot (the current state)
+    BACKUP = "backup"  # no replica left: the freshest verified agreed backup a peer of another stage holds
+    DISK = "disk"  # nobody has it: our own newest snapshot file
+
+
+def load_sources(*, neighbours: bool, backups: bool, disk: bool) -> tuple[Source, ...]:
+    """The sources a starting peer tries, in order, until one loads: a neighbour first (the stage's
+    live state), then a backup (newer than our file if the stage trained on without us), then our
+    own file. None of them: we keep our initial weights (the first replica of a stage)."""
+    present = {Source.NEIGHBOUR: neighbours, Source.BACKUP: backups, Source.DISK: disk}
+    return tuple(source for source in Source if present[source])
+
+
+def neighbours_by_round(records: Iterable, me: str) -> list[str]:
+    """The other replicas in ``records`` (stage-map records), the one announcing the latest outer round first."""
+    return [r.peer_id for r in sorted((r for r in records if r.peer_id != me), key=lambda r: -r.capacity.outer_round)]
+
+
+class Strikes:
+    """The contributions we refused, per peer, and whom we therefore stop meeting: a peer refused in
+    STRIKES of the last STRIKE_ROUNDS rounds is barred (strikes age out)."""
+
+    def __init__(self, counts: Counter) -> None:
+        self.counts = counts  # the driver's counters: "rejected_contributions"
+        self.penalties: Counter = Counter()  # rejected contributions per peer, ever
+        self._rounds: dict[str, list[int]] = {}  # peer -> the rounds in which we refused it
+
+    def refuse(self, peer: str, round_: int, reason: str) -> None:
+        """We refused a contribution of ``peer`` in outer round ``round_``."""
+        self.counts["rejected_contributions"] += 1
+        self.penalties[peer] += 1
+        rounds = self._rounds.setdefault(peer, [])
+        if round_ not in rounds:
+            rounds.append(round_)
+        log.warning("outer round %d: refused %s: %s", round_, peer, reason)
+
+    def barred(self, peer: str, round_: int) -> bool:
+        """Refused in STRIKES of the last STRIKE_ROUNDS rounds before ``round_``: left out of our groups."""
+        recent = [r for r in self._rounds.get(peer, ()) if r > round_ - STRIKE_ROUNDS]
+        self._rounds[peer] = recent
+        return len(recent) >= STRIKES
+
+
+def result_check(members: int) -> aggregation.VerifyConfig:
+    """How far an owner's aggregate m may be from our own shard a before we call it a lie. Only
+    what would harm us is refused: m longer than RESULT_MAX_NORM_RATIO times a, or pulling back
+    along a by more than a itself (m.a / a.a < RESULT_MIN_PROJECTION), which a -10x aggregate
+    does. No cosine bar and no lower bound on length: honest pseudo-gradients may be orthogonal
+    or opposed (pairwise cosine down to -0.2 early on, norms 3x apart), and then their aggregate
+    can be short and point anywhere but far back (m.a / a.a >= (1 - 0.6 (n - 1)) / n for the mean
+    of n within 3x and at cosine >= -0.2); the old bar 0.5/sqrt(n) refused such an honest owner
+    (2 members, cosine 0, norms 2.7x apart: cosine 1/sqrt(10) < 0.354). A short aggregate does
+    little harm, and with 2 members nothing tells an honest owner from one that sends noise."""
+    ratio = RESULT_MAX_NORM_RATIO  # (whatever the group's size: an aggregate is no longer than its longest part)
+    return aggregation.VerifyConfig(min_cosine=-1.0, max_norm_ratio=ratio, max_var_ratio=ratio * ratio,
+                                    min_projection=RESULT_MIN_PROJECTION, refuse_short=False)

@@ -1,0 +1,109 @@
+"""The DiLoCo driver's pure decisions (``diloco.policy``) and its status records (``diloco.status``)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("torch")
+
+from p2pswarm.diloco import policy, status
+from p2pswarm.diloco.policy import (
+    STRIKE_ROUNDS,
+    STRIKES,
+    Move,
+    Source,
+    believed_ahead,
+    load_sources,
+    neighbours_by_round,
+    next_move,
+)
+from p2pswarm.diloco.round import Phase
+
+
+def move(now=10.0, *, behind_round=None, phase=None, rounds=3, due=True, retry_at=0.0) -> Move:
+    return next_move(now, behind_round=behind_round, phase=phase, rounds=rounds, due=due, retry_at=retry_at)
+
+
+def test_a_due_round_starts_only_once_the_backoff_after_being_left_out_is_over():
+    assert move() is Move.START
+    assert move(due=False) is Move.WAIT
+    assert move(now=10.0, retry_at=15.0) is Move.WAIT
+    assert move(now=15.0, retry_at=15.0) is Move.START
+
+
+@pytest.mark.parametrize("phase", [Phase.IDLE, Phase.GATHER, Phase.AGREE, Phase.REDUCE, Phase.DONE])
+def test_an_open_round_is_ticked_and_a_later_replica_waits_for_it(phase):
+    """A DONE round is still applying its outer step: no state is loaded under it."""
+    assert move(phase=phase) is Move.TICK
+    assert move(phase=phase, behind_round=9) is Move.TICK
+
+
+@pytest.mark.parametrize("phase", [None, Phase.LEFT_OUT])
+def test_a_replica_ahead_is_caught_up_with_unless_our_round_reached_it(phase):
+    assert move(phase=phase, behind_round=4, rounds=3) is Move.CATCH_UP
+    assert move(phase=phase, behind_round=4, rounds=4) is Move.FORGET  # caught up by our own round meanwhile
+    assert move(phase=phase, behind_round=4, rounds=3, due=False) is Move.CATCH_UP
+
+
+def test_a_later_round_is_believed_only_from_a_met_replica_within_its_record():
+    met = frozenset({"a"})
+    assert believed_ahead("a", 6, our_round=3, met=met, record_round=5)
+    assert not believed_ahead("a", 7, our_round=3, met=met, record_round=5)  # beyond its signed record + 1
+    assert not believed_ahead("a", 3, our_round=3, met=met, record_round=5)  # not later than ours
+    assert not believed_ahead("b", 4, our_round=3, met=met, record_round=5)  # a peer we do not meet
+    assert not believed_ahead("a", 4, our_round=3, met=met, record_round=None)  # no record
+
+
+def test_a_starting_peer_tries_a_neighbour_then_a_backup_then_its_own_file():
+    assert load_sources(neighbours=True, backups=True, disk=True) == (Source.NEIGHBOUR, Source.BACKUP, Source.DISK)
+    assert load_sources(neighbours=False, backups=True, disk=True) == (Source.BACKUP, Source.DISK)
+    assert load_sources(neighbours=True, backups=False, disk=False) == (Source.NEIGHBOUR,)
+    assert load_sources(neighbours=False, backups=False, disk=False) == ()
+
+
+def test_neighbours_are_tried_latest_round_first_and_never_ourselves():
+    records = [SimpleNamespace(peer_id=p, capacity=SimpleNamespace(outer_round=r))
+               for p, r in (("a", 2), ("me", 9), ("b", 5), ("c", 3))]
+    assert neighbours_by_round(records, "me") == ["b", "c", "a"]
+
+
+def test_strikes_bar_a_peer_refused_in_enough_recent_rounds_and_age_out():
+    counts = Counter()
+    strikes = policy.Strikes(counts)
+    for round_ in range(STRIKES):
+        assert not strikes.barred("x", round_)
+        strikes.refuse("x", round_, "cosine -1")
+        strikes.refuse("x", round_, "again, same round")  # one strike a round
+    assert strikes.barred("x", STRIKES - 1) and not strikes.barred("y", STRIKES - 1)
+    assert strikes.penalties["x"] == 2 * STRIKES == counts["rejected_contributions"]
+    assert not strikes.barred("x", STRIKES - 1 + STRIKE_ROUNDS)
+
+
+def test_a_round_record_splits_its_time_into_phases():
+    done = SimpleNamespace(missing=[1], refused={2: "too long"}, pseudo_norm=1.23456, update_norm=0.5)
+    times = status.RoundTimes(started=100.0, agreed_s=2.0, take_s=0.5, finished=106.0, assembled=106.25, now=107.0)
+    record = status.round_record(4, ("a", "b"), times, 10, 20, done, step=40, tokens=999)
+    assert record["round"] == 4 and record["members"] == ["a", "b"] and record["seconds"] == 7.0
+    assert record["missing_shards"] == [1] and record["refused_results"] == [2]
+    assert record["bytes_sent"] == 10 and record["bytes_received"] == 20 and record["pseudo_gradient_norm"] == 1.2346
+    assert record["phases_s"] == {"gather_agree": 2.0, "take_pseudo_gradient": 0.5, "exchange": 3.5,
+                                  "assemble": 0.25, "outer_step": 0.75}
+
+
+def test_the_attacking_peer_replaces_the_one_contribution_seam(monkeypatch):
+    """``tests/attacking_peer.py`` poisons exactly what ``contribution.encode_contribution`` returns."""
+    import torch
+
+    from p2pswarm.diloco import compression, contribution
+    from tests import attacking_peer
+
+    monkeypatch.setattr(contribution, "encode_contribution", contribution.encode_contribution)  # restored after
+    pseudo = torch.arange(1.0, 9.0)
+    honest = contribution.encode_contribution(pseudo, ((0, 4), (4, 8)), "float32", None)
+    attacking_peer.install("negate10")
+    sent = contribution.encode_contribution(pseudo, ((0, 4), (4, 8)), "float32", None)
+    for mine, theirs in zip(honest, sent, strict=True):
+        assert torch.equal(compression.decode(theirs, "float32", 4), -10 * compression.decode(mine, "float32", 4))
