@@ -32,7 +32,11 @@ from p2pswarm.diloco.outer import OuterConfig, OuterOptimizer, flatten
 from p2pswarm.model.catalog import ModelSpec
 from p2pswarm.model.corpus import Corpus, batches, heldout_batches
 from p2pswarm.model.transformer import build_stage
-from p2pswarm.swarm.engine import BETAS, GRAD_CLIP, LEARNING_RATE, WEIGHT_DECAY, ids_tensor
+from p2pswarm.run.spec import DEFAULT_BETAS as BETAS
+from p2pswarm.run.spec import DEFAULT_GRAD_CLIP as GRAD_CLIP
+from p2pswarm.run.spec import DEFAULT_LR as LEARNING_RATE
+from p2pswarm.run.spec import DEFAULT_WEIGHT_DECAY as WEIGHT_DECAY
+from p2pswarm.swarm.engine import ids_tensor
 
 SPEC = ModelSpec("bench-lm", n_layers=2, stage_size=2, width=64, heads=2, ffn=256,
                  context=64)  # 137k parameters: ~8 ms a step on one core

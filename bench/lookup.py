@@ -41,8 +41,11 @@ from p2pswarm.node.config import NodeConfig, Role
 from p2pswarm.dht.discovery import ANNOUNCE_PERIOD, RECORD_TTL, STAGE_MAP_PERIOD
 from p2pswarm.model.catalog import get_model
 from p2pswarm.node import run_node
+from p2pswarm.run.spec import default_run
+from p2pswarm.run.training import Training
 
 MODEL = "tiny-lm"  # 8 layers in 4 stages of 2
+TRAINING = Training.of(default_run().with_values(model=MODEL))  # the run whose records the swarm announces
 JOINERS = 31  # + 1 bootstrap = 32 nodes
 START_BATCH = 1  # joiners started together: with 4, hundreds of py-libp2p stream opens fail during
 # the joins, py-libp2p evicts those peers from its routing tables, and some joiners end up with an
@@ -81,14 +84,14 @@ class Sample:
 
 def joiner_config(boot_addr: str, index: int) -> NodeConfig:
     stage_range = get_model(MODEL).stage_range(index % get_model(MODEL).n_stages)
-    return NodeConfig(role=Role.JOIN, listen=(LOOPBACK,), bootstrap=(boot_addr,), model=MODEL,
+    return NodeConfig(role=Role.JOIN, listen=(LOOPBACK,), bootstrap=(boot_addr,), training=TRAINING,
                       layers=stage_range)
 
 
 async def start_swarm(nursery: trio.Nursery, batch_size: int = START_BATCH) -> Swarm:
     swarm = Swarm()
     boot = await nursery.start(partial(run_node, NodeConfig(role=Role.BOOTSTRAP, listen=(LOOPBACK,),
-                                                            model=MODEL)))
+                                                            training=TRAINING)))
     swarm.nodes.append(boot)
     boot_addr = boot.addrs()[0]
 

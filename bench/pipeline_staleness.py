@@ -36,11 +36,12 @@ def run(delay: int, predict: bool, accumulate: int, steps: int) -> float:
     from p2pswarm.model.corpus import batches, heldout_batches, stdlib_corpus
     from p2pswarm.run.spec import load_run
     from p2pswarm.swarm.activation import NO_ROUND
-    from p2pswarm.swarm.engine import StageEngine, TrainConfig, Work, ids_tensor
+    from p2pswarm.swarm.engine import StageEngine, Work, ids_tensor
+    from p2pswarm.run.training import train_config
     from p2pswarm.swarm.evaluation import EVAL_BATCHES, EVAL_ROWS
 
     spec = get_model("tiny-lm/2")
-    config = dataclasses.replace(TrainConfig(**load_run("tiny-lm").train_values()), accumulate=accumulate,
+    config = dataclasses.replace(train_config(load_run("tiny-lm")), accumulate=accumulate,
                                  predict_weights=predict)
     first, last = StageEngine(spec, 0, config), StageEngine(spec, 1, config)
     corpus = stdlib_corpus()

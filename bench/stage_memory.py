@@ -64,11 +64,12 @@ def measure(run_name: str, stage: int, steps: int) -> dict:
 
     from p2pswarm.model.catalog import stage_memory
     from p2pswarm.run.spec import load_run
+    from p2pswarm.run.training import train_config
     from p2pswarm.swarm import engine as eng
 
     torch.set_num_threads(1)
     run = load_run(run_name)
-    spec, config = run.spec(), eng.TrainConfig(**run.train_values())
+    spec, config = run.spec(), train_config(run)
     toy = dataclasses.replace(spec, name="toy", n_layers=3, stage_size=1, width=16, heads=2, kv_heads=2, ffn=32,
                               context=8)
     position = 0 if stage == 0 else 2 if stage == spec.last_stage else 1

@@ -60,10 +60,11 @@ def baseline(tokens_wanted: int, seconds_cap: float) -> tuple[float, list[tuple[
     from p2pswarm.model.corpus import batches, heldout_batches, stdlib_corpus
     from p2pswarm.run.spec import load_run
     from p2pswarm.model.transformer import build_model, run_stages
-    from p2pswarm.swarm.engine import TrainConfig, ids_tensor, lr_at, param_groups
+    from p2pswarm.swarm.engine import ids_tensor, lr_at, param_groups
+    from p2pswarm.run.training import train_config
     from p2pswarm.swarm.evaluation import EVAL_BATCHES, EVAL_ROWS
 
-    config = TrainConfig(**load_run("tiny-lm").train_values())  # the demo's run: the same optimizer
+    config = train_config(load_run("tiny-lm"))  # the demo's run: the same optimizer
     spec = get_model("tiny-lm")
     stages = build_model(spec, 0)
     params = [p for m in stages for p in m.parameters()]

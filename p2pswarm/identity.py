@@ -11,8 +11,13 @@ import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from p2pswarm.errors import ConfigError
+
+if TYPE_CHECKING:  # libp2p is imported where a key is made or read: importing this module stays cheap
+    from libp2p.crypto.keys import KeyPair
+    from libp2p.peer.id import ID
 
 KEY_FILE_MODE = 0o600  # only the owner may read a private key
 MAX_KEY_FILE_BYTES = 4096  # an Ed25519 key file is 36 bytes; anything far larger is not one
@@ -22,8 +27,8 @@ MAX_KEY_FILE_BYTES = 4096  # an Ed25519 key file is 36 bytes; anything far large
 class Identity:
     """A loaded key pair and the peer id it gives."""
 
-    key_pair: object  # libp2p.crypto.keys.KeyPair
-    peer_id: object  # libp2p.peer.id.ID
+    key_pair: KeyPair
+    peer_id: ID
 
     @property
     def peer_id_text(self) -> str:

@@ -17,8 +17,8 @@ import dataclasses
 import math
 import types
 import typing
-from collections.abc import Mapping
-from typing import Any, ClassVar
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar, TypeVar
 
 import cbor2
 
@@ -68,25 +68,28 @@ class _Field:
     optional: bool
 
 
+_M = TypeVar("_M", bound=Message)
+
 _REGISTRY: dict[str, type[Message]] = {}
 _FIELDS: dict[type, tuple[_Field, ...]] = {}
 
 
-def message(type_name: str, version: int = 1):
+@typing.dataclass_transform(frozen_default=True)
+def message(type_name: str, version: int = 1) -> Callable[[type[_M]], type[_M]]:
     """Class decorator: make ``cls`` a frozen dataclass and register it under ``type_name``."""
     if not isinstance(type_name, str) or not type_name:
         raise ValueError(f"message type name must be a non-empty str, not {type_name!r}")
     if type(version) is not int or not 1 <= version <= INT_MAX:
         raise ValueError(f"message version must be a positive int, not {version!r}")
 
-    def register(cls: type) -> type:
+    def register(cls: type[_M]) -> type[_M]:
         if not (isinstance(cls, type) and issubclass(cls, Message)):
             raise TypeError(f"{cls!r} must subclass p2pswarm.wire.Message")
         if type_name in _REGISTRY:
             raise ValueError(f"message type {type_name!r} is already registered")
         if "__dataclass_fields__" not in cls.__dict__:
             cls = dataclasses.dataclass(frozen=True)(cls)
-        elif not cls.__dataclass_params__.frozen:
+        elif not cls.__dataclass_params__.frozen:  # type: ignore[attr-defined]  # set by @dataclass
             raise TypeError(f"{cls.__name__} must be a frozen dataclass")
         fields = _field_specs(cls)
         cls.TYPE, cls.VERSION = type_name, version
@@ -151,7 +154,7 @@ def _check_value(field: _Field, value: Any, error: type[Exception]) -> None:
             _check_scalar(field.name, field.kind, item, error)
 
 
-def _check_scalar(name: str, kind: type, value: Any, error: type[Exception]) -> None:
+def _check_scalar(name: str, kind: type[Any], value: Any, error: type[Exception]) -> None:
     # `type(x) is kind`, not isinstance: a bool is not an int, an int is not a float.
     if type(value) is not kind:
         raise error(f"field {name!r}: expected {kind.__name__}, got {type(value).__name__}")

@@ -20,7 +20,7 @@ from p2pswarm.cli import build_parser, config_from_args, main
 from p2pswarm.errors import ConfigError, LocalProtocolError
 from p2pswarm.model.catalog import get_model, least_served_stage
 from p2pswarm.swarm.compute_thread import ComputeThread, open_compute_thread
-from p2pswarm.swarm.device import Accelerators, Placement, choose_placement, resolve_placement
+from p2pswarm.run.placement import Accelerators, Placement, choose_placement, resolve_placement
 
 BOOTSTRAP = "/ip4/127.0.0.1/tcp/4001/p2p/12D3KooWQYhTNQdmr3ArTeUHRYzFg94BKyTkoWBDWez9kSCVe2Xo"
 GPU_BOX = Accelerators(cuda_devices=2)
@@ -80,7 +80,7 @@ def test_a_placement_is_always_one_the_machine_can_run(cuda, mps, device, precis
 def test_join_takes_the_flags_into_its_config():
     args = build_parser().parse_args(["join", "--bootstrap", BOOTSTRAP, "--device", "cpu", "--precision", "bf16"])
     config = config_from_args(args)
-    assert (config.device, config.precision) == ("cpu", "bf16")
+    assert config.training.placement == Placement("cpu", "bf16")
 
 
 def test_join_refuses_a_cuda_device_this_machine_lacks(capsys):
@@ -197,12 +197,14 @@ def test_one_fast_replica_serves_a_stage_as_much_as_several_slow_ones():
 
 def test_a_peer_on_an_accelerator_announces_it():
     from p2pswarm.node.config import NodeConfig, Role
+    from p2pswarm.run.spec import default_run
+    from p2pswarm.run.training import Training
     from p2pswarm.dht.records import FLAG_GPU
     from p2pswarm.identity import generate_identity
     from p2pswarm.node import NodeState
 
     def capacity(device):
-        config = NodeConfig(role=Role.JOIN, device=device)
+        config = NodeConfig(role=Role.JOIN, training=Training.of(default_run(), placement=Placement(device)))
         return NodeState(identity=generate_identity(), config=config, model=get_model("tiny-lm/2")).capacity()
 
     on_cpu, on_gpu = capacity("cpu"), capacity("cuda:0")
@@ -218,7 +220,7 @@ def test_a_peer_takes_activations_in_its_runs_dtype_only():
     from p2pswarm.errors import RemoteProtocolError
     from p2pswarm.swarm.activation import SESSION_BYTES, Ack, Forward
     from p2pswarm.swarm.buffers import Priority
-    from p2pswarm.swarm.engine import TrainConfig
+    from p2pswarm.run.training import TrainConfig
     from p2pswarm.swarm.service import SwarmService
 
     spec, rows, seq = get_model("tiny-lm/2"), 2, 8

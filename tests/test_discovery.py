@@ -10,7 +10,8 @@ import trio
 import p2pswarm.dht.discovery as discovery
 import p2pswarm.dht.records as records_module
 from p2pswarm.node.config import DhtMode, NodeConfig, Role
-from p2pswarm.dht.records import Capacity, StageRecord, sign_record, stage_key
+from p2pswarm.dht.record_codec import sign_record
+from p2pswarm.dht.records import Capacity, StageRecord, stage_key
 from p2pswarm.run.spec import default_run
 from p2pswarm.dht.store import StoredRecord
 from p2pswarm.identity import generate_identity

@@ -17,7 +17,8 @@ from p2pswarm.errors import RemoteProtocolError  # noqa: E402
 from p2pswarm.model.catalog import get_model  # noqa: E402
 from p2pswarm.model.transformer import build_stage  # noqa: E402
 from p2pswarm.swarm.codec import from_wire, to_wire  # noqa: E402
-from p2pswarm.swarm.engine import StageEngine, TrainConfig, Work, ids_tensor  # noqa: E402
+from p2pswarm.swarm.engine import StageEngine, Work, ids_tensor
+from p2pswarm.run.training import TrainConfig  # noqa: E402
 
 SPEC = get_model("tiny-lm/2")
 WHOLE = dataclasses.replace(SPEC, stage_size=SPEC.n_layers)  # the same weights as one stage
@@ -121,7 +122,7 @@ def test_tensors_survive_the_wire_and_ids_are_bytes():
 
 # --- devices, precision and the wire dtype (the checks of tests/test_gpu.py, on the CPU) ------------
 
-from p2pswarm.swarm.device import Placement  # noqa: E402
+from p2pswarm.run.placement import Placement  # noqa: E402
 from p2pswarm.swarm.staging import Staging  # noqa: E402
 from tests.test_gpu import (check_outer_step_matches_the_host, check_snapshot_round_trip,  # noqa: E402
                             check_training_lowers_the_loss)
@@ -210,11 +211,11 @@ def test_a_forward_whose_gradient_lands_late_runs_on_the_predicted_weights():
     first.compute(Work("forward", (b"a", 0), ids, targets))
     first.compute(Work("backward", (b"a", 0), torch.ones(2, 16, SPEC.width), None))  # one step: Adam has state
     assert first.step == 1
-    version = first._current_version()
+    version = first.versions.current(first.kept)
     assert all(torch.equal(version[n], p) for n, p in first.params.items())  # nothing waits: no prediction
     first.compute(Work("forward", (b"a", 1), ids, targets))  # one graph kept: the next version looks 1 step ahead
     first.weights_changed()
-    predicted = first._current_version()
+    predicted = first.versions.current(first.kept)
     name, p = next(iter(first.params.items()))
     state = first.optimizer.state[p]
     beta1, beta2 = first.config.betas
@@ -226,4 +227,4 @@ def test_a_forward_whose_gradient_lands_late_runs_on_the_predicted_weights():
     off.compute(Work("backward", (b"a", 0), torch.ones(2, 16, SPEC.width), None))
     off.compute(Work("forward", (b"a", 1), ids, targets))
     off.weights_changed()
-    assert all(torch.equal(off._current_version()[n], q) for n, q in off.params.items())
+    assert all(torch.equal(off.versions.current(off.kept)[n], q) for n, q in off.params.items())

@@ -20,7 +20,8 @@ from p2pswarm.swarm import codec
 from p2pswarm.swarm import engine as eng
 from p2pswarm.swarm.activation import NO_ROUND, SESSION_BYTES, UNNAMED_RUN
 from p2pswarm.swarm.compute_thread import open_compute_thread
-from p2pswarm.swarm.device import Placement
+from p2pswarm.run.placement import Placement
+from p2pswarm.run.training import TrainConfig
 from p2pswarm.swarm.inference import MAX_POSITIONS, InferClose, InferenceServer, InferOut, InferStep
 from p2pswarm.swarm.sessions import Limits
 from p2pswarm.testing.strategies import (SMALL_DIM, decodes_or_raises_remote_error, register_frames, run_bytes,
@@ -155,7 +156,7 @@ SPEC = ModelSpec("infer-lm", n_layers=2, stage_size=1, width=32, heads=4, kv_hea
 
 def _service(stage, compute):
     engine = eng.StageEngine(SPEC, stage)
-    return SimpleNamespace(spec=SPEC, stage=stage, config=eng.TrainConfig(), placement=Placement(),
+    return SimpleNamespace(spec=SPEC, stage=stage, config=TrainConfig(), placement=Placement(),
                            run_id=UNNAMED_RUN, engine=engine, compute=compute, is_last=stage == SPEC.last_stage)
 
 

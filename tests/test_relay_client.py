@@ -233,10 +233,14 @@ def test_node_reserves_only_while_private_and_shows_it_in_stats():
             expected = f"{relay_addr}/p2p-circuit/p2p/{state.identity.peer_id_text}"
             assert stats["circuit_addrs"] == [expected] and expected in stats["addrs"]
             assert [r["peer"] for r in stats["relays"]] == [relay_id] and stats["relays"][0]["expires_in_s"] > 1000
+            # on_verdict starts and stops the reservations synchronously (it cancels their scope), so the
+            # state right after it returns is the decision itself: no sleep needed, none would prove more
+            reservations = state.nat._relay_scope
             await state.nat.on_verdict(Reachability.UNKNOWN)  # keeps what runs
-            await trio.sleep(0.2)
+            assert state.nat._relay_scope is reservations and not reservations.cancel_called
             assert state.stats()["circuit_addrs"] == [expected]
             await state.nat.on_verdict(Reachability.PUBLIC)
+            assert reservations.cancel_called and state.nat._relay_scope is None
             with trio.fail_after(5):
                 while state.stats()["circuit_addrs"]:
                     await trio.sleep(0.05)

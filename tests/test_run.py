@@ -16,6 +16,8 @@ from p2pswarm.node.config import NodeConfig, Role
 from p2pswarm.run.diloco import DilocoSettings
 from p2pswarm.errors import ConfigError
 from p2pswarm.model.catalog import default_rows, get_model
+from p2pswarm.cli import build_parser, config_from_args
+from p2pswarm.run.training import TrainConfig, train_config
 from p2pswarm.run.spec import (DEFAULT_RUN, IDENTITY_CHARS, default_run, load_run, packaged_runs, parse_run,
                                 run_for_join)
 
@@ -102,15 +104,15 @@ def test_every_packaged_run_loads_and_fits_its_model():
 
 
 def test_the_default_run_is_todays_tiny_lm_behaviour():
-    from p2pswarm.swarm import engine
 
     run = default_run()
-    assert run.name == DEFAULT_RUN and run.model == "tiny-lm" and run.lr == engine.LEARNING_RATE
-    assert run.betas == engine.BETAS and run.weight_decay == engine.WEIGHT_DECAY and run.grad_clip == engine.GRAD_CLIP
+    assert run.name == DEFAULT_RUN and run.model == "tiny-lm" and run.lr == TrainConfig().lr
+    assert (run.betas, run.weight_decay, run.grad_clip) == (TrainConfig().betas, TrainConfig().weight_decay,
+                                                            TrainConfig().grad_clip)
     assert (run.rows, run.context, run.dtype) == (8, 128, "float32") and run.warmup_steps == run.decay_steps == 0
     assert run.diloco() == DilocoSettings()
-    assert engine.TrainConfig(**run.train_values()).lr == run.lr
-    assert NodeConfig(role=Role.JOIN).training_run.identity == run.identity
+    assert train_config(run).lr == run.lr
+    assert NodeConfig(role=Role.JOIN).run.identity == run.identity
 
 
 def test_identity_is_stable_under_order_comments_and_spelling():
@@ -237,8 +239,10 @@ def test_join_without_run_is_the_default_run_on_model_and_flags():
     assert cut.model == "tiny-lm/2" and cut.lr == default_run().lr and cut.identity != default_run().identity
     fast = run_for_join(None, None, {"inner_steps": 40})
     assert fast.inner_steps == 40 and fast.identity != default_run().identity
-    config = NodeConfig(role=Role.JOIN, model="tiny-lm/2", diloco=DilocoSettings(inner_steps=40))
-    assert config.training_run.identity == run_for_join(None, "tiny-lm/2", {"inner_steps": 40}).identity
+    config = config_from_args(build_parser().parse_args(
+        ["join", "--bootstrap", BOOT, "--model", "tiny-lm/2", "--inner-steps", "40"]))
+    assert config.run.identity == run_for_join(None, "tiny-lm/2", {"inner_steps": 40}).identity
+    assert config.training.diloco.inner_steps == 40  # merged into our DiLoCo settings once, by the CLI
 
 
 def test_join_with_run_refuses_another_model_and_the_flags_it_fixes():
@@ -292,7 +296,7 @@ def test_a_peer_of_another_run_has_its_tensors_refused_once_logged(caplog):
 
     def service(run, stage):
         return SwarmService(spec=run.spec(), stage=stage, me=f"peer-{stage}", pool=None, stage_map=None, host=None,
-                            config=eng.TrainConfig(**run.train_values()), run=run)
+                            config=train_config(run), run=run)
 
     async def main():
         sender, receiver, friend = service(theirs, 0), service(ours, 1), service(ours, 0)

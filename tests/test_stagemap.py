@@ -1,17 +1,35 @@
 """StageMap.current: one rebuild at a time, in the background; a caller waits for it at most
-its bound (an /api/stages call must answer even when DHT lookups take seconds)."""
+its bound (an /api/stages call must answer even when DHT lookups take seconds).
+
+Tests that depend on time run on trio's MockClock (autojump): the map's wall clock is the virtual
+clock plus EPOCH, so a record's expiry is reached by ``trio.sleep`` exactly, never raced."""
 
 from __future__ import annotations
 
 import time
 
 import trio
+import trio.testing
 
-from p2pswarm.dht.records import UNNAMED_RUN, Capacity, StageRecord
-from p2pswarm.dht.stagemap import StageMap
+from p2pswarm.dht.candidates import ANSWER_FRESH
+from p2pswarm.dht.discovery import ANNOUNCE_PERIOD, LOOKUP_TIMEOUT, RECORD_TTL, STAGE_MAP_PERIOD
+from p2pswarm.dht.ranking import Standing
+from p2pswarm.dht.records import UNNAMED_RUN, Capacity, StageRecord, stage_key
+from p2pswarm.dht.stagemap import API_WAIT, StageMap, serve_announcements
+from p2pswarm.dht.store import RecordStore, StoredRecord
 from p2pswarm.model.catalog import get_model
 
 MODEL = get_model("tiny-lm/2")
+EPOCH = 1.7e9  # unix seconds the virtual clock starts at (records carry wall-clock timestamps)
+
+
+def virtual_now() -> float:
+    """Wall-clock seconds on trio's (mock) clock."""
+    return EPOCH + trio.current_time()
+
+
+def run_virtual(main) -> None:
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
 
 
 class SlowIndex:
@@ -31,7 +49,7 @@ class SlowIndex:
         self.runs.add(run)
         await self.release.wait()
         start, end = MODEL.stage_range(stage)
-        return [StageRecord(p, (), model, stage, start, end, Capacity(0, 0), time.time(), self.ttl, run)
+        return [StageRecord(p, (), model, stage, start, end, Capacity(0, 0), virtual_now(), self.ttl, run)
                 for p in self.peers]
 
 
@@ -43,7 +61,7 @@ def test_a_slow_rebuild_does_not_hold_the_caller_and_runs_once():
     async def main():
         index = SlowIndex()
         async with trio.open_nursery() as nursery:
-            stage_map = StageMap(index, MODEL, nursery, run="fdd1f91421b0282a")
+            stage_map = StageMap(index, MODEL, nursery, run="fdd1f91421b0282a", clock=virtual_now)
             assert await stage_map.current(wait=0.05) == {}  # the rebuild is still looking
             assert await stage_map.current(wait=0.05) == {}
             assert index.lookups == MODEL.n_stages  # one rebuild, not one per call
@@ -59,26 +77,114 @@ def test_a_slow_rebuild_does_not_hold_the_caller_and_runs_once():
             assert index.lookups == 2 * MODEL.n_stages
             assert index.runs == {"fdd1f91421b0282a"} and doc["run"] == "fdd1f91421b0282a"  # its own run only
 
-    trio.run(main)
+    run_virtual(main)  # each 0.05 s wait ends (virtually) once every task is blocked: the lookups have begun
 
 
 def test_a_record_past_its_ttl_leaves_the_map_while_lookups_hang():
     """A killed peer must drop out when its record expires, even if every later lookup overruns."""
     async def main():
         index = SlowIndex()
-        index.ttl = 0.2
+        index.ttl = 2 * STAGE_MAP_PERIOD
         index.release.set()
         async with trio.open_nursery() as nursery:
-            stage_map = StageMap(index, MODEL, nursery)
+            stage_map = StageMap(index, MODEL, nursery, clock=virtual_now)
             assert peers(await stage_map.current()) == {"first"}
-            assert [r.peer_id for r in stage_map.pool(0)] == ["first"]
+            [record] = stage_map.pool(0)
             index.release = trio.Event()  # from now on every lookup hangs
-            await trio.sleep(0.3)
+            await trio.sleep(STAGE_MAP_PERIOD)
+            lookups = index.lookups
+            assert peers(await stage_map.current(wait=0.0)) == {"first"}  # stale: a rebuild starts, and hangs
+            await trio.sleep(record.expires_at - virtual_now() - 0.001)
+            assert index.lookups == lookups + MODEL.n_stages  # the rebuild is still waiting on its lookups
+            assert peers(stage_map.stages) == {"first"}  # a millisecond before its expiry: still shown
+            await trio.sleep(0.001)
+            assert virtual_now() >= record.expires_at
             assert peers(stage_map.stages) == set()
             assert stage_map.pool(0) == [] and stage_map.records() == {}
+            assert [p for s in stage_map.doc()["stages"].values() for p in s["peers"]] == []
             nursery.cancel_scope.cancel()
 
-    trio.run(main)
+    run_virtual(main)
+
+
+class StoreIndex:
+    """Announcements go into one real RecordStore; a lookup takes ``lookup_time`` (virtual) seconds
+    and returns what the store holds then: the DHT of one store, on the virtual clock."""
+
+    me = "reader"
+
+    def __init__(self, lookup_time: float) -> None:
+        self.store, self.lookup_time = RecordStore(), lookup_time
+
+    async def announce(self, record: StageRecord, signed: bytes) -> int:
+        key = stage_key(record.model, record.stage, record.run)
+        return int(self.store.put(key, StoredRecord(record, signed), virtual_now()))
+
+    async def lookup_stage(self, model: str, stage: int, k: int, standing=None, run=UNNAMED_RUN) -> list[StageRecord]:
+        await trio.sleep(self.lookup_time)
+        return [stored.record for stored in self.store.get(stage_key(model, stage, run), virtual_now())]
+
+
+def test_a_killed_peer_leaves_every_read_of_the_map_record_ttl_after_its_last_announcement():
+    """Issue 24: how long can a SIGKILLed peer stay in a node's map? Its last record, made before it
+    died, expires RECORD_TTL later, and no read of the map shows it after that, although the
+    peer answered our checks until it died (vouched for ANSWER_FRESH, longer than RECORD_TTL: the
+    map keeps a vouched peer's record that a lookup misses), lookups take seconds, and the map is
+    read the way /api/stages reads it. A live peer announcing every ANNOUNCE_PERIOD never leaves a map
+    read this often whose lookups take LOOKUP_TIMEOUT (a map nobody reads is not rebuilt, and its
+    copies of live peers' records expire too: by design, see the module docstring)."""
+    assert ANSWER_FRESH > RECORD_TTL  # otherwise the vouched part would prove nothing
+    poll = 0.5  # how often the map is read, as the integration test polls /api/stages
+
+    async def main():
+        index = StoreIndex(lookup_time=LOOKUP_TIMEOUT)
+        announced: dict[str, float] = {}  # peer -> timestamp of its last record
+
+        def signer(peer: str, stage: int):
+            def signed_record(_wall_now: float) -> tuple[StageRecord, bytes]:
+                start, end = MODEL.stage_range(stage)
+                announced[peer] = virtual_now()
+                return (StageRecord(peer, (f"/ip4/10.0.0.{stage + 1}/tcp/1",), MODEL.name, stage, start, end,
+                                    Capacity(0, 0), announced[peer], RECORD_TTL), b"signed")
+            return signed_record
+
+        async with trio.open_nursery() as nursery:
+            stage_map = StageMap(index, MODEL, nursery, clock=virtual_now)
+            victim_scope = trio.CancelScope()
+
+            async def victim() -> None:
+                with victim_scope:
+                    await serve_announcements(index, signer("victim", 0))
+            nursery.start_soon(victim)
+            nursery.start_soon(serve_announcements, index, signer("live", 1))
+            await trio.sleep(3 * ANNOUNCE_PERIOD)
+            assert peers(await stage_map.current()) == {"victim", "live"}
+            first = announced["victim"]
+            while announced["victim"] < first + 2 * ANNOUNCE_PERIOD:  # read as /api/stages is, two announcements on
+                stage_map.book.answered("victim", virtual_now())  # it answers our checks while it lives
+                assert peers(await stage_map.current(wait=API_WAIT)) == {"victim", "live"}
+                await trio.sleep(poll)
+            # killed within a poll of its last announcement (the bound below counts from that announcement)
+            victim_scope.cancel()  # SIGKILL
+            expires_at = announced["victim"] + RECORD_TTL
+            assert stage_map.standing("victim") is Standing.VOUCHED
+            shown_at, standing_past_expiry = [], set()
+            while virtual_now() < expires_at + 3 * STAGE_MAP_PERIOD:
+                shown = peers(await stage_map.current(wait=API_WAIT))
+                assert "live" in shown, virtual_now() - expires_at
+                if "victim" in shown:
+                    shown_at.append(virtual_now())
+                if virtual_now() >= expires_at and not standing_past_expiry:  # the first read after its expiry
+                    standing_past_expiry.add(stage_map.standing("victim"))
+                assert "victim" not in peers(stage_map.stages) or virtual_now() < expires_at
+                assert "victim" not in {p["peer_id"] for s in stage_map.doc()["stages"].values() for p in s["peers"]} \
+                    or virtual_now() < expires_at
+                await trio.sleep(poll)
+            assert shown_at and max(shown_at) < expires_at  # shown until (near) its expiry, never after
+            assert standing_past_expiry == {Standing.VOUCHED}  # still vouched when it left: the book keeps no record
+            nursery.cancel_scope.cancel()
+
+    run_virtual(main)
 
 
 class MapIndex:

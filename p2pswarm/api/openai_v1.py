@@ -109,7 +109,7 @@ class Reply:
         """(index, chunk) for every prompt in turn; each Completer iterator closed when left."""
         for index, prompt in enumerate(prompts):
             it = completer.stream(dataclasses.replace(request, prompt=prompt))
-            async with aclosing(it) if hasattr(it, "aclose") else nullcontext(it):
+            async with aclosing(it) if hasattr(it, "aclose") else nullcontext(it):  # type: ignore[type-var]  # hasattr: it has aclose
                 first = True
                 async for chunk in it:
                     self.count(chunk, first)

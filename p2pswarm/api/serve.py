@@ -54,7 +54,7 @@ async def open_api_listeners(address: str) -> list[trio.SocketListener]:
     host), so a node fails before it listens for peers rather than after."""
     host, port = parse_host_port(address)
     try:
-        return await trio.open_tcp_listeners(port, host=host)
+        return list(await trio.open_tcp_listeners(port, host=host))
     except OSError as exc:
         raise StartupError(f"cannot serve the API on {address}: {exc.strerror or exc}") from None
 

@@ -82,14 +82,15 @@ class _Http11Connection(TCPServer):
     over a plain TCP stream."""
 
     async def run(self) -> None:
-        sock = self.stream.socket
+        sock = self.stream.socket  # type: ignore[attr-defined]  # a _ReplyDeadlineStream, not an SSLStream
         try:
             client = parse_socket_addr(sock.family, sock.getpeername())
             server = parse_socket_addr(sock.family, sock.getsockname())
             async with TaskGroup() as task_group:
                 self._task_group = task_group
-                self.protocol = _Http11Protocol(self.app, self.config, self.context, task_group,
-                                                ConnectionState(self.state), False, client, server, self.protocol_send)
+                protocol = _Http11Protocol(self.app, self.config, self.context, task_group,
+                                           ConnectionState(self.state), False, client, server, self.protocol_send)
+                self.protocol = protocol  # type: ignore[assignment]  # TCPServer calls only what both have
                 await self.protocol.initiate()
                 await self.idle_task.restart(self._task_group, self._idle_timeout)
                 await self._read_data()

@@ -21,9 +21,10 @@ from p2pswarm.node.config import (
     Role,
 )
 from p2pswarm.run import diloco as dls
+from p2pswarm.run.placement import resolve_placement
 from p2pswarm.run.spec import RunSpec, run_for_join
+from p2pswarm.run.training import Training
 from p2pswarm.run.tunables import parse_tunables
-from p2pswarm.swarm.device import resolve_placement
 
 
 def _join_run(args: argparse.Namespace) -> tuple[RunSpec, dls.DilocoSettings]:
@@ -67,8 +68,6 @@ def config_from_args(args: argparse.Namespace) -> NodeConfig:
         placement = resolve_placement(args.device, args.precision)  # ConfigError: a device we lack, fp16 (imports torch)
         kwargs.update(rebalance=layers is None if args.rebalance is None else args.rebalance,
                       backup_budget_mb=args.backup_budget_mb)
-        kwargs.update(model=model.name, layers=layers, dht_mode=DhtMode(args.dht_mode),
-                      relays=tuple(args.relay), data=args.data, threads=args.threads,
-                      device=placement.device, precision=placement.precision,
-                      diloco=diloco, run=run, tunables=parse_tunables(args.tune))
+        kwargs.update(layers=layers, dht_mode=DhtMode(args.dht_mode), relays=tuple(args.relay), data=args.data,
+                      threads=args.threads, training=Training(run, diloco, placement, parse_tunables(args.tune)))
     return NodeConfig(**kwargs)

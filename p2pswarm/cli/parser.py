@@ -24,9 +24,9 @@ from p2pswarm.node.config import (
     DhtMode,
 )
 from p2pswarm.run import diloco as dls
+from p2pswarm.run.placement import PRECISIONS
 from p2pswarm.run.spec import DEFAULT_RUN
 from p2pswarm.run.tunables import Tunables
-from p2pswarm.swarm.device import PRECISIONS
 
 
 def api_token_option(parser: argparse.ArgumentParser, serving: bool = False) -> None:

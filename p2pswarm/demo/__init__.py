@@ -151,6 +151,7 @@ def _kill_and_restart(victim: Peer, processes: list[subprocess.Popen], elapsed: 
         print(f"demo: SIGKILLed peer {victim.index} (stage {victim.stage}); training goes on, restart in "
               f"{RESTART_AFTER:.0f} s", flush=True)
     elif victim.killed and elapsed >= victim.killed_at + RESTART_AFTER:
+        assert victim.log_path is not None  # every demo peer logs to a file
         victim.process.wait()
         victim.process = spawn(victim.args, victim.log_path.with_suffix(".restart.log"))
         processes.append(victim.process)

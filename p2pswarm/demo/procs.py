@@ -33,6 +33,7 @@ def spawn(args: list[str], log_path: Path) -> subprocess.Popen:
 
 
 def read_first_addr(process: subprocess.Popen, what: str) -> str:
+    assert process.stdout is not None, "spawn pipes stdout"
     line = process.stdout.readline().strip()
     if not line:
         raise StartupError(f"{what} exited before printing its address (exit code {process.wait()})")

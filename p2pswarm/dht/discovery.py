@@ -24,7 +24,8 @@ import trio
 from p2pswarm.dht.closest import ClosestPeersCache
 from p2pswarm.dht.protocol import FetchRecords, FetchReply, StoreRecord, StoreReply, handle_fetch, handle_store
 from p2pswarm.dht.ranking import Standing, pool
-from p2pswarm.dht.records import UNNAMED_RUN, StageRecord, stage_key, verify_record
+from p2pswarm.dht.record_codec import verify_record
+from p2pswarm.dht.records import UNNAMED_RUN, StageRecord, stage_key
 from p2pswarm.dht.store import RecordStore
 from p2pswarm.errors import DialError, ProtocolError, StartupError
 from p2pswarm.net.connect import as_peer_id, remote_ip

@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import ipaddress
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from enum import IntEnum
+from typing import TypeVar
 
 from p2pswarm.dht.records import StageRecord, routing_rank
 
@@ -36,6 +37,8 @@ MAX_PER_SUBNET = 3  # strangers of one /24 or /48 in a stage's top k: one provid
 IPV4_SUBNET_BITS = 24  # the block a provider hands out whole (and an attacker rents whole)
 IPV6_SUBNET_BITS = 48  # a site's usual IPv6 allocation: one /48 holds 2^80 addresses of one owner
 NO_ADDRESS = ("", "")  # group of records whose first address carries no IP or DNS name
+
+_T = TypeVar("_T")
 
 
 class Standing(IntEnum):
@@ -87,12 +90,12 @@ def is_loopback(ip: str) -> bool:
                                    and address.ipv4_mapped.is_loopback)
 
 
-def spread(items: list, network: Callable[[object], tuple[str, str] | None]) -> list[bool]:
+def spread(items: Sequence[_T], network: Callable[[_T], tuple[str, str] | None]) -> list[bool]:
     """For ``items`` in rank order, whether each is *crowded*: its address already has MAX_PER_IP
     uncrowded items before it, or its subnet MAX_PER_SUBNET. A ``network`` of None is never
     crowded and counts toward nothing."""
-    per_ip: Counter = Counter()
-    per_subnet: Counter = Counter()
+    per_ip: Counter[str] = Counter()
+    per_subnet: Counter[str] = Counter()
     crowded = []
     for item in items:
         group = network(item)

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import replace
+from typing import Any
 
 import cbor2
 
@@ -148,7 +149,7 @@ _NO_TAGS = _RefuseEveryTag()
 _ABSENT = object()  # an optional body key left out (an explicit null is not the same, and is refused)
 
 
-def _record_from_body(body: object) -> StageRecord:
+def _record_from_body(body: Any) -> StageRecord:
     """The record a decoded body map describes; RemoteProtocolError if any field is invalid.
 
     Keys this version does not know are ignored (the format can grow), within bounds.

@@ -217,7 +217,7 @@ def _is_int(value: object, low: int, high: int) -> bool:
 
 
 def _is_number(value: object, low: float, high: float) -> bool:
-    return type(value) in (int, float) and low <= value <= high  # NaN fails every comparison
+    return (type(value) is int or type(value) is float) and low <= value <= high  # NaN fails every comparison
 
 
 def _is_addr(addr: object) -> bool:

@@ -51,8 +51,10 @@ class StageMap:
     """The cached stage map of ``model`` in run ``run``, rebuilt on demand through ``index``; records of
     other runs live under other keys, and any that come back anyway are dropped by the lookup."""
 
-    def __init__(self, index: StageIndex, model: ModelSpec, nursery: trio.Nursery, run: str = UNNAMED_RUN) -> None:
+    def __init__(self, index: StageIndex, model: ModelSpec, nursery: trio.Nursery, run: str = UNNAMED_RUN,
+                 clock: Callable[[], float] = time.time) -> None:
         self._index, self.model, self._nursery, self.run = index, model, nursery, run
+        self.clock = clock  # wall-clock seconds, as records' timestamps are (a test passes a virtual one)
         self._pools: dict[int, list[StageRecord]] = {}  # per stage: the last lookup's CHECK_POOL best
         self.updated_at = 0.0
         self._rebuilt: trio.Event | None = None  # while a rebuild runs: set when it ends
@@ -63,7 +65,7 @@ class StageMap:
         """Our own record, a peer that answered us recently, or a stranger."""
         if peer == self._index.me:
             return Standing.OWN
-        return Standing.VOUCHED if self.book.has_answered(peer, time.time() if now is None else now) \
+        return Standing.VOUCHED if self.book.has_answered(peer, self.clock() if now is None else now) \
             else Standing.STRANGER
 
     def _fresh(self, stage: int, now: float) -> list[StageRecord]:
@@ -73,27 +75,27 @@ class StageMap:
 
     def pool(self, stage: int) -> list[StageRecord]:
         """Every fresh record kept for ``stage``, best first, crowded strangers last: the peers we check."""
-        now = time.time()
+        now = self.clock()
         return ranking.pool(self._fresh(stage, now), lambda peer: self.standing(peer, now), CHECK_POOL)
 
     @property
     def stages(self) -> dict[int, list[StageRecord]]:
         """Per stage looked up, its top DEFAULT_K fresh records as we rank them now."""
-        now = time.time()
+        now = self.clock()
         return {stage: ranking.top(self._fresh(stage, now), lambda peer: self.standing(peer, now), DEFAULT_K)
                 for stage in self._pools}
 
     async def refresh(self) -> dict[int, list[StageRecord]]:
         """Look every stage up again (each stage's answer kept as soon as it is in)."""
         await self.refresh_stages(list(range(self.model.n_stages)))
-        self.updated_at = time.time()
+        self.updated_at = self.clock()
         return self.stages
 
     async def current(self, wait: float = math.inf) -> dict[int, list[StageRecord]]:
         """The stage map, rebuilt when older than STAGE_MAP_PERIOD (a stage whose lookup overruns
         its bound keeps its previous answer; the others are updated). One rebuild at a time, in the
         background: a caller waits for it at most ``wait`` seconds, then has the map as it is."""
-        if self._rebuilt is None and time.time() - self.updated_at >= STAGE_MAP_PERIOD:
+        if self._rebuilt is None and self.clock() - self.updated_at >= STAGE_MAP_PERIOD:
             self._rebuilt = trio.Event()
             self._nursery.start_soon(self._rebuild, self._rebuilt)
         if self._rebuilt is not None:
@@ -124,7 +126,7 @@ class StageMap:
         """A lookup's answer replaces the stage's pool, but our own and vouched peers' records it
         missed stay until they expire: one store that answered alone (a hostile one serving only
         its identities) or a lookup cut short must not make us forget the peers we work with."""
-        now = time.time()
+        now = self.clock()
         got = {r.peer_id for r in found}
         kept = [r for r in self._pools.get(stage, []) if r.peer_id not in got and r.is_fresh(now)
                 and self.standing(r.peer_id, now) is not Standing.STRANGER]
@@ -133,12 +135,12 @@ class StageMap:
 
     async def answer_ping(self, peer: str, message: wire.Ping) -> wire.Pong:
         """Answer a peer's ping (control channel); a peer that checks us has answered us too."""
-        self.book.answered(peer, time.time())
+        self.book.answered(peer, self.clock())
         return wire.Pong(nonce=message.nonce)
 
     def candidates(self, stage: int) -> list[StageRecord]:
         """The peers serving ``stage`` that answered us recently, best first: what a router may use."""
-        return self.book.candidates(self.pool(stage), time.time())
+        return self.book.candidates(self.pool(stage), self.clock())
 
     def records(self) -> dict[str, StageRecord]:
         """Every peer of the current map, by peer id."""
@@ -165,7 +167,7 @@ class StageMap:
         return health.known_counts(self.stages, self.model.n_stages, complete=self.updated_at > 0)
 
     def doc(self) -> dict:
-        now, stages, counts = time.time(), self.stages, self.counts()
+        now, stages, counts = self.clock(), self.stages, self.counts()
         return {
             "model": self.model.name,
             "run": self.run,
@@ -204,17 +206,28 @@ def _record_doc(record: StageRecord, now: float) -> dict:
 
 
 async def serve_announcements(index: StageIndex, signed_record: Callable[[float], tuple[StageRecord, bytes]]) -> None:
-    """Re-announce our stage record every ANNOUNCE_PERIOD, well before its TTL runs out."""
+    """Announce our stage record every ANNOUNCE_PERIOD, start to start, well before its TTL runs out.
+
+    A slow announcement (lookups of up to LOOKUP_TIMEOUT each on a loaded machine) never stretches the
+    period: it is cut at ANNOUNCE_PERIOD, and the next one starts on time with a fresh timestamp. Were the
+    period measured from an announcement's end, two slow ones could leave the stores with no fresh record
+    of a live peer (5 s + 6 s + 5 s + 6 s > RECORD_TTL) and the peer would drop out of every stage map."""
+    level = logging.INFO  # the first announcement is news; the periodic ones go to the debug log
     while True:
+        next_at = trio.current_time() + ANNOUNCE_PERIOD
         record, signed = signed_record(time.time())
-        try:
-            accepted = await index.announce(record, signed)
-        except Exception:  # one failed round must not stop the node; the next one retries
-            log.exception("announcing stage %d failed; retrying in %.0f s", record.stage, ANNOUNCE_PERIOD)
-        else:
-            log.info("announced stage %d (layers [%d, %d)) of %s: %d store(s) accepted",
-                     record.stage, record.start, record.end, record.model, accepted)
-        await trio.sleep(ANNOUNCE_PERIOD)
+        with trio.move_on_after(ANNOUNCE_PERIOD) as scope:
+            try:
+                accepted = await index.announce(record, signed)
+            except Exception:  # one failed round must not stop the node; the next one retries
+                log.exception("announcing stage %d failed; retrying in %.0f s", record.stage, ANNOUNCE_PERIOD)
+            else:
+                log.log(level, "announced stage %d (layers [%d, %d)) of %s: %d store(s) accepted",
+                        record.stage, record.start, record.end, record.model, accepted)
+                level = logging.DEBUG
+        if scope.cancelled_caught:
+            log.warning("announcing stage %d took over %.0f s; announcing again now", record.stage, ANNOUNCE_PERIOD)
+        await trio.sleep_until(next_at)
 
 
 async def meet_peers(stage_map: StageMap, connected: set[str], connect: Callable[..., Awaitable[object]],
@@ -253,19 +266,19 @@ async def serve_candidate_checks(stage_map: StageMap, stages: list[int], me: str
 
     async def check(record: StageRecord) -> None:
         async with limiter:
-            stage_map.book.asked(record.peer_id, time.time())
+            stage_map.book.asked(record.peer_id, stage_map.clock())
             with trio.move_on_after(CHECK_TIMEOUT):
                 try:
                     await round_trip(record.peer_id, record.addrs)
                 except DialError:
                     return
-                stage_map.book.answered(record.peer_id, time.time())
+                stage_map.book.answered(record.peer_id, stage_map.clock())
 
     while True:
         await stage_map.refresh_stages(stages)
         records = {r.peer_id: r for s in stages for r in stage_map.pool(s) if asks_first(me, r.peer_id)}
         async with trio.open_nursery() as nursery:
-            for peer in stage_map.book.to_ask(records, time.time()):
+            for peer in stage_map.book.to_ask(records, stage_map.clock()):
                 nursery.start_soon(check, records[peer])
         await trio.sleep(CHECK_PERIOD / 2)
 

@@ -235,6 +235,7 @@ class BackupService:
 
     def _write(self, stage: int, snapshot: snapshots.Snapshot, old: Held | None) -> None:
         """Atomically (the bytes are small next to a stage's snapshot; the old copy removed after)."""
+        assert self.directory is not None  # called only when backups are kept on disk
         self.directory.mkdir(parents=True, exist_ok=True)
         write_atomic(backup_path(self.directory, stage, snapshot.round), snapshot.data)
         if old is not None and old.snapshot.round != snapshot.round:
@@ -242,6 +243,7 @@ class BackupService:
 
     def _read_directory(self) -> None:
         """Worker thread, at start: the newest backup of each stage in ``directory`` that still checks."""
+        assert self.directory is not None  # called only when backups are kept on disk
         if not self.directory.is_dir():
             return
         found = sorted((int(m[1]), int(m[2]), p) for p in self.directory.iterdir()

@@ -114,7 +114,7 @@ def _swap_to_little_endian(raw: torch.Tensor, itemsize: int) -> torch.Tensor:
 def _header_bytes(digest_hex: str, tree_json: str, table: list[tuple[str, str, list[int], int, int]]) -> bytes:
     """The canonical header for a (name, dtype, shape, begin, end) table in data order; ValueError if
     it cannot be UTF-8 (a str with lone surrogates)."""
-    header = {"__metadata__": {"format": FORMAT, "sha256": digest_hex, "tree": tree_json}}
+    header: dict[str, dict[str, Any]] = {"__metadata__": {"format": FORMAT, "sha256": digest_hex, "tree": tree_json}}
     for name, dtype, shape, begin, end in table:
         header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": shape, "data_offsets": [begin, end]}
     return _padded(dumps(header).encode("utf-8"))
@@ -153,7 +153,7 @@ def encode_state(state: dict) -> bytes:
         dtype, shape, raw, nbytes = raws[name]
         table.append((name, dtype, shape, cursor, cursor + nbytes))
         if nbytes:
-            parts.append(memoryview(raw.numpy()))
+            parts.append(memoryview(raw.numpy()))  # type: ignore[arg-type]  # numpy types __buffer__ for 3.12+ only
         cursor += nbytes
     try:
         zeroed = _header_bytes(_ZERO_DIGEST, tree_json, table)
@@ -231,6 +231,7 @@ def _table(header: dict, data_len: int) -> dict[str, tuple[str, list[int], int, 
         if type(offsets) is not list or len(offsets) != 2 or not all(type(o) is int for o in offsets):
             raise RemoteProtocolError(f"tensor {name!r:.60}: data_offsets is not [begin, end]")
         size = _tensor_size(dtype, info["shape"], RemoteProtocolError)
+        assert dtype is not None  # _tensor_size refused it otherwise
         order = (-_ITEMSIZE[dtype], name)
         if offsets[0] != cursor or offsets[1] - offsets[0] != size or (previous is not None and order <= previous):
             raise RemoteProtocolError(f"tensor {name!r:.60}: out of place in the data or the header, or not its size")
@@ -244,7 +245,8 @@ def _table(header: dict, data_len: int) -> dict[str, tuple[str, list[int], int, 
 class _Tensors:
     """Builds the table's tensors, each an independent copy, as the tree references them by name."""
 
-    def __init__(self, view: memoryview, data_start: int, entries: dict) -> None:
+    def __init__(self, view: memoryview, data_start: int, entries: dict[str, tuple[str, list[int], int, int]]) -> None:
+        self.used: set[str]
         self.view, self.data_start, self.entries, self.used = view, data_start, entries, set()
 
     def take(self, name: str) -> torch.Tensor:
@@ -338,7 +340,8 @@ class SnapshotStore:
         with self._lock:
             self._remove_temps()
             existing = self.paths()
-            seq = int(_NAME.fullmatch(existing[-1].name).group(1)) + 1 if existing else 1
+            last = _NAME.fullmatch(existing[-1].name) if existing else None  # paths() match _NAME
+            seq = int(last.group(1)) + 1 if last else 1
             final = self.directory / f"snapshot-{seq:08d}-r{round}-s{step}.p2ps"
             self._write(data, final)
             for old in self.paths()[:-self.keep]:

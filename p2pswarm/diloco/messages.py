@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from p2pswarm import wire
 from p2pswarm.dht.records import MAX_PEER_ID_CHARS, MAX_STAGES, RUN_BYTES, UNNAMED_RUN_BYTES
@@ -208,6 +209,10 @@ class _ShardMessage(wire.Message):
     shards: int  # 2 <= shards <= MAX_MEMBERS: the group's size (a group of one exchanges nothing)
     codec: str  # one of CODECS
     numel: int  # elements in this piece, 0 <= numel <= MAX_NUMEL; the payload is their encoding
+
+    if TYPE_CHECKING:  # each subclass declares it last, with a default: not a field of this base
+        @property
+        def piece(self) -> int: ...
 
     def check(self, payload_len: int) -> None:
         kind = self.TYPE

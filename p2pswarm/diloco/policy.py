@@ -19,6 +19,7 @@ import logging
 from collections import Counter
 from collections.abc import Iterable
 
+from p2pswarm.dht.records import StageRecord
 from p2pswarm.diloco import aggregation
 from p2pswarm.diloco.round import Phase
 
@@ -81,7 +82,7 @@ def load_sources(*, neighbours: bool, backups: bool, disk: bool) -> tuple[Source
     return tuple(source for source in Source if present[source])
 
 
-def neighbours_by_round(records: Iterable, me: str) -> list[str]:
+def neighbours_by_round(records: Iterable[StageRecord], me: str) -> list[str]:
     """The other replicas in ``records`` (stage-map records), the one announcing the latest outer round first."""
     return [r.peer_id for r in sorted((r for r in records if r.peer_id != me), key=lambda r: -r.capacity.outer_round)]
 
@@ -90,9 +91,9 @@ class Strikes:
     """The contributions we refused, per peer, and whom we therefore stop meeting: a peer refused in
     STRIKES of the last STRIKE_ROUNDS rounds is barred (strikes age out)."""
 
-    def __init__(self, counts: Counter) -> None:
+    def __init__(self, counts: Counter[str]) -> None:
         self.counts = counts  # the driver's counters: "rejected_contributions"
-        self.penalties: Counter = Counter()  # rejected contributions per peer, ever
+        self.penalties: Counter[str] = Counter()  # rejected contributions per peer, ever
         self._rounds: dict[str, list[int]] = {}  # peer -> the rounds in which we refused it
 
     def refuse(self, peer: str, round_: int, reason: str) -> None:

@@ -12,6 +12,8 @@ Replicas of a stage train alone for H inner steps, then meet with no coordinator
   in) a group without us are dropped; if that leaves us alone we are LEFT_OUT (the round went
   on without us), alone otherwise we are DONE (the driver applies its own pseudo-gradient);
   else we ask the driver for our shards (``NeedShards``) and reduce.
+  Parts and results that come while we agree are held (``round_early.EarlyBuffer``) and
+  replayed once the group is known.
 - REDUCE: the butterfly all-reduce of ``round_reduce.Reduction``, then DONE. The owner's
   combine is asked of the driver too (``CombineShard``, answered with ``combined``): the
   tensor work of a round is the driver's, done off its event loop.
@@ -37,6 +39,7 @@ from p2pswarm.diloco.messages import (
 from p2pswarm.diloco.round_actions import (
     Action, CatchUp, CombineShard, Finished, NeedShards, Outcome, Rejected, SendHello, SendPart, SendResult,
 )
+from p2pswarm.diloco.round_early import EarlyBuffer
 from p2pswarm.diloco.round_reduce import ExpectedBytes, Reduction, reply_to
 from p2pswarm.dht.records import MAX_STAGES
 
@@ -100,11 +103,11 @@ class OuterRound:
         self.outcome: Outcome | None = None
         self._deadline: float | None = None  # end of GATHER or AGREE
         self._reduction: Reduction | None = None
-        self._early: dict[tuple[str, str, int, int], tuple[Part | Result, bytes]] = {}  # (kind, peer, shard, piece)
-        self._early_budget = EARLY_BUFFER_MODELS * expected_bytes(codec, numel) + MAX_MEMBERS * EARLY_SLACK_BYTES
         limit = {} if piece_elements is None else {"max_elements": piece_elements}
         # pieces of one shard in the smallest group that reduces (2): what one peer may send of a kind early
-        self._early_pieces = shard_plan(numel, 2, codec, size=expected_bytes, **limit).pieces
+        self._early = EarlyBuffer(
+            budget=EARLY_BUFFER_MODELS * expected_bytes(codec, numel) + MAX_MEMBERS * EARLY_SLACK_BYTES,
+            pieces=shard_plan(numel, 2, codec, size=expected_bytes, **limit).pieces, counts=self.counts)
         self._rejected_hellos: set[str] = set()
         self._caught_up = round  # the latest round a CatchUp was emitted for
 
@@ -199,19 +202,12 @@ class OuterRound:
             self.counts["mismatched"] += 1
         elif (hello.numel, hello.codec) != (self.numel, self.codec):
             reason = f"numel/codec {hello.numel}/{hello.codec}, not {self.numel}/{self.codec}"
-            actions = self._reject_hello(peer, reason)
+            actions = _reject_once(self._rejected_hellos, self.counts, peer, reason)
         elif hello.round > self.round:
             actions = self._later_round(peer, hello.round, now)
         elif hello.round == self.round and self.phase not in _OVER:
             actions = self._same_round(peer, hello, now)
         return self.status(), actions
-
-    def _reject_hello(self, peer: str, reason: str) -> list[Action]:
-        self.counts["rejected"] += 1
-        if peer in self._rejected_hellos:  # one penalty per peer and round: its config or code is wrong
-            return []
-        self._rejected_hellos.add(peer)
-        return [Rejected(peer, reason)]
 
     def _later_round(self, peer: str, their_round: int, now: float) -> list[Action]:
         """A later round: we are behind, unless we are reducing or done and it is just the next one."""
@@ -221,7 +217,7 @@ class OuterRound:
         self._caught_up = their_round
         actions: list[Action] = [CatchUp(peer, their_round)]
         if self.phase not in _OVER:
-            actions += self._left_out(())
+            actions += self._finish(Outcome((), left_out=True))
         return actions
 
     def _same_round(self, peer: str, hello: Hello, now: float) -> list[Action]:
@@ -232,7 +228,7 @@ class OuterRound:
         elif hello.ready and self.phase is not Phase.REDUCE:
             if hello.closed:
                 if peer not in hello.members:
-                    return self._reject_hello(peer, "a proposal without its sender")
+                    return _reject_once(self._rejected_hellos, self.counts, peer, "a proposal without its sender")
                 self.book.note_proposal(peer, hello.members)
             else:
                 self.book.note_ready(peer)
@@ -261,10 +257,10 @@ class OuterRound:
     def _agree(self, now: float) -> list[Action]:
         group = self.book.agreed()
         if group == {self.me} and self.book.shut_out:  # the others went on without us
-            return self._left_out(tuple(sorted(self.book.shut_out)))
+            return self._finish(Outcome(tuple(sorted(self.book.shut_out)), left_out=True))
         self.group = tuple(sorted(group))
         if len(group) == 1:  # nobody else was ready: alone, not left out
-            return self._finish(Outcome(self.group), Phase.DONE)
+            return self._finish(Outcome(self.group))
         self.phase = Phase.REDUCE
         self._reduction = Reduction(
             me=self.me, stage=self.stage, round=self.round, numel=self.numel, codec=self.codec, group=self.group,
@@ -273,15 +269,16 @@ class OuterRound:
         actions: list[Action] = [NeedShards(self.group, tuple(self._reduction.bounds))]
         for peer in sorted(self.book.withdrawn | self.book.failed):
             actions += self._reduction.peer_gone(peer, now)  # they will not send, and need not be sent to
-        return actions + self._replay_early(now)
+        for kind, peer, msg, data in self._early.drain():  # judge what came early (its replies were sent)
+            handle = self._reduction.on_part if kind == "part" else self._reduction.on_result
+            actions += handle(peer, msg, data, now)[1]
+        return self._after_reduce(actions, now)
 
-    def _left_out(self, went_on: tuple[str, ...]) -> list[Action]:
-        """Finish without a group; ``went_on`` = the peers we know went on without us (maybe none)."""
-        self.group = went_on
-        return self._finish(Outcome(went_on, left_out=True), Phase.LEFT_OUT)
-
-    def _finish(self, outcome: Outcome, phase: Phase) -> list[Action]:
-        self.phase, self.outcome, self._deadline = phase, outcome, None
+    def _finish(self, outcome: Outcome) -> list[Action]:
+        """DONE with ``outcome``'s group, or LEFT_OUT: ``outcome.group`` = the peers we know went on without us."""
+        self.group = outcome.group
+        self.phase = Phase.LEFT_OUT if outcome.left_out else Phase.DONE
+        self.outcome, self._deadline = outcome, None
         self.counts["missing_shards"] += len(outcome.missing)
         self._early.clear()
         if self._reduction is not None:
@@ -293,7 +290,7 @@ class OuterRound:
 
     def _after_reduce(self, actions: list[Action], now: float) -> list[Action]:
         if self.phase is Phase.REDUCE and self._reduction.complete(now):
-            actions = actions + self._finish(self._reduction.outcome(), Phase.DONE)
+            actions = actions + self._finish(self._reduction.outcome())
         return actions
 
     def on_part(self, peer: str, part: Part, data: bytes, now: float) -> tuple[Reply, list[Action]]:
@@ -316,28 +313,15 @@ class OuterRound:
             handle = self._reduction.on_part if kind == "part" else self._reduction.on_result
             reply, actions = handle(peer, msg, data, now)
             return reply, self._after_reduce(actions, now)
-        return self._hold(kind, peer, msg, data)
+        accepting = self.phase is Phase.AGREE and peer in self.book.view
+        return self._early.hold(kind, peer, msg, data, accepting=accepting), []
 
-    def _hold(self, kind: str, peer: str, msg: Part | Result, data: bytes) -> tuple[Reply, list[Action]]:
-        """Before our group is known: keep one message per kind, peer and piece of our view, within the budget."""
-        key = (kind, peer, msg.shard, msg.piece)
-        if key in self._early:
-            self.counts["duplicates"] += 1
-            return reply_to(msg, True, "duplicate"), []
-        self.counts["early"] += 1
-        held = sum(1 for k in self._early if k[:2] == (kind, peer))
-        if self.phase is not Phase.AGREE or peer not in self.book.view or len(data) > self._early_budget \
-                or held >= self._early_pieces:
-            return reply_to(msg, False, "too early"), []
-        self._early_budget -= len(data)
-        self._early[key] = (msg, data)
-        return reply_to(msg, True, "early"), []
 
-    def _replay_early(self, now: float) -> list[Action]:
-        """Judge the held parts and results now that the group is known (their replies were sent)."""
-        actions: list[Action] = []
-        for (kind, peer, _, _), (msg, data) in sorted(self._early.items(), key=lambda item: item[0]):
-            handle = self._reduction.on_part if kind == "part" else self._reduction.on_result
-            actions += handle(peer, msg, data, now)[1]
-        self._early.clear()
-        return self._after_reduce(actions, now)
+def _reject_once(rejected: set[str], counts: dict[str, int], peer: str, reason: str) -> list[Action]:
+    """Refuse ``peer``'s Hello: counted each time, penalised (``Rejected``) once per peer and round,
+    ``rejected`` being the peers already penalised: its config or code is wrong."""
+    counts["rejected"] += 1
+    if peer in rejected:
+        return []
+    rejected.add(peer)
+    return [Rejected(peer, reason)]

@@ -28,11 +28,13 @@ trio, no torch; the shards are opaque bytes and their sizes come from ``expected
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TypeVar
 
 from p2pswarm.diloco.messages import MAX_MEMBERS, MAX_ROUND, Part, Reply, Result, group_digest, shard_plan
 from p2pswarm.diloco.round_actions import Action, CombineShard, Outcome, Rejected, SendPart, SendResult
 
 ExpectedBytes = Callable[[str, int], int]
+_ShardT = TypeVar("_ShardT", Part, Result)
 
 
 def reply_to(msg: Part | Result, accepted: bool, reason: str) -> Reply:
@@ -70,10 +72,10 @@ class Reduction:
         start, stop = self.bounds[index]
         return stop - start
 
-    def _shard_msg(self, cls: type, index: int, *extra: int) -> Part | Result:
+    def _shard_msg(self, cls: type[_ShardT], index: int, **extra: int) -> _ShardT:
         shard, piece = divmod(index, self.plan.pieces)
         return cls(self.stage, self.round, self.digest, shard, len(self.group), self.codec, self._numel(index),
-                   *extra, piece=piece)
+                   piece=piece, **extra)
 
     # --- our data ------------------------------------------------------------------------
 
@@ -202,7 +204,7 @@ class Reduction:
         for peer in sorted(set(rejected) & set(contributors)):
             self.counts["rejected"] += 1
             actions.append(Rejected(peer, f"contribution refused: {rejected[peer]}"[:200]))
-        msg = self._shard_msg(Result, shard, len(used))
+        msg = self._shard_msg(Result, shard, contributors=len(used))
         actions += [SendResult(peer, msg, result) for peer in self.group if peer != self.me and peer not in self.gone]
         return actions
 

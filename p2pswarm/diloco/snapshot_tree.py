@@ -46,6 +46,7 @@ def _component(key: str | int) -> str:
     """
     if type(key) is int:
         return str(key)
+    assert isinstance(key, str)  # _is_key: a str, or an int that is not a bool
     part = key.replace("%", "%25").replace("/", "%2F") if "%" in key or "/" in key else key
     if not part:
         return "%"
@@ -159,7 +160,7 @@ def _decode_node(node: Any, depth: int, parent: str | None, key: str | int | Non
     if kind in (TENSOR, FLOAT, BYTES) and len(node) == 2:
         if kind != TENSOR:
             return _decode_leaf(kind, node[1])
-        if node[1] != name:
+        if name is None or node[1] != name:  # the root is no tensor reference
             raise RemoteProtocolError(f"tensor reference {node[1]!r:.60} is not its path {name!r:.60}")
         return take(name)
     if depth > MAX_DEPTH:

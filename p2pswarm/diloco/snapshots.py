@@ -158,6 +158,7 @@ class SnapshotServer:
             raise RemoteProtocolError(f"{message.TYPE} is not a snapshot request")
         if message.run != self.run:
             return wire.ErrorReply("other-run", f"this peer trains run {self.run.hex()}, not {message.run.hex()}")
+        snapshot: Snapshot | None
         if (message.model, message.stage) != (self.model, self.stage):
             held = self._others(message.stage, message.digest) if self._others and message.digest else None
             if held is None or message.model != self.model:
@@ -232,6 +233,7 @@ async def fetch_snapshot(pool, peer: str, model: str, stage: int, *, timeout: fl
     if scope.cancelled_caught:
         raise DialError(f"snapshot of stage {stage} from {peer}: not complete within "
                         f"{scope.deadline - started:.0f} s")
+    assert hasher is not None and first is not None  # the loop read at least one part
     if hasher.digest() != first.digest:
         raise RemoteProtocolError(f"snapshot from {peer} does not match its digest")
     return Fetched(data, first.round, first.step, peer, trio.current_time() - started)

@@ -131,9 +131,10 @@ class Rebalancer:
         if len(self.seen) > 4 * max(len(stage_of), 1):  # forget the long gone: bounded state
             self.seen = {peer: self.seen[peer] for peer in stage_of}
 
-    def _electable(self, members, movable: set[str], now: float, cooldown: bool = True) -> dict[int, str]:
+    def _electable(self, members: Mapping[int, Sequence[str]], movable: set[str], now: float,
+                   cooldown: bool = True) -> dict[int, str]:
         """Per stage, the peer that would move out of it: movable, out of its cooldown (``cooldown``), lowest rank."""
-        chosen = {}
+        chosen: dict[int, str] = {}
         for stage, peers in members.items():
             free = [p for p in peers if p in movable
                     and (not cooldown or now - self.moved_at.get(p, -PEER_COOLDOWN) >= PEER_COOLDOWN)]
@@ -148,6 +149,7 @@ class Rebalancer:
             self.need = Need(*want, since=now)
 
     def _decide(self, count: Sequence[int], electable: dict[int, str], now: float) -> Move | None:
+        assert self.since is not None  # observe sets it before it decides
         need = self.need
         if need is None:
             self.last = f"balanced: {list(count)} live peers per stage"

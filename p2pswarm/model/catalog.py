@@ -63,9 +63,9 @@ class ModelSpec:
         for field_name, value in sizes.items():
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"model {self.name!r}: {field_name} must be a positive integer, not {value!r}")
-        for field_name, value in {"rope_theta": self.rope_theta, "norm_eps": self.norm_eps}.items():
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < float("inf"):
-                raise ConfigError(f"model {self.name!r}: {field_name} must be a positive number, not {value!r}")
+        for field_name, number in {"rope_theta": self.rope_theta, "norm_eps": self.norm_eps}.items():
+            if not isinstance(number, (int, float)) or isinstance(number, bool) or not 0 < number < float("inf"):
+                raise ConfigError(f"model {self.name!r}: {field_name} must be a positive number, not {number!r}")
         if self.width % self.heads:
             raise ConfigError(f"model {self.name!r}: width {self.width} is not a multiple of heads {self.heads}")
         if self.heads % self.kv_heads:
@@ -192,7 +192,9 @@ def least_served_stage(model: ModelSpec, replicas_per_stage: dict[int, int], rng
     replicas. Ties are broken at random so that peers joining at the same moment spread out.
     """
     known = [t for values in (throughputs or {}).values() for t in values if t > 0]
+    served: list[float]
     if known:
+        assert throughputs is not None  # known is empty without it
         nominal = sum(known) / len(known)
         served = [sum(t if t > 0 else nominal for t in throughputs.get(stage, ())) for stage in range(model.n_stages)]
     else:

@@ -35,7 +35,7 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from p2pswarm.errors import ConfigError
 from p2pswarm.model.catalog import ModelSpec, get_model, param_count
@@ -72,7 +72,7 @@ class StageSnapshot:
     run: str | None = None  # the run identity (hex) when known (an API, a snapshot directory's name)
 
 
-def stage_snapshot(state: object, source: str, run: str | None = None) -> StageSnapshot:
+def stage_snapshot(state: Any, source: str, run: str | None = None) -> StageSnapshot:
     """The export's view of a decoded snapshot state (``checkpoint.decode_state``); ConfigError if it is not one."""
     import torch
 

@@ -35,6 +35,7 @@ import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -309,7 +310,7 @@ class _ShardWriter:
     def __init__(self, folder: Path, side: str, dtype: str, shard_tokens: int) -> None:
         self.folder, self.side, self.dtype, self.limit = folder, side, np.dtype(dtype).newbyteorder("<"), shard_tokens
         self.done: list[list] = []
-        self.file = None
+        self.file: BinaryIO | None = None
         self.tmp = ""
         self.count = 0
 
@@ -328,6 +329,7 @@ class _ShardWriter:
                 self._finish()
 
     def _finish(self) -> None:
+        assert self.file is not None  # called with a shard open
         self.file.flush()
         os.fsync(self.file.fileno())
         self.file.close()

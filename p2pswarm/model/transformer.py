@@ -262,10 +262,13 @@ class StageModule(nn.Module):
         name = self.spec.family  # the same weights however the model is cut into stages
         with torch.no_grad():
             if self.is_first:
+                assert self.embed_tokens is not None  # the first stage has it
                 self.embed_tokens.weight.normal_(0.0, INIT_STD, generator=_generator(name, seed, "embed"))
             for layer, block in zip(range(self.start, self.end), self.layers):
+                assert isinstance(block, DecoderLayer)  # what __init__ put there
                 block.reset_parameters(_generator(name, seed, f"block/{layer}"), self.spec.n_layers)
             if self.is_last:
+                assert self.norm is not None and self.lm_head is not None  # the last stage has them
                 self.norm.weight.fill_(1.0)
                 self.lm_head.weight.normal_(0.0, INIT_STD, generator=_generator(name, seed, "head"))
 
@@ -284,6 +287,7 @@ class StageModule(nn.Module):
         for layer in self.layers:
             x = layer(x, cos, sin)[0]
         if self.is_last:
+            assert self.norm is not None and self.lm_head is not None  # the last stage has them
             x = self.lm_head(self.norm(x))
         return x
 
@@ -302,6 +306,7 @@ class StageModule(nn.Module):
             layers.append(kv)
         cache.layers, cache.length = layers, past + n
         if self.is_last:
+            assert self.norm is not None and self.lm_head is not None  # the last stage has them
             return self.lm_head(self.norm(x[:, -1]))
         return x
 
@@ -315,6 +320,7 @@ class StageModule(nn.Module):
         seq = ids.shape[1]
         if not 0 < seq <= self.spec.context:
             raise ValueError(f"sequence length {seq} is outside 1..{self.spec.context} of {self.spec.name}")
+        assert self.embed_tokens is not None  # only the first stage embeds
         return self.embed_tokens(ids)
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from typing import TYPE_CHECKING
 
 import multiaddr
 import trio
@@ -30,6 +31,9 @@ from p2pswarm.identity import generate_identity
 from p2pswarm.nat.reachability import MIN_CONFIRMATIONS, DialBackResult, RateLimiter, Reachability
 from p2pswarm.net.host import connect, open_host
 from p2pswarm.net.streams import ByteStream, open_stream
+
+if TYPE_CHECKING:  # libp2p is imported when a host is built
+    from libp2p.abc import IHost
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +90,7 @@ class AutonatService:
         self._host, self._nursery, self._rng, self._clock = host, nursery, rng, clock
         self._limiter = RateLimiter(PER_PEER_RATE, PER_PEER_BURST, GLOBAL_RATE, GLOBAL_BURST)
         self._expected: dict[int, trio.Event] = {}
-        self._dialer = None  # the separate host dial-backs come from (serve_dialer)
+        self._dialer: IHost | None = None  # the separate host dial-backs come from (serve_dialer)
         self.serving = True
         host.set_stream_handler(DIAL_BACK_PROTOCOL, self._on_dial_back)
         host.set_stream_handler(AUTONAT_PROTOCOL, self._on_request)
@@ -181,7 +185,7 @@ class AutonatService:
                 stream = await open_stream(dialer, peer_id, DIAL_BACK_PROTOCOL)
                 await wire.write_frame(stream, DialBack(nonce=nonce))
                 frame = await wire.read_frame(stream, max_payload=0)
-                return bool(frame) and frame[0] == DialBackAck(nonce=nonce)
+                return frame is not None and frame[0] == DialBackAck(nonce=nonce)
             return False
         except (DialError, RemoteProtocolError):
             return False

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from p2pswarm.net.dialplan import SAMPLE_WINDOW, percentile
 
@@ -44,7 +45,7 @@ class PunchBook:
     running: set[str] = field(default_factory=set)
     outcomes: dict[str, int] = field(default_factory=lambda: {UNILATERAL: 0, PUNCHED: 0, FAILED: 0})
     refused: int = 0  # DCUtR streams from a peer that should not have initiated
-    seconds: deque = field(default_factory=lambda: deque(maxlen=SAMPLE_WINDOW))
+    seconds: deque[float] = field(default_factory=lambda: deque(maxlen=SAMPLE_WINDOW))
 
     def due(self, peer: str, now: float) -> bool:
         return (peer not in self.running and self.tries.get(peer, 0) < self.max_attempts
@@ -71,7 +72,7 @@ class PunchBook:
     def known(self) -> list[str]:
         return sorted(set(self.tries) | self.running)
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:
         attempts = sum(self.outcomes.values())
         p50, p95 = percentile(self.seconds, 0.5), percentile(self.seconds, 0.95)
         return {"attempts": attempts, **self.outcomes, "refused_second_initiator": self.refused,

@@ -46,6 +46,7 @@ import logging
 import time
 import tomllib
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -227,6 +228,10 @@ def make_relay_protocol(host, config: RelayConfig, book: RelayBook | None = None
     from libp2p.relay.circuit_v2.resources import RelayLimits
 
     class EnforcingRelayProtocol(CircuitV2Protocol):
+        config: RelayConfig  # set below, read by the hooks
+        book: RelayBook
+        clock: Callable[[], float]
+
         async def _handle_reserve(self, stream, msg) -> None:
             if not await _refused_reservation(self, stream, msg):
                 await super()._handle_reserve(stream, msg)

@@ -26,6 +26,7 @@ import re
 import secrets
 import struct
 from dataclasses import dataclass
+from typing import TypeGuard
 
 import trio
 
@@ -254,7 +255,7 @@ class _CountingSocket:
         return await self.sock.recvfrom(size)
 
 
-def _usable_other(other: Address | None, server: Address) -> bool:
+def _usable_other(other: Address | None, server: Address) -> TypeGuard[Address]:
     """RFC 5780 §7.4: the other address differs in IP *and* port; stund alone sends 0.0.0.0."""
     return (other is not None and other[0] != "0.0.0.0" and other[1] != 0
             and other[0] != server[0] and other[1] != server[1])

@@ -33,6 +33,7 @@ import enum
 import itertools
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 from p2pswarm import wire
 
@@ -113,10 +114,10 @@ class InboundBudget:
     in_use: int = 0
     high_water: int = 0
     waits: int = 0
-    refused: Counter = field(default_factory=Counter)
+    refused: Counter[str] = field(default_factory=Counter)
     _peers: dict[str, _Peer] = field(default_factory=dict)
     _tickets: dict[int, Ticket] = field(default_factory=dict)
-    _serials: itertools.count = field(default_factory=itertools.count)
+    _serials: itertools.count[int] = field(default_factory=itertools.count)
 
     def open_stream(self, peer: str) -> bool:
         """A peer opened an inbound stream: False (counted) if it may not have another."""
@@ -202,7 +203,7 @@ class InboundBudget:
     def peers(self) -> list[str]:
         return list(self._peers)
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         return {
             "in_use": self.in_use,
             "high_water": self.high_water,
@@ -264,7 +265,7 @@ class CircuitLedger:
     """Bytes and age of each relayed connection the pool uses; keys are opaque (connections)."""
 
     circuits: dict[object, CircuitUsage] = field(default_factory=dict)
-    refused: Counter = field(default_factory=Counter)
+    refused: Counter[str] = field(default_factory=Counter)
 
     def track(self, key: object, limit: CircuitLimit, opened_at: float) -> CircuitUsage:
         """Start accounting ``key`` (idempotent: the first call fixes its limit and age)."""
@@ -298,7 +299,7 @@ class CircuitLedger:
     def forget(self, key: object) -> None:
         self.circuits.pop(key, None)
 
-    def stats(self, now: float) -> dict:
+    def stats(self, now: float) -> dict[str, Any]:
         return {
             "refused": dict(sorted(self.refused.items())),
             "circuits": [{"sent": u.sent, "received": u.received, "age_s": round(now - u.opened_at, 3),

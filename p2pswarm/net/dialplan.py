@@ -16,6 +16,7 @@ import math
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 DIRECT = "direct"  # a plain TCP dial to an advertised address
 RELAY = "relay"  # a circuit through a relay the peer holds a reservation on
@@ -128,7 +129,7 @@ class MethodStats:
 
     attempts: int = 0
     successes: int = 0
-    seconds: deque = field(default_factory=lambda: deque(maxlen=SAMPLE_WINDOW))
+    seconds: deque[float] = field(default_factory=lambda: deque(maxlen=SAMPLE_WINDOW))
 
     def record(self, ok: bool, seconds: float) -> None:
         self.attempts += 1
@@ -136,7 +137,7 @@ class MethodStats:
             self.successes += 1
             self.seconds.append(seconds)
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:
         p50, p95 = percentile(self.seconds, 0.5), percentile(self.seconds, 0.95)
         return {"attempts": self.attempts, "successes": self.successes,
                 "failures": self.attempts - self.successes,
@@ -154,5 +155,5 @@ class ConnectStats:
     def record(self, method: str, ok: bool, seconds: float) -> None:
         self.methods[method].record(ok, seconds)
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:
         return {"reused": self.reused, **{m: s.summary() for m, s in self.methods.items()}}

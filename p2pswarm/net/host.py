@@ -37,6 +37,7 @@ import socket
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import multiaddr
 import trio
@@ -47,6 +48,9 @@ from p2pswarm.net import swarm_fixes
 from p2pswarm.net.dialplan import plan_dials
 from p2pswarm.net.guard import StreamGuard
 from p2pswarm.net.limits import StreamLimits
+
+if TYPE_CHECKING:  # libp2p is imported when a host is built
+    from libp2p.abc import IHost
 
 log = logging.getLogger(__name__)
 
@@ -110,10 +114,11 @@ def expand_wildcards(
     return expanded
 
 
-def build_host(identity: Identity, limits: HostLimits = DEFAULT_LIMITS):
+def build_host(identity: Identity, limits: HostLimits = DEFAULT_LIMITS) -> IHost:
     """A libp2p host speaking TCP + Noise + Yamux only, with explicit limits."""
     from libp2p import new_host
     from libp2p.crypto.x25519 import create_new_key_pair as new_x25519_key_pair
+    from libp2p.custom_types import TProtocol
     from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_ID
     from libp2p.security.noise.transport import Transport as NoiseTransport
     from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_ID
@@ -125,7 +130,7 @@ def build_host(identity: Identity, limits: HostLimits = DEFAULT_LIMITS):
     host = new_host(
         key_pair=identity.key_pair,
         sec_opt={NOISE_ID: noise},
-        muxer_opt={YAMUX_ID: Yamux},
+        muxer_opt={TProtocol(YAMUX_ID): Yamux},
         connection_config=_connection_config(limits),
         resource_manager=resource_manager,
         addrs_factory=lambda addrs: expand_wildcards(addrs, interface_ips),
@@ -263,7 +268,7 @@ async def open_host(
     identity: Identity,
     listen_addrs: Sequence[str],
     limits: HostLimits = DEFAULT_LIMITS,
-) -> AsyncIterator[object]:
+) -> AsyncIterator[IHost]:
     """Build a host, listen on ``listen_addrs`` and always close it on the way out."""
     addrs = [parse_multiaddr(a) for a in listen_addrs]
     for addr in addrs:
@@ -307,8 +312,8 @@ def check_port_free(addr: multiaddr.Multiaddr) -> None:
 
 
 def _root_cause(exc: BaseException) -> str:
-    while exc.__cause__ is not None or exc.__context__ is not None:
-        exc = exc.__cause__ or exc.__context__
+    while (cause := exc.__cause__ or exc.__context__) is not None:
+        exc = cause
     return str(exc) or type(exc).__name__
 
 
@@ -342,7 +347,7 @@ async def connect(host, peer_info, timeout: float = DEFAULT_LIMITS.dial_timeout)
         raise DialError(f"cannot reach {peer_info.peer_id}: no address given")
     host.get_peerstore().add_addrs(peer_info.peer_id, addrs, PEERSTORE_ADDR_TTL)
     errors: list[str] = []
-    won = []
+    won: list[object] = []  # the connection that won the race
     with trio.move_on_after(timeout) as scope:
         async with trio.open_nursery() as nursery:
             for addr in addrs:

@@ -24,6 +24,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
 MAX_INBOUND_STREAMS = 4096  # node-wide: what py-libp2p held before (HostLimits.max_streams); go-libp2p's system limit is of this order
 MAX_INBOUND_PER_PEER = 256  # go-libp2p's default PeerBaseLimit.StreamsInbound; 16 such peers are needed to fill the node
@@ -202,7 +203,7 @@ class StreamBook:
             return self._per_peer.get(peer, 0)
         return self._per_protocol.get((peer, protocol), 0)
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         """Counters for the node's status API."""
         return {
             "open": len(self._streams),

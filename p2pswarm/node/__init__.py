@@ -27,7 +27,6 @@ import trio
 
 from p2pswarm import __version__, wire
 from p2pswarm.api.serve import open_api_listeners, serve_api
-from p2pswarm.node.config import BOOTSTRAP_DIAL_TIMEOUT, NodeConfig, Role
 from p2pswarm.dht.announce import capacity_flags, stage_record
 from p2pswarm.dht.discovery import (
     RECORD_TTL,
@@ -37,6 +36,7 @@ from p2pswarm.dht.discovery import (
     push_identify,
     serve_routing_upkeep,
 )
+from p2pswarm.dht.health import serve_health_watch
 from p2pswarm.dht.record_codec import sign_record
 from p2pswarm.dht.records import FLAG_GPU, FLAG_PINNED, FLAG_SNAPSHOT, Capacity, StageRecord
 from p2pswarm.dht.stagemap import (
@@ -48,25 +48,28 @@ from p2pswarm.dht.stagemap import (
     serve_candidate_checks,
 )
 from p2pswarm.dht.store import RecordStore
+from p2pswarm.diloco import messages, snapshots
 from p2pswarm.errors import LocalProtocolError
-from p2pswarm.dht.health import serve_health_watch
 from p2pswarm.heal.mover import Mover
 from p2pswarm.heal.rebalance import Rebalancer
 from p2pswarm.identity import Identity, load_or_create_key
-from p2pswarm.node.memory import serve_memory_upkeep
 from p2pswarm.model.catalog import ModelSpec
-from p2pswarm.run.spec import RunSpec
 from p2pswarm.model.tokenizer import load_tokenizer
-from p2pswarm.node.traversal import NatTraversal
+from p2pswarm.net import probe
 from p2pswarm.net.connect import Connector
 from p2pswarm.net.control import ControlService
-from p2pswarm.net import probe
 from p2pswarm.net.guard import guard_stats
 from p2pswarm.net.host import HostLimits, open_host, peer_info_from_multiaddr
-from p2pswarm.net.swarm_fixes import inbound_stats
 from p2pswarm.net.pool import StreamPool
 from p2pswarm.net.probe_api import PingRoute
-from p2pswarm.swarm.device import Placement, free_device_memory_mb
+from p2pswarm.net.swarm_fixes import inbound_stats
+from p2pswarm.node.config import BOOTSTRAP_DIAL_TIMEOUT, NodeConfig, Role
+from p2pswarm.node.memory import serve_memory_upkeep
+from p2pswarm.node.traversal import NatTraversal
+from p2pswarm.run.placement import free_device_memory_mb
+from p2pswarm.run.spec import RunSpec
+from p2pswarm.swarm import activation, inference
+from p2pswarm.swarm.generation import SwarmCompleter
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +81,7 @@ class NodeState:
     identity: Identity
     config: NodeConfig
     model: ModelSpec
-    run: RunSpec | None = None  # what we train (config.training_run): its identity keys our records
+    run: RunSpec | None = None  # what we train (config.run): its identity keys our records
     host: object = None
     kad: object = None
     control: ControlService | None = None
@@ -140,8 +143,9 @@ class NodeState:
         private = self.nat is not None and self.nat.private
         flags = capacity_flags(training=self.config.role is Role.JOIN, private=private)
         flags |= FLAG_PINNED if self.config.serves_layers and not self.config.rebalance else 0
-        on_device = self.config.serves_layers and self.config.device != "cpu"
-        free = free_device_memory_mb(self.config.device) if on_device else free_memory_mb()
+        device = self.config.training.placement.device
+        on_device = self.config.serves_layers and device != "cpu"
+        free = free_device_memory_mb(device) if on_device else free_memory_mb()
         return Capacity(free_memory_mb=free, queue_depth=sum(load() for load in self.load_sources),
                         flags=flags | (FLAG_SNAPSHOT if self.diloco else 0) | (FLAG_GPU if on_device else 0),
                         throughput=round(self.swarm.throughput(), 1) if self.swarm else 0.0,
@@ -174,8 +178,6 @@ async def _join_dht(state: NodeState, nursery: trio.Nursery, rng: random.Random,
     state.index = StageIndex(host, state.kad, state.control, RecordStore(), server=config.dht_server)
     state.nat.set_dht_server = state.index.set_server
     state.stage_map = StageMap(state.index, state.model, nursery, run=state.run.identity)
-    from p2pswarm.swarm.generation import SwarmCompleter  # no torch until a request samples
-
     state.completer = SwarmCompleter(state.pool, state.stage_map, state.model, state.run,
                                      load_tokenizer(state.run.tokenizer), me=state.identity.peer_id_text,
                                      local=lambda: getattr(state.swarm, "inference", None))  # any node with a map
@@ -272,9 +274,6 @@ async def _serve_stage(state: NodeState, rng: random.Random, routes: dict,
 def _stop_serving(state: NodeState, routes: dict) -> None:
     """Between two stages: refuse our old stage's protocols (the stream is reset, as a gone peer's would be)
     and drop its API routes (the new stage's services put theirs back)."""
-    from p2pswarm.diloco import messages, snapshots
-    from p2pswarm.swarm import activation, inference
-
     async def refuse(peer: str, message, payload: bytes):
         raise LocalProtocolError(f"moving from stage {state.stage}: not serving it any more")
 
@@ -299,26 +298,23 @@ async def _announce_now(state: NodeState) -> None:
 
 async def _train(state: NodeState, rng: random.Random, task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Train our stage, with DiLoCo between its replicas (imports torch: only a training peer does)."""
-    from p2pswarm.diloco.service import DilocoService
-    from p2pswarm.swarm.service import SwarmService
+    from p2pswarm.diloco.service import DilocoService  # lazy: imports torch, which only a training peer loads
+    from p2pswarm.swarm.service import SwarmService  # lazy: imports torch
 
-    from p2pswarm.swarm.engine import TrainConfig
-
-    config, me, run = state.config, state.identity.peer_id_text, state.run
+    config, me, run, training = state.config, state.identity.peer_id_text, state.run, state.config.training
     snapshot_dir = config.data_dir / "snapshots" / f"{state.model.name.replace('/', '-')}-{run.identity}" \
         f"-stage{state.stage}" if config.data_dir else None  # one run's snapshots never load into another
     backups = state.backups
-    state.diloco = DilocoService(settings=run.diloco(config.diloco), spec=state.model, stage=state.stage, me=me,
+    state.diloco = DilocoService(settings=training.diloco, spec=state.model, stage=state.stage, me=me,
                                  pool=state.pool, stage_map=state.stage_map, snapshot_dir=snapshot_dir, run=run,
                                  backups=backups, serve_snapshots=backups.attach_server if backups else None,
-                                 tunables=config.tunables)
+                                 tunables=training.tunables)
     service = SwarmService(spec=state.model, stage=state.stage, me=me, pool=state.pool,
                            stage_map=state.stage_map, host=state.host, data=config.data,
                            threads=config.threads, rng=rng, extensions=[state.diloco],
-                           placement=Placement(config.device, config.precision),
-                           config=TrainConfig(**run.train_values()), run=run,
+                           placement=training.placement, config=training.train, run=run,
                            tokenizer=load_tokenizer(run.tokenizer),  # resolved already: an absolute path or "bytes"
-                           tunables=config.tunables)
+                           tunables=training.tunables)
     await service.run(task_status=task_status)
 
 
@@ -326,8 +322,7 @@ async def run_node(config: NodeConfig, *, on_listening: Callable[[list[str]], No
                    rng: random.Random | None = None, task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Run a node until cancelled."""
     rng = rng or random.Random()
-    run = config.training_run
-    model = run.spec()
+    run, model = config.run, config.training.model
     for addr in config.bootstrap:
         peer_info_from_multiaddr(addr)  # ConfigError before anything starts
     identity = load_or_create_key(config.resolved_key_path())

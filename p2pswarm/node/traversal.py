@@ -14,7 +14,6 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
-from p2pswarm.node.config import NodeConfig, Role
 from p2pswarm.nat.autonat import AutonatService, serve_reachability
 from p2pswarm.nat.holepunch import HolePunchService, punch_stats
 from p2pswarm.nat.policy import RelayAction, react
@@ -23,6 +22,7 @@ from p2pswarm.nat.relay_client import RelayPicker, serve_relay_reservations
 from p2pswarm.nat.relay_service import RelayConfig, serve_relay
 from p2pswarm.nat.stun import StunReport, classify_nat
 from p2pswarm.net.host import listen_addrs, peer_info_from_multiaddr, set_extra_addrs
+from p2pswarm.node.config import NodeConfig, Role
 
 log = logging.getLogger(__name__)
 

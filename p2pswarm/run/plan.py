@@ -20,6 +20,7 @@ laptop).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from p2pswarm import wire
@@ -118,7 +119,7 @@ def snapshot_plan(spec: ModelSpec, stage: int) -> SnapshotPlan:
     return SnapshotPlan(params, tensors, tensors + SNAPSHOT_OVERHEAD)
 
 
-def largest_snapshot(models) -> int:
+def largest_snapshot(models: Iterable[ModelSpec]) -> int:
     """The most bytes a snapshot of any stage of any of ``models`` takes, with at least a
     SIZING_VOCAB vocabulary (``snapshot_plan``)."""
     sized = [dataclasses.replace(spec, vocab=max(spec.vocab, SIZING_VOCAB)) for spec in models]

@@ -149,13 +149,6 @@ class RunSpec:
         return dataclasses.replace(local, inner_steps=self.inner_steps, outer_lr=self.outer_lr,
                                    momentum=self.momentum, codec=self.codec, aggregator=self.aggregator)
 
-    def train_values(self) -> dict:
-        """The keyword arguments of ``swarm.engine.TrainConfig`` (which imports torch; this module does not)."""
-        return dict(lr=self.lr, weight_decay=self.weight_decay, accumulate=self.accumulate, grad_clip=self.grad_clip,
-                    seed=self.seed, betas=self.betas, eps=self.eps, warmup_steps=self.warmup_steps,
-                    decay_steps=self.decay_steps, min_lr_ratio=self.min_lr_ratio, rows=self.rows, seq=self.context,
-                    activation_dtype=self.dtype)
-
     def with_values(self, **values) -> RunSpec:
         """The run with some values replaced and checked again (``--model`` without ``--run``)."""
         return _checked(dataclasses.replace(self, **values), self.source or self.name)

@@ -15,11 +15,12 @@ from collections.abc import Container
 from p2pswarm.errors import RemoteProtocolError
 from p2pswarm.swarm.activation import Backward, Forward
 from p2pswarm.swarm.buffers import Priority
+from p2pswarm.wire import Message
 
 BAN_PERIOD = 60.0  # seconds a peer that sent us garbage is refused
 
 
-def check_addressed(message, stage: int) -> None:
+def check_addressed(message: Message, stage: int) -> None:
     """RemoteProtocolError unless ``message`` is a tensor request for ``stage``."""
     if not isinstance(message, (Forward, Backward)):
         raise RemoteProtocolError(f"{message.TYPE} is not a request")
@@ -27,7 +28,9 @@ def check_addressed(message, stage: int) -> None:
         raise RemoteProtocolError(f"a {message.TYPE} for stage {message.stage}; we serve {stage}")
 
 
-def classify(message: Forward | Backward, *, stage: int, is_last: bool, waiting: Container) -> str | None:
+def classify(
+    message: Forward | Backward, *, stage: int, is_last: bool, waiting: Container[tuple[bytes, int]]
+) -> str | None:
     """The kind of job an addressed frame asks for ("forward", "eval" or "backward"); None for a
     gradient of a micro-batch no longer ``waiting`` (given up already); RemoteProtocolError for a
     frame we would not compute."""

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from p2pswarm import wire
+from p2pswarm.run.spec import DEFAULT_DTYPE
 from p2pswarm.errors import LocalProtocolError, RemoteProtocolError
 from p2pswarm.model.catalog import BYTE_VOCAB
 from p2pswarm.swarm import engine as eng
@@ -50,7 +51,7 @@ class Layout:
     width: int  # hidden size: a frame's last dim
     context: int  # a frame's longest sequence
     vocab: int  # target ids lie below it
-    dtype: str = eng.ACTIVATION_DTYPE  # the run's activation dtype
+    dtype: str = DEFAULT_DTYPE  # the run's activation dtype
     run: bytes = UNNAMED_RUN  # every frame we send carries it
     me: str = ""  # our peer id: an evaluation's chain
 
@@ -152,6 +153,7 @@ def decode_work(kind: str, message: Forward | Backward, payload: bytes, layout: 
     tensor_bytes, target_bytes = message.split(payload)
     if kind == "backward":
         return eng.Work("backward", key, from_wire(message.dtype, shape, tensor_bytes), None)
+    assert isinstance(message, Forward)  # classify: a Backward is "backward", a Forward "forward" or "eval"
     targets = targets_from_bytes(target_bytes, shape[0], shape[1], layout.vocab) if target_bytes else None
     tensor = from_wire(message.dtype, shape, tensor_bytes)
     if kind == "forward":
@@ -166,6 +168,7 @@ def encode_outputs(job: Job, out: eng.Output, layout: Layout, step: int,
     destination is the core's to set). ``step`` is the engine's; ``to_host`` stages a tensor to
     the host in the activation dtype (``StageEngine.host_out``)."""
     work, sends = job.work, []
+    message: Forward | Backward
     if out.forward is not None:
         priority = Priority.TRAINING_FORWARD if work.kind == "forward" else Priority.INFERENCE
         dtype, shape, data = to_wire(to_host(out.forward))

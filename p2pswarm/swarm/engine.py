@@ -19,7 +19,9 @@ weights of the current version (``torch.func.functional_call``), one copy per op
 still referenced by a waiting micro-batch, and its backward runs on that same copy (PipeDream's
 weight stashing): the gradient is the true gradient at the weights that made the activations,
 and no in-place optimizer update can invalidate a kept graph. The gradients are then added to
-the live parameters, which AdamW steps every ``accumulate`` micro-batches.
+the live parameters, which AdamW steps every ``accumulate`` micro-batches. The copies, and the
+weight prediction that moves them to where AdamW will be when their gradients land, are
+``swarm/versions.py``'s.
 
 **Devices and precision.** The engine lives on ``placement.device`` (``swarm/device.py``): the
 weights and AdamW's states are fp32 there (the master copy); with ``bf16`` each forward runs under
@@ -50,40 +52,13 @@ from p2pswarm.errors import ConfigError
 from p2pswarm.model.catalog import ModelSpec
 from p2pswarm.model.transformer import build_stage
 from p2pswarm.swarm.activation import NO_ROUND
-from p2pswarm.swarm.device import Placement
+from p2pswarm.run.placement import Placement
+from p2pswarm.run.training import TrainConfig
 from p2pswarm.swarm.schedule import lr_at
 from p2pswarm.swarm.staging import Staging
+from p2pswarm.swarm.versions import WeightVersions
 
-LEARNING_RATE = 3e-3  # AdamW's lr: the tiny-lm sweep's best for a 3-minute run (docs/benchmarks.md)
-WEIGHT_DECAY = 0.01
-BETAS = (0.9, 0.95)  # GPT-style second moment: steadier with small batches
-GRAD_CLIP = 1.0  # global norm of a stage's gradient before a step
-ACCUMULATE = 1  # micro-batches per optimizer step
-ACTIVATION_DTYPE = "float32"  # what hidden states and their gradients travel as
-EPS = 1e-8  # AdamW's usual epsilon
-PREDICT_WEIGHTS = True  # weight prediction against pipeline staleness (docs/benchmarks.md: the 2x1 arm)
 AGREED_KEPT = 2  # outer rounds whose agreed weights are kept for evaluation: ours and the one before
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """How a stage trains; the defaults are the named constants above. A run file
-    (``p2pswarm.run.spec``) fills every field, so that all peers of a swarm agree on them."""
-
-    lr: float = LEARNING_RATE  # peak AdamW learning rate
-    weight_decay: float = WEIGHT_DECAY  # on matrices only (embeddings, norms and biases get none)
-    accumulate: int = ACCUMULATE
-    grad_clip: float = GRAD_CLIP
-    seed: int = 0  # initial weights are a pure function of (model, seed)
-    betas: tuple[float, float] = BETAS
-    eps: float = EPS
-    warmup_steps: int = 0  # linear warm-up from 0 to lr over this many optimizer steps
-    decay_steps: int = 0  # cosine decay from lr to min_lr_ratio x lr after warm-up; 0: constant lr
-    min_lr_ratio: float = 0.1  # the floor of the cosine decay, as a fraction of lr
-    rows: int = 8  # sequences per training micro-batch
-    seq: int | None = None  # tokens per sequence; None: the model's context
-    activation_dtype: str = ACTIVATION_DTYPE  # what hidden states and their gradients travel as
-    predict_weights: bool = PREDICT_WEIGHTS  # forwards run on the weights predicted for when their gradient lands
 
 
 @dataclass(frozen=True)
@@ -129,7 +104,7 @@ class StageEngine:
         self.micro_batches = 0  # micro-batches whose gradients reached our parameters
         self.tokens = 0  # tokens in those micro-batches
         self._pending_grads = 0
-        self._version: dict[str, torch.Tensor] | None = None
+        self.versions = WeightVersions(self.params, self.optimizer, config)  # what forwards run on
         self._agreed: dict[int, torch.Tensor] = {}  # outer round -> its agreed weights, flat on the host
         self._agreed_on_device: tuple[int, dict[str, torch.Tensor]] | None = None  # the last one used, as params
         self._kept: dict[tuple[bytes, int], tuple[torch.Tensor, torch.Tensor, dict]] = {}
@@ -156,7 +131,7 @@ class StageEngine:
     # --- forward, backward, evaluation --------------------------------------------------------
 
     def _forward(self, work: Work) -> Output:
-        weights = self._current_version()
+        weights = self.versions.current(len(self._kept))
         x = self._input(work.tensor)
         x = x if self.is_first else x.requires_grad_(True)
         with self._autocast():
@@ -249,33 +224,6 @@ class StageEngine:
 
     # --- weights and optimizer -----------------------------------------------------------------
 
-    def _current_version(self) -> dict[str, torch.Tensor]:
-        """The weights forwards run on until the next step: a frozen copy that graphs may keep.
-
-        **Weight prediction.** A micro-batch's gradient lands after the optimizer steps of the ones
-        still waiting for theirs (the kept graphs): ``ahead`` steps late. Its forward therefore runs on
-        the weights AdamW will have by then, extrapolated along its current update direction
-        (``m̂ / (√v̂ + eps)``, ``ahead`` steps of the current lr; SpecTrain's rule), and its gradient is
-        taken there. Without it, a stage whose micro-batches come back 5 steps late learned 18 %
-        less per token than one process (bench/swarm_train.py, docs/benchmarks.md)."""
-        if self._version is None:
-            ahead = len(self._kept) // self.config.accumulate if self.config.predict_weights else 0
-            with torch.no_grad():
-                self._version = {n: self._predicted(p, ahead).requires_grad_(True) for n, p in self.params.items()}
-        return self._version
-
-    def _predicted(self, p: torch.Tensor, ahead: int) -> torch.Tensor:
-        """``p`` after ``ahead`` more AdamW steps in its current direction (a copy; ``p`` itself at 0)."""
-        state = self.optimizer.state.get(p)
-        if not ahead or not state or "exp_avg" not in state:
-            return p.detach().clone()
-        beta1, beta2 = self.config.betas
-        t = float(state["step"])
-        lr = self.optimizer.param_groups[0]["lr"]
-        direction = (state["exp_avg"] / (1 - beta1 ** t)) / ((state["exp_avg_sq"] / (1 - beta2 ** t)).sqrt()
-                                                            + self.config.eps)
-        return p.detach() - (lr * ahead) * direction
-
     def _absorb(self, weights: dict[str, torch.Tensor], tokens: int) -> None:
         """Add a micro-batch's gradients (on its weight version) to the live parameters; maybe step."""
         for name, stashed in weights.items():
@@ -303,13 +251,13 @@ class StageEngine:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._pending_grads = 0
-        self._version = None
+        self.versions.invalidate()
         self.step += 1
 
     def weights_changed(self) -> None:
         """The live weights were changed from outside (an outer step, a loaded snapshot): the next
         forward takes a fresh copy of them."""
-        self._version = None
+        self.versions.invalidate()
 
     def state_dict(self) -> dict:
         """Weights, optimizer state and counters: what a snapshot or an outer step needs (the
@@ -328,7 +276,7 @@ class StageEngine:
         self.module.load_state_dict(state["module"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.step, self.micro_batches, self.tokens = state["step"], state["micro_batches"], state["tokens"]
-        self._version = None
+        self.versions.invalidate()
 
 
 def param_groups(module: torch.nn.Module, weight_decay: float) -> list[dict]:

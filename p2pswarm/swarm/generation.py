@@ -113,6 +113,7 @@ class SwarmCompleter:
         """The new positions ``ids`` through every stage: the last stage's logits and each stage's round."""
         import numpy as np
 
+        shape: tuple[int, ...]
         payload, shape, dtype = np.asarray(ids, dtype="<i8").tobytes(), (1, len(ids)), IDS_DTYPE
         for index, stage in enumerate(stages):
             stage.chunks.append(payload)
@@ -180,7 +181,7 @@ class SwarmCompleter:
         per = len(payload) // count
         return payload[(count - n) * per:]
 
-    async def _ask(self, peer: str, step: InferStep, data: bytes) -> tuple[wire.Message, bytes]:
+    async def _ask(self, peer: str, step: InferStep, data: bytes) -> tuple[InferOut | wire.ErrorReply, bytes]:
         deadline = STEP_COMPUTE_S + frame_deadline(len(data)) + frame_deadline(self._reply_bytes)
         server = self._local() if self._local is not None and peer == self.me else None
         with trio.move_on_after(deadline) as scope:

@@ -33,6 +33,7 @@ step allocates. ``docs/protocols.md`` ("Inference sessions") is the normative de
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -42,6 +43,9 @@ from p2pswarm.errors import RemoteProtocolError
 from p2pswarm.swarm.activation import NO_ROUND, SESSION_BYTES
 from p2pswarm.swarm.compute_thread import ComputeThread
 from p2pswarm.swarm.sessions import Limits, SessionRefused, SessionTable
+
+if TYPE_CHECKING:  # torch is imported when the first step is computed
+    from p2pswarm.model.transformer import StageModule
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +145,7 @@ class InferenceServer:
         self.thread = ComputeThread(f"p2pswarm-infer{self.stage}")  # decodes on agreed weights beside training
         self.thread.start()  # a daemon: it ends with the process (or ``close``)
         self._agreed_weights: dict[int, dict] = {}  # outer round -> its agreed weights as params, on the device
-        self._module = None  # the inference thread's own StageModule (``_own_module``)
+        self._module: StageModule | None = None  # the inference thread's own StageModule (``_own_module``)
 
     def close(self) -> None:
         self.thread.stop()

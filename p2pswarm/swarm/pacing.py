@@ -31,6 +31,7 @@ exceeds WINDOW_MAX whatever the acks say. Pure: no clock, no I/O; every update r
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 INITIAL_THROUGHPUT = 1.25e6  # bytes/s assumed before a sample (10 Mbit/s): generous deadlines on a new link
 MIN_THROUGHPUT = 12_500.0  # bytes/s (100 kbit/s): an estimate never falls below, so no deadline is unbounded
@@ -117,7 +118,7 @@ class Link:
         return replace(self, window=max(WINDOW_MIN, self.window / 2), on_the_way=max(0, self.on_the_way - 1),
                        timeouts=self.timeouts + 1)
 
-    def doc(self, size: int) -> dict:
+    def doc(self, size: int) -> dict[str, Any]:
         """For /api/swarm: the deadline in force for a ``size``-byte frame, throughput, window."""
         return {"deadline_ms": round(1000 * self.deadline(size), 1),
                 "throughput_mbit_s": None if self.throughput is None else round(self.throughput * 8 / 1e6, 2),

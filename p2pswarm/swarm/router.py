@@ -122,6 +122,14 @@ def backoff_delay(failures: int, rng: random.Random, config: RouterConfig = Rout
     return nominal * rng.uniform(1.0 - BACKOFF_JITTER, 1.0)
 
 
+def rank_key(state: PeerState, config: RouterConfig = RouterConfig()) -> tuple:
+    """A live peer's place in ``Router.ranked`` (smallest first, before the partner is put first):
+    direct before relayed, then by score; after the score, raw latency and queue keep the order
+    beyond the score's saturation, and the peer id breaks ties."""
+    c = state.candidate
+    return (c.relayed, score(state.latency, c.queue_depth, config), state.latency, c.queue_depth, c.peer)
+
+
 def partner_for(me: str, my_stage_peers: Iterable[str], next_stage_peers: Iterable[str]) -> str | None:
     """Our partner in the next stage: the (i mod n)-th of its n sorted peer ids, where i is our index
     among our own stage's sorted peer ids (``me`` counted whether listed or not); None when the next
@@ -263,7 +271,7 @@ class Router:
         """Every live peer of ``stage``, best first: the live partner, then direct before relayed, then
         by score."""
         live = [s for p, s in self.peers.items() if s.candidate.stage == stage and self.is_live(p, now)]
-        order = [s.candidate.peer for s in sorted(live, key=self._rank)]
+        order = [s.candidate.peer for s in sorted(live, key=lambda s: rank_key(s, self.config))]
         partner = self.live_partner(stage, now)
         return order if partner is None else [partner, *(p for p in order if p != partner)]
 
@@ -289,8 +297,3 @@ class Router:
                 "latency_ms": None if s.srtt is None else round(s.srtt * 1000, 1), **self.link(p).doc(self.frame_size),
                 "failures": s.failures, "acks": s.acks, "relayed": s.candidate.relayed}
             for p, s in sorted(self.peers.items())}}
-
-    def _rank(self, state: PeerState) -> tuple:
-        c = state.candidate
-        # after the score, raw latency and queue keep the order beyond the score's saturation
-        return (c.relayed, score(state.latency, c.queue_depth, self.config), state.latency, c.queue_depth, c.peer)

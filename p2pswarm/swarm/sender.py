@@ -107,6 +107,7 @@ class Deliverer:
         """Deliver a forward to some live peer of its stage; report it lost if none takes it."""
         if not self._sendable(send):
             return
+        tried: set[str]
         stage, tried, failed_at = send.message.stage, set(), None
         waiting_since: float | None = None  # since when no attempt could be made
         while True:
@@ -142,6 +143,7 @@ class Deliverer:
         """Deliver a gradient to the peer holding its graph; report it lost if it cannot."""
         if not self._sendable(send):
             return
+        assert send.to is not None  # StageCore routes every gradient to one peer
         for _ in range(BACKWARD_TRIES):
             reply = await self._attempt(send.to, send)
             if isinstance(reply.message, Ack):
@@ -252,6 +254,7 @@ class Deliverer:
     # --- outcomes -------------------------------------------------------------------------------
 
     def _acked(self, send: Send, peer: str, failed_at: float | None, reply: Reply) -> None:
+        assert isinstance(reply.message, Ack)  # called on an Ack only
         self._router.observe_ack(peer, reply.seconds, time.time(), reply.message.queue_depth, len(send.payload))
         self._busy.pop(peer, None)
         self.counts["acked"] += 1

@@ -53,7 +53,8 @@ from p2pswarm.swarm.activation import (
 )
 from p2pswarm.swarm.buffers import Priority
 from p2pswarm.swarm.compute_thread import ComputeThread, open_compute_thread
-from p2pswarm.swarm.device import Placement
+from p2pswarm.run.placement import Placement
+from p2pswarm.run.training import TrainConfig
 from p2pswarm.swarm.evaluation import EvalBook
 from p2pswarm.swarm.feeding import Feeder
 from p2pswarm.swarm.inference import PROTOCOL_ID as INFER_PROTOCOL
@@ -74,7 +75,7 @@ class SwarmService:
     """The training of one stage by one peer (module docstring)."""
 
     def __init__(self, *, spec: ModelSpec, stage: int, me: str, pool, stage_map, host,
-                 config: eng.TrainConfig = eng.TrainConfig(), data: str | None = None,
+                 config: TrainConfig = TrainConfig(), data: str | None = None,
                  threads: int | None = None, rng: random.Random | None = None, extensions=(),
                  placement: Placement = Placement(), run=None, tokenizer=None,
                  tunables: Tunables = Tunables()) -> None:

@@ -26,7 +26,8 @@ class Staging:
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)
         self.pinned = self.device.type == "cuda"  # pinned memory and async copies need CUDA
-        self._buffers: dict[tuple, tuple[torch.Tensor, object]] = {}  # (direction, shape, dtype) -> (buffer, event)
+        # (direction, shape, dtype) -> (buffer, event)
+        self._buffers: dict[tuple, tuple[torch.Tensor, torch.cuda.Event]] = {}
 
     def to_host(self, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """A host tensor holding ``tensor`` cast to ``dtype``: valid until the next call with the

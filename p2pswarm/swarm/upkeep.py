@@ -45,6 +45,7 @@ class Upkeep:
         self._blocks_checked = -math.inf
 
     async def run(self) -> None:
+        warming: set[str]
         svc, warming = self.service, set()
         async with trio.open_nursery() as nursery:
             while True:

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from p2pswarm.testing.natlab import Host, NatLab, p2pswarm_argv, read_line
+from p2pswarm.testing.natlab import LabHost, NamespaceLab, p2pswarm_argv, read_line
 
 PORT = 4001
 API = "127.0.0.1:8700"  # each node's API on its own namespace's loopback
@@ -26,27 +26,27 @@ POLL = 0.5
 @dataclass
 class LabNode:
     name: str
-    host: Host
-    process: object
+    host: LabHost
+    process: subprocess.Popen[str]
     addr: str = ""  # its multiaddr on the lab internet (bootstrap and relay nodes)
     peer_id: str = ""
 
 
 @dataclass
 class LabSwarm:
-    lab: NatLab
+    lab: NamespaceLab  # a NatLab, or a LinkLab
     workdir: Path
     proc_timeout: float = 300.0  # no node outlives its test or benchmark
     nodes: dict[str, LabNode] = field(default_factory=dict)
 
-    def start(self, name: str, host: Host, args: list[str]) -> LabNode:
+    def start(self, name: str, host: LabHost, args: list[str]) -> LabNode:
         argv = p2pswarm_argv(*args, "--listen", f"/ip4/0.0.0.0/tcp/{PORT}", "--api", API,
                              "--data-dir", str(self.workdir / name))
         process = self.lab.run(host, argv, log_path=self.log_path(name), timeout=self.proc_timeout)
         node = self.nodes[name] = LabNode(name, host, process)
         return node
 
-    def start_public(self, name: str, host: Host, args: list[str]) -> LabNode:
+    def start_public(self, name: str, host: LabHost, args: list[str]) -> LabNode:
         """A bootstrap or relay node; its lab-internet multiaddr is read from its stdout."""
         node = self.start(name, host, args)
         lines = [read_line(node.process, ADDR_TIMEOUT).strip(), read_line(node.process, 5).strip()]
@@ -66,7 +66,7 @@ class LabSwarm:
             return "(no log)"
 
     def stats(self, name: str) -> dict:
-        doc = self.lab.node_stats(self.nodes[name].host, API) or {}
+        doc = self.lab.node_get(self.nodes[name].host, API, "/api/stats") or {}
         if doc.get("peer_id"):
             self.nodes[name].peer_id = doc["peer_id"]
         return doc

@@ -28,7 +28,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 
-from p2pswarm.testing.natlab import CMD_TIMEOUT, NamespaceLab, kill_netns, letters
+from p2pswarm.testing.natlab import CMD_TIMEOUT, LabHost, NamespaceLab, kill_netns, letters
 
 NAME_PREFIX = "p2k"  # every link-lab namespace starts with this, then the pid of the process that made it
 SUBNET = "10.98.0"  # the lab's /24 (the NAT lab uses 10.99)
@@ -128,6 +128,6 @@ class LinkLab(NamespaceLab):
         self.hosts.append(host)
         return host
 
-    def get(self, host: LinkHost, api: str, path: str, timeout: float = 2.0) -> dict | None:
+    def get(self, host: LabHost, api: str, path: str, timeout: float = 2.0) -> dict | None:
         """GET PATH of the node whose API is API on HOST's own loopback (``NamespaceLab.node_get``)."""
         return self.node_get(host, api, path, timeout)

@@ -147,7 +147,7 @@ def run_link_arm(profile: LinkProfile | str, seconds: float, workdir: Path) -> d
     workdir.mkdir(parents=True, exist_ok=True)
     peers = spec.n_stages * REPLICAS
     with LinkLab() as lab:
-        swarm = LabSwarm(lab, workdir, proc_timeout=TRAIN_TIMEOUT + seconds + 120)  # needs only lab.run: NatLab's
+        swarm = LabSwarm(lab, workdir, proc_timeout=TRAIN_TIMEOUT + seconds + 120)
         try:
             boot = swarm.start_public("boot", lab.host("boot"), ["bootstrap"])
             stages = {f"s{i % spec.n_stages}r{i // spec.n_stages}": i % spec.n_stages for i in range(peers)}

@@ -28,7 +28,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Self
+from typing import Protocol, Self
 
 NAME_PREFIX = "p2l"  # every lab namespace starts with this, then the pid of the process that made it
 MAX_NS_NAME = 15  # keep namespace names as short as interface names
@@ -57,6 +57,16 @@ class NatKind(enum.Enum):
 class Host:
     name: str  # network namespace name
     ip: str
+
+
+class LabHost(Protocol):
+    """What a lab's runner needs of a host: a NAT lab's Host, a link lab's LinkHost."""
+
+    @property
+    def name(self) -> str: ...  # network namespace name
+
+    @property
+    def ip(self) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -168,7 +178,9 @@ def lab_available() -> str | None:
 def read_line(process: subprocess.Popen, timeout: float) -> str:
     """The next stdout line of PROCESS (text mode), or TimeoutError after TIMEOUT seconds."""
     result: list[str] = []
-    reader = threading.Thread(target=lambda: result.append(process.stdout.readline()), daemon=True)
+    stdout = process.stdout
+    assert stdout is not None, "read_line needs a process started with stdout=PIPE"
+    reader = threading.Thread(target=lambda: result.append(stdout.readline()), daemon=True)
     reader.start()
     reader.join(timeout)
     if not result:
@@ -214,12 +226,13 @@ class NamespaceLab:
         return name
 
     # -- running --
-    def _argv(self, host, argv: list[str], timeout: float) -> list[str]:
+    def _argv(self, host: LabHost, argv: list[str], timeout: float) -> list[str]:
         if host.name not in self.namespaces:
             raise ValueError(f"{host.name} is not a namespace of this lab")
         return ["ip", "netns", "exec", host.name, "timeout", f"--kill-after={KILL_AFTER}", f"{timeout:g}", *argv]
 
-    def run(self, host, argv: list[str], *, log_path: str | Path | None = None, timeout: float) -> subprocess.Popen:
+    def run(self, host: LabHost, argv: list[str], *, log_path: str | Path | None = None,
+            timeout: float) -> subprocess.Popen:
         """Start ARGV in HOST, killed after TIMEOUT s; stdout is a text pipe, stderr goes to LOG_PATH."""
         command = self._argv(host, argv, timeout)
         stderr = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115 - closed below
@@ -227,17 +240,17 @@ class NamespaceLab:
             process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, stdin=subprocess.DEVNULL,
                                        text=True)
         finally:
-            if log_path:
+            if not isinstance(stderr, int):  # a file we opened, not DEVNULL
                 stderr.close()
         self.processes.append(process)
         return process
 
-    def exec(self, host, argv: list[str], timeout: float = CMD_TIMEOUT) -> subprocess.CompletedProcess:
+    def exec(self, host: LabHost, argv: list[str], timeout: float = CMD_TIMEOUT) -> subprocess.CompletedProcess:
         """Run a short command in HOST and wait; CalledProcessError if it fails."""
         return subprocess.run(self._argv(host, argv, timeout), capture_output=True, text=True,
                               stdin=subprocess.DEVNULL, timeout=timeout + KILL_AFTER + 1, check=True)
 
-    def node_get(self, host, api: str, path: str, timeout: float = 2.0) -> dict | None:
+    def node_get(self, host: LabHost, api: str, path: str, timeout: float = 2.0) -> dict | None:
         """GET ``path`` of the node's API (on ``host``'s loopback): its JSON, with ``http_status``
         added when the answer is an error, or None when nothing answers."""
         argv = [sys.executable, "-c", GET_JSON, f"http://{api}{path}", str(timeout)]
