@@ -1,1 +1,1 @@
-"""Self-healing: stage backups, rebalancing, health."""
+"""Self-healing: moving peers to an under-served stage at runtime (a pure rule and its driver)."""
