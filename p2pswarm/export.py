@@ -122,6 +122,7 @@ def load_file_snapshots(paths: list[Path]) -> list[StageSnapshot]:
     kept ones match; files are decoded only when chosen."""
     from p2pswarm.diloco.checkpoint import decode_state  # lazy: imports torch, which export --help need not load
 
+    loaded: dict[Path, StageSnapshot | None]
     groups, loaded = _expand(paths), {}
 
     def load(where: Path, path: Path) -> StageSnapshot | None:
@@ -265,6 +266,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     started = time.monotonic()
     out = Path(args.out).expanduser()
     hf_export.check_out_dir(out, args.force)
+    stats: dict
+    swarm: dict | None
     stats, swarm = {}, None
     if args.api:
         snapshots, stats, swarm = fetch_from_api(args.api)

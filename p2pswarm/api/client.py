@@ -105,6 +105,7 @@ def cmd_generate(args) -> int:
     request.check()  # ConfigError, one line, before we connect
     body = {"prompt": request.prompt, "max_tokens": request.max_new_tokens, "temperature": request.temperature,
             "top_p": request.top_p, "seed": request.seed}
+    rounds: list[int]
     start, first, tokens, rounds = time.monotonic(), None, 0, []
     for doc in stream_completion(args.api, body, args.api_token):
         text = doc["choices"][0]["text"]

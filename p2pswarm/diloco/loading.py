@@ -78,6 +78,12 @@ class StageLoader:
         self.last_snapshot: dict | None = None
         self.agreed_backup: snapshots.Snapshot | None = None  # our stage's agreed backup (backups.py)
 
+    @property
+    def _outer(self) -> OuterOptimizer:
+        """The replica's outer optimizer: its ``prepare`` makes it before anything here runs."""
+        assert self.replica.outer is not None
+        return self.replica.outer
+
     # --- loading -------------------------------------------------------------------------------------
 
     async def load_at_start(self) -> dict | None:
@@ -119,6 +125,7 @@ class StageLoader:
         return None
 
     async def _load_from_disk(self) -> dict | None:
+        assert self.store is not None  # load_sources offers the disk only with a store
         found = await trio.to_thread.run_sync(self.store.latest)
         if found is None:
             return None
@@ -128,8 +135,8 @@ class StageLoader:
         except ProtocolError as exc:
             log.warning("snapshot %s does not fit stage %d: %s", path, self.stage, exc)
             return None
-        log.info("loaded stage %d from %s (outer round %d)", self.stage, path, self.replica.outer.rounds)
-        return {"file": str(path), "round": self.replica.outer.rounds}
+        log.info("loaded stage %d from %s (outer round %d)", self.stage, path, self._outer.rounds)
+        return {"file": str(path), "round": self._outer.rounds}
 
     async def _load_from_backup(self) -> dict | None:
         """No replica to load from: the freshest verified backup of our stage that a peer holds."""
@@ -165,10 +172,10 @@ class StageLoader:
                 state.get("model") != self.spec.name or state.get("stage") != self.stage:
             raise RemoteProtocolError("the snapshot is not of our model and stage")
         rebased = rebase and isinstance(state.get("diloco"), dict) \
-            and state["diloco"].get("rounds") == self.replica.outer.rounds + 1
+            and state["diloco"].get("rounds") == self._outer.rounds + 1
 
         def load(engine):
-            outer, mine = self.replica.outer, (engine.micro_batches, engine.tokens)
+            outer, mine = self._outer, (engine.micro_batches, engine.tokens)
             try:
                 if rebased:
                     return self._rebase(engine, state["diloco"])
@@ -191,7 +198,7 @@ class StageLoader:
 
     def _rebase(self, engine, outer_state: dict) -> None:
         """Compute thread: the outer state of the round we missed, with our live progress kept (``load_state``)."""
-        outer = self.replica.outer
+        outer = self._outer
         ours = outer.start
         outer.load_state_dict(outer_state)
         outer.config = outer_config(self.settings)
@@ -207,7 +214,7 @@ class StageLoader:
         config = dataclasses.asdict(outer_config(self.settings))
 
         def load(engine):
-            backup_core.apply_backup(engine, self.replica.outer, state, self.settings.inner_steps, config)
+            backup_core.apply_backup(engine, self._outer, state, self.settings.inner_steps, config)
             self.replica.residual = None  # what compression left out is per replica too
 
         async with self.replica.state_lock:
@@ -219,7 +226,7 @@ class StageLoader:
     async def refresh_agreed(self) -> None:
         """Encode our stage's agreed backup (in a worker thread) and serve it by digest."""
         def take(engine):
-            outer = self.replica.outer
+            outer = self._outer
             momentum = outer.momentum.clone() if outer.config.momentum > 0 else None  # 0: never acts
             return outer.rounds, outer.start.clone(), momentum
 
@@ -242,7 +249,7 @@ class StageLoader:
         """Our stage's state now, encoded: what the snapshot server serves and the disk loop writes."""
         def take(engine):  # on the compute thread: host copies (of device tensors on a GPU), nothing more
             residual = self.replica.residual.clone() if self.replica.residual is not None else None
-            return engine.host_state_dict(), self.replica.outer.state_dict(), residual
+            return engine.host_state_dict(), self._outer.state_dict(), residual
 
         async with self.replica.state_lock:  # (not while a round's assembly writes the residual)
             engine_state, outer_state, residual = await self.replica.swarm.with_engine(take)

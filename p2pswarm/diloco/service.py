@@ -20,7 +20,9 @@ import dataclasses
 import functools
 import logging
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import trio
@@ -59,7 +61,7 @@ class DilocoService:
         self._other_runs: set[str] = set()  # replicas of another run, logged once each
         self._pool, self._stage_map = pool, stage_map
         self._alone_adopts = tunables.alone_adopts  # benches: a lone round's ablation
-        self.swarm = None  # the SwarmService (prepare): these four are what the loader shares (loading.Replica)
+        self.swarm: Any = None  # the SwarmService (prepare): these four are what the loader shares (loading.Replica)
         self.outer: OuterOptimizer | None = None
         self.residual: torch.Tensor | None = None  # error feedback: what compression left out, carried on
         self.state_lock = trio.Lock()  # the residual, written by _assemble's thread and loads: snapshots wait for it
@@ -118,14 +120,17 @@ class DilocoService:
     async def _step_rounds(self) -> None:
         """One tick: catch up with a replica that is ahead, start a due round, or tick the open one."""
         outer, now = self.outer, trio.current_time()
+        assert outer is not None  # prepare() made it
         move = policy.next_move(now, behind_round=self._behind[1] if self._behind else None,
                                 phase=self.round.phase if self.round else None, rounds=outer.rounds,
                                 due=outer.due(self.swarm.engine.step), retry_at=self._retry_at)
         if move in (Move.CATCH_UP, Move.FORGET):
+            assert self._behind is not None  # what these moves answer
             (peer, _), self._behind = self._behind, None
             if move is Move.CATCH_UP:  # not caught up meanwhile by our own round
                 self.loaded_from = await self.loader.catch_up([peer], rebase=True) or self.loaded_from
         elif move is Move.TICK:
+            assert self.round is not None  # a round is open
             self._do(self.round, self.round.tick(now))
         elif move is Move.START:
             if not self._replicas():  # none known yet (a swarm starting up): look again before going alone
@@ -143,6 +148,7 @@ class DilocoService:
 
     def _replicas(self) -> frozenset[str]:
         """The other replicas of our stage in the stage map, but those we refuse to meet."""
+        assert self.outer is not None  # prepare() made it
         rounds = self.outer.rounds
         return frozenset(r.peer_id for r in self._stage_map.stages.get(self.stage, [])
                          if r.peer_id != self.me and not self.strikes.barred(r.peer_id, rounds))
@@ -152,26 +158,32 @@ class DilocoService:
     def _do(self, round_: OuterRound, actions) -> None:
         for action in actions:
             if isinstance(action, rnd.SendHello):
-                self._nursery.start_soon(self._send_hello, round_, action.peer, action.hello)
+                self._spawn(self._send_hello, round_, action.peer, action.hello)
             elif isinstance(action, rnd.SendPart):
-                self._nursery.start_soon(self._send_bulk, round_, action.peer, action.part, action.data)
+                self._spawn(self._send_bulk, round_, action.peer, action.part, action.data)
             elif isinstance(action, rnd.SendResult):
-                self._nursery.start_soon(self._send_bulk, round_, action.peer, action.result, action.data)
+                self._spawn(self._send_bulk, round_, action.peer, action.result, action.data)
             elif isinstance(action, rnd.NeedShards):
-                self._nursery.start_soon(self._provide_shards, round_, action.bounds)
+                self._spawn(self._provide_shards, round_, action.bounds)
             elif isinstance(action, rnd.CombineShard):
-                self._nursery.start_soon(self._combine_shard, round_, action)
+                self._spawn(self._combine_shard, round_, action)
             elif isinstance(action, rnd.Rejected):
+                assert self.outer is not None  # prepare() made it
                 self.strikes.refuse(action.peer, self.outer.rounds, action.reason)
             elif isinstance(action, rnd.CatchUp):
                 self._note_ahead(action.peer, action.round)
             elif isinstance(action, rnd.Finished):
-                self._nursery.start_soon(self._finish, round_, action.outcome)
+                self._spawn(self._finish, round_, action.outcome)
+
+    def _spawn(self, task: Callable[..., Awaitable[object]], *args: object) -> None:
+        assert self._nursery is not None  # run() set it: rounds run inside it
+        self._nursery.start_soon(task, *args)
 
     def _note_ahead(self, peer: str, their_round: int) -> None:
         """A replica says it is at a later round: load its state once our round is over, if we
         believe it (``policy.believed_ahead``)."""
         record = next((r for r in self._stage_map.stages.get(self.stage, []) if r.peer_id == peer), None)
+        assert self.outer is not None  # prepare() made it
         if policy.believed_ahead(peer, their_round, our_round=self.outer.rounds, met=self._replicas(),
                                  record_round=record.capacity.outer_round if record is not None else None):
             self._behind = (peer, their_round)
@@ -214,11 +226,12 @@ class DilocoService:
     async def _provide_shards(self, round_: OuterRound, bounds) -> None:
         """The group is agreed: our pseudo-gradient (plus the residual carried on) now, encoded
         piece by piece (``contribution.encode_contribution``), on the engine's compute thread."""
-        codec = self.settings.codec
-        buffers = self._buffers = contribution.round_buffers(self._buffers, self.outer.numel)
+        codec, outer = self.settings.codec, self.outer
+        assert outer is not None  # prepare() made it
+        buffers = self._buffers = contribution.round_buffers(self._buffers, outer.numel)
 
         def take(engine):
-            at, pseudo = contribution.take_pseudo_gradient(engine, self.outer, buffers)
+            at, pseudo = contribution.take_pseudo_gradient(engine, outer, buffers)
             if self.residual is None and codec != "float32":
                 self.residual = torch.zeros_like(pseudo)
             if self.residual is not None:
@@ -248,6 +261,7 @@ class DilocoService:
             self._retry_at = trio.current_time() + LEFT_OUT_BACKOFF  # will tell us whom to load from
             return
         outer, swarm = self.outer, self.swarm
+        assert outer is not None  # prepare() made it
         buffers = self._buffers = contribution.round_buffers(self._buffers, outer.numel)
         own = functools.partial(contribution.take_alone, outer=outer, buffers=buffers)  # a group of one
         pending = self._pending or await swarm.with_engine(own)
@@ -287,6 +301,7 @@ class DilocoService:
         async with self.state_lock:
             done = await trio.to_thread.run_sync(assemble)
             self.residual = done.residual
+        assert self.outer is not None  # prepare() made it
         for index, reason in done.refused.items():  # an owner's aggregate far from our own: a lying owner
             self.strikes.refuse(outcome.owner(index), self.outer.rounds,
                                 f"aggregate of piece {index}: {reason}")
@@ -296,6 +311,7 @@ class DilocoService:
 
     async def _on_frame(self, peer: str, message, payload: bytes):
         round_, outer, now = self.round, self.outer, trio.current_time()
+        assert outer is not None  # prepare() made it before it served this protocol
         if isinstance(message, msgs.Hello):
             ours = msgs.Hello(self.stage, outer.rounds, outer.numel, self.settings.codec, False, False, (),
                               self.run_id)  # our status: not in a round with it
@@ -316,10 +332,12 @@ class DilocoService:
         if round_ is None or message.round != round_.round:
             self.counts["late_messages"] += 1
             return msgs.Reply(message.round, message.shard, False, "not in that round")
-        handle = round_.on_part if isinstance(message, msgs.Part) else round_.on_result
-        reply, actions = handle(peer, message, payload, now)
+        if isinstance(message, msgs.Part):
+            answer, actions = round_.on_part(peer, message, payload, now)
+        else:
+            answer, actions = round_.on_result(peer, message, payload, now)
         self._do(round_, actions)
-        return reply
+        return answer
 
     def _our_run(self, peer: str, hello: msgs.Hello) -> bool:
         """Whether ``hello`` comes from a replica of our run; another run's is logged once per peer."""

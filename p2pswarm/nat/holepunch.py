@@ -63,6 +63,7 @@ class HolePunchService(DCUtRProtocol):
                          our_id=str(self.host.get_id()), their_id=str(peer_id))
 
     async def _auto_drive_loop(self) -> None:
+        assert self._nursery is not None  # run() sets it before it starts this loop
         while True:
             await trio.sleep(DRIVE_PERIOD)
             now = self._clock()
@@ -103,6 +104,7 @@ class HolePunchService(DCUtRProtocol):
             return False
 
     async def _punch(self, peer_id) -> None:
+        assert self._nursery is not None  # started in it
         began = self._clock()
         self._direct_connections.discard(peer_id)  # the library trusts this cache over the swarm
         try:

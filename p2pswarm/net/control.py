@@ -30,6 +30,7 @@ import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import trio
 
@@ -52,6 +53,7 @@ CONTROL_IDLE_TIMEOUT = 300.0  # server side: a channel silent 5 min is dropped (
 CONTROL_STREAMS_PER_PEER = 16  # a client holds one channel, a few while retired ones wind down
 
 Handler = Callable[[str, wire.Message], Awaitable[wire.Message]]
+_M = TypeVar("_M", bound=wire.Message)
 
 
 @dataclass
@@ -132,8 +134,8 @@ class ControlService:
         host.set_stream_handler(CONTROL_PROTOCOL, self._on_stream)
         set_protocol_limits(host, CONTROL_PROTOCOL, ProtocolLimits(CONTROL_STREAMS_PER_PEER, CONTROL_IDLE_TIMEOUT))
 
-    def handle(self, message_type: type[wire.Message], handler: Handler) -> None:
-        self._handlers[message_type] = handler
+    def handle(self, message_type: type[_M], handler: Callable[[str, _M], Awaitable[wire.Message]]) -> None:
+        self._handlers[message_type] = handler  # type: ignore[assignment]  # it is given only a message_type
 
     async def request(self, peer_id, message: wire.Message, timeout: float = REQUEST_TIMEOUT, *,
                       via_relay: bool = True) -> wire.Message:

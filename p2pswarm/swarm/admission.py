@@ -10,7 +10,7 @@ raises ``RemoteProtocolError``; the driver bars a peer that sent such a frame fo
 
 from __future__ import annotations
 
-from collections.abc import Container
+from typing import Protocol
 
 from p2pswarm.errors import RemoteProtocolError
 from p2pswarm.swarm.activation import Backward, Forward
@@ -18,6 +18,12 @@ from p2pswarm.swarm.buffers import Priority
 from p2pswarm.wire import Message
 
 BAN_PERIOD = 60.0  # seconds a peer that sent us garbage is refused
+
+
+class Waiting(Protocol):
+    """The micro-batches whose gradient we still wait for, by (session, micro-batch): ``InFlight``."""
+
+    def __contains__(self, key: tuple[bytes, int], /) -> bool: ...
 
 
 def check_addressed(message: Message, stage: int) -> None:
@@ -28,9 +34,7 @@ def check_addressed(message: Message, stage: int) -> None:
         raise RemoteProtocolError(f"a {message.TYPE} for stage {message.stage}; we serve {stage}")
 
 
-def classify(
-    message: Forward | Backward, *, stage: int, is_last: bool, waiting: Container[tuple[bytes, int]]
-) -> str | None:
+def classify(message: Forward | Backward, *, stage: int, is_last: bool, waiting: Waiting) -> str | None:
     """The kind of job an addressed frame asks for ("forward", "eval" or "backward"); None for a
     gradient of a micro-batch no longer ``waiting`` (given up already); RemoteProtocolError for a
     frame we would not compute."""

@@ -30,6 +30,7 @@ import random
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field, replace
 from enum import Enum
+from typing import Any
 
 from p2pswarm.dht.records import FLAG_DRAINING, FLAG_RELAYED, StageRecord
 from p2pswarm.errors import LocalProtocolError, NoCandidates
@@ -122,7 +123,7 @@ def backoff_delay(failures: int, rng: random.Random, config: RouterConfig = Rout
     return nominal * rng.uniform(1.0 - BACKOFF_JITTER, 1.0)
 
 
-def rank_key(state: PeerState, config: RouterConfig = RouterConfig()) -> tuple:
+def rank_key(state: PeerState, config: RouterConfig = RouterConfig()) -> tuple[bool, float, float, int, str]:
     """A live peer's place in ``Router.ranked`` (smallest first, before the partner is put first):
     direct before relayed, then by score; after the score, raw latency and queue keep the order
     beyond the score's saturation, and the peer id breaks ties."""
@@ -256,7 +257,9 @@ class Router:
     def live_partner(self, stage: int, now: float) -> str | None:
         """Our partner in ``stage`` if it is a live peer of that stage, else None."""
         peer = self.partners.get(stage)
-        state = self.peers.get(peer) if peer is not None else None
+        if peer is None:
+            return None
+        state = self.peers.get(peer)
         return peer if state is not None and state.candidate.stage == stage and self.is_live(peer, now) else None
 
     def has_room(self, stage: int, now: float) -> bool:
@@ -290,7 +293,7 @@ class Router:
             return untried[0] if self.link(untried[0]).has_room else None
         return next((peer for peer in untried if self.link(peer).has_room), None)
 
-    def stats(self, now: float) -> dict:
+    def stats(self, now: float) -> dict[str, Any]:
         """Per-peer routing statistics for /api/swarm."""
         return {"failovers": self.failovers, "peers": {
             p: {"stage": s.candidate.stage, "live": self.is_live(p, now), "queue_depth": s.candidate.queue_depth,

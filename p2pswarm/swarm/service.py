@@ -123,6 +123,7 @@ class SwarmService:
             await self._train(task_status)
 
     async def _train(self, task_status) -> None:
+        assert self.compute is not None  # run() opened it
         eng.set_threads(self._threads)
         self.engine = await self.compute.run(eng.StageEngine, self.spec, self.stage, self.config, self.placement)
         for extension in self.extensions:
@@ -210,6 +211,7 @@ class SwarmService:
     # --- compute --------------------------------------------------------------------------------
 
     async def _compute_worker(self) -> None:
+        assert self.engine is not None and self.compute is not None  # _train made them first
         while True:
             job, effects = self.core.take(self.engine.agreed_round, trio.current_time())
             self.apply(effects)
@@ -232,12 +234,14 @@ class SwarmService:
 
     async def with_engine(self, fn):
         """``fn(engine)`` on the engine's compute thread, between two jobs of the compute worker."""
+        assert self.compute is not None  # run() opened it
         async with self.engine_lock:
             return await self.compute.run(fn, self.engine)
 
     def _compute(self, job: Job) -> tuple[list[Send], eng.Output]:
         """Compute thread: run the job, turn its output into frames (tensor bytes made off the loop).
         Only the engine is touched here; the service's own state changes on the trio side."""
+        assert self.engine is not None  # _train made it first
         out = self.engine.compute(job.work)
         return codec.encode_outputs(job, out, self.layout, self.engine.step, self.engine.host_out), out
 
@@ -245,6 +249,7 @@ class SwarmService:
         """The last stage's loss of a micro-batch: into its held-out round, or into the training average."""
         if job.work.kind == "eval":
             return losses.record_heldout(self.evals, self.tokenizer, job, out, self.me)
+        assert out.loss_nats is not None  # called for a loss only
         average = losses.train_loss(self.train_loss_bpb, out.loss_nats, out.tokens)
         if average is None:  # NaN or inf activations from a peer: the step is skipped, the average kept
             self.counts[Count.NON_FINITE_LOSSES] += 1
@@ -254,6 +259,7 @@ class SwarmService:
     # --- outbound -------------------------------------------------------------------------------
 
     async def _sender(self) -> None:
+        assert self.deliverer is not None  # _train made it first
         while True:
             entry = self.outbound.take(trio.current_time())
             if entry is None:
