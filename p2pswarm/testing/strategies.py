@@ -40,7 +40,7 @@ def register_frames(cls: type, strategy: st.SearchStrategy) -> None:
     _CUSTOM_FRAMES[cls] = strategy
 
 
-def _field_strategy(field: wire._Field) -> st.SearchStrategy:
+def _field_strategy(field: wire.Field) -> st.SearchStrategy:
     base = _SCALARS[field.kind]
     if field.is_tuple:
         base = st.lists(base, max_size=SMALL_ITEMS).map(tuple)
@@ -57,7 +57,7 @@ def messages(cls: type | None = None) -> st.SearchStrategy:
         return _all_types().flatmap(messages)
     if cls in _CUSTOM_FRAMES:
         return _CUSTOM_FRAMES[cls].map(lambda pair: pair[0])
-    fields = wire._FIELDS[cls]
+    fields = wire.fields_of(cls)
     return st.builds(cls, **{f.name: _field_strategy(f) for f in fields})
 
 
