@@ -18,6 +18,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -31,7 +32,10 @@ from p2pswarm.errors import DialError, ProtocolError, StartupError
 from p2pswarm.net.connect import as_peer_id, remote_ip
 from p2pswarm.net.control import ControlService
 from p2pswarm.net.host import connect
-from p2pswarm.wire import ErrorReply
+from p2pswarm.wire import ErrorReply, Message
+
+if TYPE_CHECKING:  # libp2p is imported when a host is built
+    from libp2p.kad_dht.kad_dht import KadDHT
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +58,7 @@ MIN_ROUTING_PEERS = REPLICATION  # fewer than this and records cannot reach thei
 
 
 @asynccontextmanager
-async def open_kademlia(host, server: bool) -> AsyncIterator[object]:
+async def open_kademlia(host, server: bool) -> AsyncIterator[KadDHT]:
     """Run py-libp2p's Kademlia DHT in server or client mode for the life of the block."""
     from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
     from libp2p.tools.anyio_service import background_trio_service
@@ -68,7 +72,7 @@ async def open_kademlia(host, server: bool) -> AsyncIterator[object]:
         # every lookup waits on them. Check identify's protocol list always.
         return await add_peer(peer_id, skip_server_mode_check=False)
 
-    kad.add_peer = add_servers_only
+    kad.add_peer = add_servers_only  # type: ignore[method-assign]  # patching py-libp2p's KadDHT, see above
     async with background_trio_service(kad):
         yield kad
 
@@ -264,6 +268,7 @@ class StageIndex:
 
         async def store_on(peer_id) -> None:
             nonlocal accepted
+            reply: Message
             try:
                 if peer_id == me:
                     reply = handle_store(self.store, message, self._clock(), str(me))
@@ -296,6 +301,7 @@ class StageIndex:
         request = FetchRecords(model=model, stage=stage, limit=k, run=run)
 
         async def fetch_from(peer_id) -> None:
+            reply: Message
             if peer_id == self._host.get_id():
                 reply = handle_fetch(self.store, request, self._clock())
             else:

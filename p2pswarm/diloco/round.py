@@ -30,6 +30,7 @@ trio, no torch, no clock (``now`` is passed in), no randomness.
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from p2pswarm.diloco.group import Membership
@@ -115,15 +116,18 @@ class OuterRound:
 
     def status(self) -> Hello:
         """My status Hello for this round: what every Hello request is answered with."""
+        members: Iterable[str]
         if self.phase is Phase.IDLE:
             ready, closed, members = False, False, self.book.gathered() - {self.me}
         elif self.phase is Phase.GATHER:
             ready, closed, members = True, False, self.book.gathered()
         elif self.phase is Phase.AGREE:
+            assert self.book.view is not None, "closed on entering AGREE"
             ready, closed, members = True, True, self.book.view
         elif self.phase is Phase.LEFT_OUT:
             ready, closed, members = False, True, self.group or ()
         else:
+            assert self.group is not None, "agreed on entering REDUCE, or finished with one"
             ready, closed, members = True, True, self.group
         members = tuple(sorted(members))[:MAX_MEMBERS]  # only a left-out list can be longer: it is informative
         return Hello(self.stage, self.round, self.numel, self.codec, ready, closed, members)
@@ -137,7 +141,7 @@ class OuterRound:
         if self.phase in (Phase.GATHER, Phase.AGREE):
             return self._deadline
         if self.phase is Phase.REDUCE:
-            return self._reduction.next_deadline()
+            return _reducing(self._reduction).next_deadline()
         return None
 
     # --- driver events ---------------------------------------------------------------------
@@ -163,7 +167,7 @@ class OuterRound:
             return []
         if self.phase is not Phase.REDUCE:
             raise ValueError(f"provide_shards() in phase {self.phase.name}, before NeedShards")
-        return self._after_reduce(self._reduction.provide(shards, now), now)
+        return self._after_reduce(_reducing(self._reduction).provide(shards, now), now)
 
     def combined(self, result: bytes, rejected: dict[str, str], now: float, shard: int | None = None) -> list[Action]:
         """The driver's answer to ``CombineShard`` number ``shard`` (None: the only one out): that
@@ -174,21 +178,21 @@ class OuterRound:
             return []
         if self.phase is not Phase.REDUCE:
             raise ValueError(f"combined() in phase {self.phase.name}, before CombineShard")
-        return self._after_reduce(self._reduction.on_combined(result, rejected, shard), now)
+        return self._after_reduce(_reducing(self._reduction).on_combined(result, rejected, shard), now)
 
     def on_send_failed(self, peer: str, now: float) -> list[Action]:
         """The driver could not deliver to ``peer``: treat it as gone for this round."""
         if self.phase in _OVER or peer == self.me:
             return []
         if self.phase is Phase.REDUCE:
-            return self._after_reduce(self._reduction.peer_gone(peer, now), now)
+            return self._after_reduce(_reducing(self._reduction).peer_gone(peer, now), now)
         self.book.note_failed(peer)
         return self._advance(now)
 
     def tick(self, now: float) -> list[Action]:
         """Act on the deadlines that have passed by ``now``."""
         if self.phase is Phase.REDUCE:
-            return self._after_reduce(self._reduction.tick(now), now)
+            return self._after_reduce(_reducing(self._reduction).tick(now), now)
         if self.phase in (Phase.GATHER, Phase.AGREE):
             return self._advance(now)
         return []
@@ -224,7 +228,7 @@ class OuterRound:
         if hello.closed and not hello.ready:
             self.book.note_withdrawn(peer)
             if self.phase is Phase.REDUCE:
-                return self._after_reduce(self._reduction.peer_gone(peer, now), now)
+                return self._after_reduce(_reducing(self._reduction).peer_gone(peer, now), now)
         elif hello.ready and self.phase is not Phase.REDUCE:
             if hello.closed:
                 if peer not in hello.members:
@@ -241,9 +245,9 @@ class OuterRound:
         self.counts["overflow"] = self.book.overflow
         if self.phase is Phase.GATHER:
             inviter = self.book.invited_by()
-            if inviter is not None or self.book.complete(self.expected) or now >= self._deadline:
+            if inviter is not None or self.book.complete(self.expected) or _passed(self._deadline, now):
                 return self._close(inviter, now)
-        if self.phase is Phase.AGREE and (self.book.settled() or now >= self._deadline):
+        if self.phase is Phase.AGREE and (self.book.settled() or _passed(self._deadline, now)):
             return self._agree(now)
         return []
 
@@ -270,8 +274,7 @@ class OuterRound:
         for peer in sorted(self.book.withdrawn | self.book.failed):
             actions += self._reduction.peer_gone(peer, now)  # they will not send, and need not be sent to
         for kind, peer, msg, data in self._early.drain():  # judge what came early (its replies were sent)
-            handle = self._reduction.on_part if kind == "part" else self._reduction.on_result
-            actions += handle(peer, msg, data, now)[1]
+            actions += _judge(self._reduction, kind, peer, msg, data, now)[1]
         return self._after_reduce(actions, now)
 
     def _finish(self, outcome: Outcome) -> list[Action]:
@@ -289,8 +292,8 @@ class OuterRound:
     # --- reduce ----------------------------------------------------------------------------
 
     def _after_reduce(self, actions: list[Action], now: float) -> list[Action]:
-        if self.phase is Phase.REDUCE and self._reduction.complete(now):
-            actions = actions + self._finish(self._reduction.outcome())
+        if self.phase is Phase.REDUCE and _reducing(self._reduction).complete(now):
+            actions = actions + self._finish(_reducing(self._reduction).outcome())
         return actions
 
     def on_part(self, peer: str, part: Part, data: bytes, now: float) -> tuple[Reply, list[Action]]:
@@ -310,10 +313,9 @@ class OuterRound:
             self.counts["mismatched"] += 1
             return reply_to(msg, False, "another round"), []
         if self.phase is Phase.REDUCE:
-            handle = self._reduction.on_part if kind == "part" else self._reduction.on_result
-            reply, actions = handle(peer, msg, data, now)
+            reply, actions = _judge(_reducing(self._reduction), kind, peer, msg, data, now)
             return reply, self._after_reduce(actions, now)
-        accepting = self.phase is Phase.AGREE and peer in self.book.view
+        accepting = self.phase is Phase.AGREE and peer in (self.book.view or ())
         return self._early.hold(kind, peer, msg, data, accepting=accepting), []
 
 
@@ -325,3 +327,25 @@ def _reject_once(rejected: set[str], counts: dict[str, int], peer: str, reason: 
         return []
     rejected.add(peer)
     return [Rejected(peer, reason)]
+
+
+def _reducing(reduction: Reduction | None) -> Reduction:
+    """``OuterRound._reduction``, from phase REDUCE on."""
+    assert reduction is not None, "set when the group agrees, on entering REDUCE"
+    return reduction
+
+
+def _passed(deadline: float | None, now: float) -> bool:
+    """Whether ``OuterRound._deadline`` passed by ``now``."""
+    assert deadline is not None, "set on entering GATHER and AGREE, the phases that have one"
+    return now >= deadline
+
+
+def _judge(reduction: Reduction, kind: str, peer: str, msg: Part | Result, data: bytes,
+           now: float) -> tuple[Reply, list[Action]]:
+    """``reduction``'s judgement of ``msg``: a Part if ``kind`` is "part", else a Result."""
+    if kind == "part":
+        assert isinstance(msg, Part), kind
+        return reduction.on_part(peer, msg, data, now)
+    assert isinstance(msg, Result), kind
+    return reduction.on_result(peer, msg, data, now)

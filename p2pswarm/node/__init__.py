@@ -22,6 +22,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -71,6 +72,14 @@ from p2pswarm.run.spec import RunSpec
 from p2pswarm.swarm import activation, inference
 from p2pswarm.swarm.generation import SwarmCompleter
 
+if TYPE_CHECKING:  # libp2p is imported when a host is built; the services import torch (a training peer only)
+    from libp2p.abc import IHost
+    from libp2p.kad_dht.kad_dht import KadDHT
+
+    from p2pswarm.diloco.backup_service import BackupService
+    from p2pswarm.diloco.service import DilocoService
+    from p2pswarm.swarm.service import SwarmService
+
 log = logging.getLogger(__name__)
 
 
@@ -82,8 +91,8 @@ class NodeState:
     config: NodeConfig
     model: ModelSpec
     run: RunSpec | None = None  # what we train (config.run): its identity keys our records
-    host: object = None
-    kad: object = None
+    host: IHost | None = None
+    kad: KadDHT | None = None
     control: ControlService | None = None
     pool: StreamPool | None = None  # bulk streams: activations, gradients, shards, snapshots
     connector: Connector | None = None
@@ -93,10 +102,10 @@ class NodeState:
     stage: int | None = None
     api_address: str | None = None
     load_sources: list[Callable[[], int]] = field(default_factory=list)  # queued work, summed in records
-    swarm: object = None  # the SwarmService training our stage (p2pswarm.swarm.service), join only
-    diloco: object = None  # its outer rounds and snapshots (p2pswarm.diloco.service), join only
-    completer: object = None  # text generation through the swarm (p2pswarm.swarm.generation), once joined
-    backups: object = None  # other stages' backups we hold (p2pswarm.diloco.backup_service), join only
+    swarm: SwarmService | None = None  # the SwarmService training our stage (p2pswarm.swarm.service), join only
+    diloco: DilocoService | None = None  # its outer rounds and snapshots (p2pswarm.diloco.service), join only
+    completer: SwarmCompleter | None = None  # text generation through the swarm, once joined
+    backups: BackupService | None = None  # other stages' backups we hold (p2pswarm.diloco.backup_service), join only
     mover: Mover | None = None  # moves us to an under-served stage (join --rebalance)
     started_at: float = field(default_factory=time.time)
 
@@ -152,6 +161,8 @@ class NodeState:
                         outer_round=self.diloco.outer_round() if self.diloco else 0)
 
     def signed_record(self, now: float) -> tuple[StageRecord, bytes]:
+        assert self.nat is not None and self.run is not None and self.stage is not None, \
+            "set by run_node and _join_dht before our stage is announced"
         record = stage_record(self.identity.peer_id_text, self.addrs(), tuple(self.nat.public_addrs), self.model,
                               self.stage, self.capacity(), now, RECORD_TTL, run=self.run.identity,
                               agreed=self.diloco.agreed_claim() if self.diloco else None,
@@ -167,6 +178,8 @@ def free_memory_mb() -> int:
 
 
 async def _meet_peers(state: NodeState, rng: random.Random, want: int) -> None:
+    assert state.host is not None and state.stage_map is not None and state.connector is not None, \
+        "set by run_node and _join_dht before reachability checks start"
     connected = {str(p) for p in state.host.get_connected_peers()} | {state.identity.peer_id_text}
     await meet_peers(state.stage_map, connected, state.connector.connect, rng, want)
 
@@ -174,6 +187,8 @@ async def _meet_peers(state: NodeState, rng: random.Random, want: int) -> None:
 async def _join_dht(state: NodeState, nursery: trio.Nursery, rng: random.Random, api_listeners: list) -> None:
     """Kademlia, the stage index and map, the API, reachability checks, our stage."""
     config, host = state.config, state.host
+    assert state.kad is not None and state.control is not None and state.nat is not None and state.run is not None, \
+        "set by run_node before _join_dht"
     bootstrap_infos = [peer_info_from_multiaddr(a) for a in config.bootstrap]
     state.index = StageIndex(host, state.kad, state.control, RecordStore(), server=config.dht_server)
     state.nat.set_dht_server = state.index.set_server
@@ -215,11 +230,12 @@ async def _join_dht(state: NodeState, nursery: trio.Nursery, rng: random.Random,
             nursery.start_soon(state.mover.run)
 
 
-def _backup_service(state: NodeState):
+def _backup_service(state: NodeState) -> BackupService:
     """Our holder of other stages' backups, on disk under ``data_dir/backups`` (memory only without one)."""
     from p2pswarm.diloco.backup_service import BackupService  # imports torch: a training peer only
 
     config = state.config
+    assert state.run is not None, "set by run_node"
     directory = config.data_dir / "backups" / f"{state.model.name.replace('/', '-')}-{state.run.identity}" \
         if config.data_dir else None
     return BackupService(pool=state.pool, stage_map=state.stage_map, model=state.model, run=state.run,
@@ -259,6 +275,7 @@ async def _serve_stage(state: NodeState, rng: random.Random, routes: dict,
                        task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Our stage's services: the neighbour stages' candidate checks, and training (started once our stage's
     state is loaded); they run until the scope is cancelled by a move."""
+    assert state.stage is not None, "chosen by _join_dht, or set by _serve_stages on a move"
     if state.backups is not None:
         state.backups.stage = state.stage  # our own stage is never held as a backup
     async with trio.open_nursery() as nursery:
@@ -266,6 +283,7 @@ async def _serve_stage(state: NodeState, rng: random.Random, routes: dict,
                            state.identity.peer_id_text,
                            functools.partial(control_round_trip, state.connector, state.control))
         state.swarm = await nursery.start(_train, state, rng)
+        assert state.swarm is not None and state.diloco is not None, "set by _train before it reports started"
         routes.update(state.swarm.routes())  # served from now on: the app reads this dict per request
         routes.update(state.diloco.routes())
         task_status.started()
@@ -277,6 +295,8 @@ def _stop_serving(state: NodeState, routes: dict) -> None:
     async def refuse(peer: str, message, payload: bytes):
         raise LocalProtocolError(f"moving from stage {state.stage}: not serving it any more")
 
+    assert state.pool is not None and state.swarm is not None and state.diloco is not None, \
+        "set by run_node and _serve_stage before a move"
     for protocol in (activation.PROTOCOL_ID, inference.PROTOCOL_ID, messages.PROTOCOL_ID):
         state.pool.serve(protocol, refuse)
     if state.backups is not None:
@@ -290,6 +310,7 @@ def _stop_serving(state: NodeState, routes: dict) -> None:
 
 async def _announce_now(state: NodeState) -> None:
     """One announcement of our new stage at once, rather than at the next ANNOUNCE_PERIOD."""
+    assert state.index is not None, "set by _join_dht before any move"
     try:
         await state.index.announce(*state.signed_record(time.time()))
     except Exception as exc:  # the periodic announcement retries
@@ -302,6 +323,7 @@ async def _train(state: NodeState, rng: random.Random, task_status=trio.TASK_STA
     from p2pswarm.swarm.service import SwarmService  # lazy: imports torch
 
     config, me, run, training = state.config, state.identity.peer_id_text, state.run, state.config.training
+    assert run is not None and state.stage is not None, "set by run_node and _join_dht before training starts"
     snapshot_dir = config.data_dir / "snapshots" / f"{state.model.name.replace('/', '-')}-{run.identity}" \
         f"-stage{state.stage}" if config.data_dir else None  # one run's snapshots never load into another
     backups = state.backups

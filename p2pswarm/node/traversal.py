@@ -11,6 +11,7 @@ import logging
 import random
 import time
 from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 import trio
 
@@ -19,12 +20,18 @@ from p2pswarm.nat.holepunch import HolePunchService, punch_stats
 from p2pswarm.nat.policy import RelayAction, react
 from p2pswarm.nat.reachability import Reachability, ReachabilityTracker
 from p2pswarm.nat.relay_client import RelayPicker, serve_relay_reservations
-from p2pswarm.nat.relay_service import RelayConfig, serve_relay
+from p2pswarm.nat.relay_service import RelayBook, RelayConfig, serve_relay
 from p2pswarm.nat.stun import StunReport, classify_nat
 from p2pswarm.net.host import listen_addrs, peer_info_from_multiaddr, set_extra_addrs
 from p2pswarm.node.config import NodeConfig, Role
 
 log = logging.getLogger(__name__)
+
+
+class ServedRelay(Protocol):
+    """What we read of the relay protocol ``serve_relay`` reports once serving."""
+
+    book: RelayBook
 
 
 class NatTraversal:
@@ -38,7 +45,7 @@ class NatTraversal:
         self.autonat = AutonatService(host, nursery, rng)
         self.stun: StunReport | None = None
         self.holepunch: HolePunchService | None = None  # DCUtR: the roles that can sit behind a NAT
-        self.relay = None  # the relay protocol (with its RelayBook) when the role is RELAY
+        self.relay: ServedRelay | None = None  # the relay protocol (with its RelayBook) when the role is RELAY
         self.relay_picker: RelayPicker | None = None  # our reservations on relays (role JOIN)
         self._relay_scope: trio.CancelScope | None = None  # reservations, running exactly while PRIVATE
         self.circuit_addrs: list[str] = []  # advertised /p2p-circuit addrs (no /p2p/<us>)
@@ -95,13 +102,14 @@ class NatTraversal:
         self._nursery.start_soon(self._push_identify)  # peers learn the new addresses now
 
     def _start_relay_reservations(self) -> None:
-        if self._relay_scope is not None or self.relay_picker is None:
+        picker = self.relay_picker
+        if self._relay_scope is not None or picker is None:
             return
         scope = self._relay_scope = trio.CancelScope()
 
         async def run() -> None:
             with scope:
-                await serve_relay_reservations(self._host, self.relay_picker, self._set_circuit_addrs)
+                await serve_relay_reservations(self._host, picker, self._set_circuit_addrs)
             self._set_circuit_addrs([])
 
         log.info("relay client: behind a NAT, reserving on relays")
@@ -115,8 +123,10 @@ class NatTraversal:
 
     async def _ask_stun(self) -> None:
         """One bounded STUN classification at start-up (pystun3-style floods are impossible here)."""
-        self.stun = await classify_nat(self._config.stun)
-        log.info("STUN %s:%d: NAT type %s, public UDP address %s (%d packets)", *self._config.stun,
+        server = self._config.stun
+        assert server is not None, "started only when config.stun names a server"
+        self.stun = await classify_nat(server)
+        log.info("STUN %s:%d: NAT type %s, public UDP address %s (%d packets)", *server,
                  self.stun.nat_type.value, self.stun.public, self.stun.packets_sent)
 
     def stats_doc(self, peer_id: str) -> dict:

@@ -58,10 +58,11 @@ import tomllib
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 from p2pswarm.errors import ConfigError
 from p2pswarm.model.catalog import ModelSpec, get_model
-from p2pswarm.model.tokenizer import load_tokenizer
+from p2pswarm.model.tokenizer import FileTokenizer, load_tokenizer
 from p2pswarm.run import diloco as dls
 
 DEFAULT_RUN = "tiny-lm"  # what ``join`` trains without --run: today's demo behaviour
@@ -121,7 +122,7 @@ class RunSpec:
     aggregator: str = dls.AGGREGATOR
     source: str = ""  # where it was read from, for messages; not part of the identity
 
-    def canonical(self) -> dict:
+    def canonical(self) -> dict[str, object]:
         """The values the identity hashes: everything but the name, the tokenizer's path and the source."""
         values = dataclasses.asdict(self)
         for local in ("name", "tokenizer", "source"):
@@ -149,7 +150,7 @@ class RunSpec:
         return dataclasses.replace(local, inner_steps=self.inner_steps, outer_lr=self.outer_lr,
                                    momentum=self.momentum, codec=self.codec, aggregator=self.aggregator)
 
-    def with_values(self, **values) -> RunSpec:
+    def with_values(self, **values: Any) -> RunSpec:
         """The run with some values replaced and checked again (``--model`` without ``--run``)."""
         return _checked(dataclasses.replace(self, **values), self.source or self.name)
 
@@ -157,13 +158,13 @@ class RunSpec:
         return f"run {self.identity} ({self.name})"
 
 
-def agreed_diloco(settings: dls.DilocoSettings) -> dict:
+def agreed_diloco(settings: dls.DilocoSettings) -> dict[str, object]:
     """The DiLoCo values of ``settings`` that a run fixes, as RunSpec fields."""
     return dict(inner_steps=settings.inner_steps, outer_lr=settings.outer_lr, momentum=settings.momentum,
                 codec=settings.codec, aggregator=settings.aggregator)
 
 
-def run_for_join(run: str | None, model: str | None, agreed: dict) -> RunSpec:
+def run_for_join(run: str | None, model: str | None, agreed: dict[str, object]) -> RunSpec:
     """The run ``join`` trains: ``--run`` as it is (with ``--model`` only if equal, DiLoCo flags that
     a run fixes refused), or without it the default run on ``--model`` with those flags applied
     (``agreed``: RunSpec field -> the flag's value, None where not given; the identity follows)."""
@@ -242,7 +243,7 @@ def parse_run(data: str, source: str, base_dir: Path | None) -> RunSpec:
     return _checked(_with_tokenizer(run, tokenizer, source, base_dir), source)
 
 
-def _flatten(doc: dict, source: str) -> dict:
+def _flatten(doc: dict[str, Any], source: str) -> dict[str, Any]:
     """The file's values under RunSpec's field names, each of the right type; unknown keys refused."""
     values = {}
     for key, value in doc.items():
@@ -256,7 +257,7 @@ def _flatten(doc: dict, source: str) -> dict:
     return values
 
 
-def _typed(key: str, value, kind: type | None, source: str):
+def _typed(key: str, value: object, kind: type | None, source: str) -> object:
     if kind is None:
         raise ConfigError(f"run file {source}: {key}: unknown key")
     if kind is float and type(value) is int:
@@ -264,7 +265,7 @@ def _typed(key: str, value, kind: type | None, source: str):
     if type(value) is not kind:
         raise ConfigError(f"run file {source}: {key}: must be {_KIND_NAMES[kind]}, not {type(value).__name__}"
                           f" ({str(value)[:40]})")
-    if kind is float and not math.isfinite(value):
+    if isinstance(value, float) and not math.isfinite(value):  # type(value) is kind here
         raise ConfigError(f"run file {source}: {key}: must be a finite number, not {value}")
     return value
 
@@ -272,7 +273,7 @@ def _typed(key: str, value, kind: type | None, source: str):
 _KIND_NAMES = {str: "a string", int: "an integer", float: "a number", list: "an array"}
 
 
-def _betas(value: list, source: str) -> tuple[float, float]:
+def _betas(value: list[Any], source: str) -> tuple[float, float]:
     if len(value) != 2 or not all(type(b) in (int, float) and 0 <= b < 1 for b in value):
         raise ConfigError(f"run file {source}: optimizer.betas: must be two numbers in [0, 1), not {value}")
     return float(value[0]), float(value[1])
@@ -285,7 +286,7 @@ def _with_tokenizer(run: RunSpec, spec: str, source: str, base_dir: Path | None)
         tokenizer = load_tokenizer(spec, base_dir)
     except ConfigError as exc:
         raise ConfigError(f"run file {source}: tokenizer: {exc}") from None
-    path = spec if spec == BYTES_TOKENIZER else str(tokenizer.path)
+    path = str(tokenizer.path) if isinstance(tokenizer, FileTokenizer) else spec
     return dataclasses.replace(run, tokenizer=path, tokenizer_sha256=tokenizer.sha256, vocab=tokenizer.vocab_size)
 
 

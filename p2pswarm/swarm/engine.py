@@ -97,7 +97,7 @@ class StageEngine:
         self._staging = Staging(self.device)
         self.module = build_stage(spec, stage, config.seed).to(self.device)  # built on the CPU: the same
         self.is_first, self.is_last = self.module.is_first, self.module.is_last  # weights on any device
-        self.params = dict(self.module.named_parameters())
+        self.params: dict[str, torch.Tensor] = dict(self.module.named_parameters())
         self.optimizer = torch.optim.AdamW(param_groups(self.module, config.weight_decay), lr=config.lr,
                                            betas=config.betas, eps=config.eps)
         self.step = 0  # optimizer steps taken
@@ -139,6 +139,7 @@ class StageEngine:
             if not self.is_last:
                 self._kept[work.key] = (x, y, weights)
                 return Output(forward=y.detach())
+            assert work.targets is not None, "admission lets a forward reach the last stage only with targets"
             loss = self.module.loss(y, work.targets.to(self.device))
         loss.backward()
         self._absorb(weights, work.targets.numel())
@@ -167,6 +168,7 @@ class StageEngine:
             y = self.module(x) if weights is None else functional_call(self.module, weights, (x,))
             if not self.is_last:
                 return Output(forward=y, round=round_)
+            assert work.targets is not None, "admission lets an evaluation reach the last stage only with targets"
             loss = torch.nn.functional.cross_entropy(y.reshape(-1, self.spec.vocab).float(),
                                                      work.targets.to(self.device).reshape(-1), reduction="sum")
         return Output(loss_nats=float(loss), tokens=work.targets.numel(), round=round_)
@@ -285,7 +287,8 @@ def param_groups(module: torch.nn.Module, weight_decay: float) -> list[dict]:
     when its token occurs; decay would shrink rare tokens towards 0), norms and biases (scales and
     offsets, not capacity)."""
     embeddings = {id(m.weight) for m in module.modules() if isinstance(m, torch.nn.Embedding)}
-    decay, plain = [], []
+    decay: list[torch.nn.Parameter] = []
+    plain: list[torch.nn.Parameter] = []
     for param in module.parameters():
         (decay if param.ndim >= 2 and id(param) not in embeddings else plain).append(param)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": plain, "weight_decay": 0.0}]
