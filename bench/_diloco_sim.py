@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from p2pswarm.diloco.service import STRIKES, result_check  # as the service: barring, and judging results
 from p2pswarm.diloco import aggregation, compression
 from p2pswarm.diloco.messages import shard_bounds
 from p2pswarm.diloco.outer import OuterConfig, OuterOptimizer, flatten
+from p2pswarm.diloco.service import STRIKES, result_check  # as the service: barring, and judging results
 from p2pswarm.model.catalog import ModelSpec
 from p2pswarm.model.corpus import Corpus, batches, heldout_batches
 from p2pswarm.model.transformer import build_stage

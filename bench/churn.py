@@ -34,9 +34,9 @@ from common import machine_line, print_table, quiet_logs, ratio, stop_server
 
 from p2pswarm import wire
 from p2pswarm.identity import generate_identity
-from p2pswarm.node.memory import ALLOCATOR_ENV
 from p2pswarm.net.control import CONTROL_PROTOCOL, ControlService
 from p2pswarm.net.host import connect, open_host, peer_info_from_multiaddr
+from p2pswarm.node.memory import ALLOCATOR_ENV
 from p2pswarm.testing.churn import LOOPBACK, ChurnBlock, ProcessUsage, run_churn
 
 FLOOD_PEERS = 17  # the probe's attackers
@@ -162,7 +162,8 @@ def flood_section(args, allocator: str | None) -> None:
     finally:
         stop_server(process)
     chosen = f"{ALLOCATOR_ENV}={allocator} set by the operator" if allocator else "p2pswarm's default allocator"
-    print_table(f"flood ({chosen}): {FLOOD_PEERS} peers x ({FLOOD_NEGOTIATED} control + {FLOOD_RAW} raw) silent streams "
+    print_table(f"flood ({chosen}): {FLOOD_PEERS} peers x ({FLOOD_NEGOTIATED} control + {FLOOD_RAW} raw) "
+                f"silent streams "
                 f"held {FLOOD_HOLD:.0f} s; node before: {before.rss_mb:.1f} MB, {before.fds} fds; "
                 f"peak {peak.rss_mb:.1f} MB, {peak.fds} fds",
                 ["s after the flood left", "node RSS MB", "vs before", "fds"], rows)

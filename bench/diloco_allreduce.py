@@ -52,11 +52,11 @@ async def worker(mib: int, codec: str, aggregator: str, verify: bool, index: int
     import trio
 
     from p2pswarm.diloco.service import DilocoService
-    from p2pswarm.run.diloco import DilocoSettings
     from p2pswarm.identity import generate_identity
     from p2pswarm.net.connect import Connector
     from p2pswarm.net.host import open_host
     from p2pswarm.net.pool import StreamPool
+    from p2pswarm.run.diloco import DilocoSettings
 
     torch.set_num_threads(1)
     numel = mib * MIB // 4
@@ -98,7 +98,7 @@ async def _rounds(service, engine, numel: int, index: int) -> None:
     import torch
     import trio
 
-    while (line := await trio.to_thread.run_sync(sys.stdin.readline)).strip() == "go":
+    while (await trio.to_thread.run_sync(sys.stdin.readline)).strip() == "go":
         round_ = service.outer.rounds
         generator = torch.Generator().manual_seed(1000 * round_ + index)
         start = service.outer.start.clone()
@@ -123,7 +123,7 @@ async def _rounds(service, engine, numel: int, index: int) -> None:
 def run_arm(mib: int, arm: str) -> list[float]:
     codec, aggregator, verify = ARMS[arm]
     args = [sys.executable, __file__, "--worker", str(mib), codec, aggregator, str(int(verify))]
-    workers = [subprocess.Popen(args + [str(i)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    workers = [subprocess.Popen([*args, str(i)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.DEVNULL, text=True) for i in range(PEERS)]
     try:
         infos = [json.loads(w.stdout.readline()) for w in workers]

@@ -35,12 +35,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
+import _diloco_sim as sim
+import torch
+from common import print_table
 
-import _diloco_sim as sim  # noqa: E402
-from common import print_table  # noqa: E402
-from p2pswarm.model.corpus import load_corpus  # noqa: E402
-from p2pswarm.swarm.engine import LEARNING_RATE  # noqa: E402
+from p2pswarm.model.corpus import load_corpus
+from p2pswarm.swarm.engine import LEARNING_RATE
 
 DEFAULT_STEPS = 800  # inner steps per replica = sync steps: every part in ~11 minutes on one core
 DEFAULT_WARM = 500  # warm-start steps: past the fast initial drop, as DiLoCo assumes
@@ -134,7 +134,7 @@ def part_sweep(bench: Bench) -> tuple[list[dict], tuple[float, float]]:
 
 def diloco_arms(lr: float, momentum: float) -> list[sim.Arm]:
     arms = [sim.Arm(h, codec, lr, momentum) for h in INNER_STEPS for codec in CODECS]
-    return arms + [focus_arm(lr, momentum, method="trimmed_mean", verify=True)]
+    return [*arms, focus_arm(lr, momentum, method="trimmed_mean", verify=True)]
 
 
 def part_diloco(bench: Bench, outer: tuple[float, float]) -> list[dict]:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from p2pswarm.demo import free_port, get_json, read_first_addr, spawn, stop_all  # noqa: E402
+from p2pswarm.demo import free_port, get_json, read_first_addr, spawn, stop_all
 
 MODEL = "tiny-lm/2"
 WAIT = 20.0  # seconds for a peer to become (again) a live candidate
@@ -94,7 +94,7 @@ def main() -> int:
             print("the swarm did not form", file=sys.stderr)
             return 1
         record_ages(driver_api)
-        for name, entry in peers.items():
+        for entry in peers.values():
             entry[2] = get_json(entry[1], "/api/stats")["peer_id"]
         results = {}
         for kind in ("SIGKILL", "SIGSTOP"):
@@ -106,7 +106,7 @@ def main() -> int:
                 seen = before["rerouted"]
                 timeout_ms = swarm_doc(driver_api)["router"]["peers"][entry[2]]["deadline_ms"]
                 entry[0].send_signal(signal.SIGKILL if kind == "SIGKILL" else signal.SIGSTOP)
-                wait_until(lambda: swarm_doc(driver_api).get("delivery", {}).get("rerouted", 0) > seen, 10)
+                wait_until(lambda seen=seen: swarm_doc(driver_api).get("delivery", {}).get("rerouted", 0) > seen, 10)
                 time.sleep(1.0)  # the micro-batches in flight at the kill all fail over
                 after = swarm_doc(driver_api)["delivery"]
                 new = after["rerouted"] - seen
@@ -120,7 +120,7 @@ def main() -> int:
                     entry[0] = join(name, "4:8", entry[1])
                 else:
                     entry[0].send_signal(signal.SIGCONT)
-                wait_until(lambda: entry[2] in live_stage1(driver_api), WAIT)
+                wait_until(lambda entry=entry: entry[2] in live_stage1(driver_api), WAIT)
             results[kind] = samples
         print()
         for kind, samples in results.items():

@@ -15,7 +15,8 @@ background alone needs several cores, so by default the benchmark stretches the 
 spends the same share of its CPU on background work as one node per core would.
 ``--time-dilation 1`` runs the shipped periods. Joiners start one at a time (``--start-batch``).
 Latencies here are upper bounds for a real deployment with one node per machine.
-Run: ``python bench/lookup.py`` (about 5 minutes on this machine: the swarm start, the waits for DHT servers and maps, 400 lookups and the baseline).
+Run: ``python bench/lookup.py`` (about 5 minutes on this machine: the swarm start, the waits for DHT
+servers and maps, 400 lookups and the baseline).
 """
 
 from __future__ import annotations
@@ -37,10 +38,10 @@ from common import (
     ratio,
 )
 
-from p2pswarm.node.config import NodeConfig, Role
 from p2pswarm.dht.discovery import ANNOUNCE_PERIOD, RECORD_TTL, STAGE_MAP_PERIOD
 from p2pswarm.model.catalog import get_model
 from p2pswarm.node import run_node
+from p2pswarm.node.config import NodeConfig, Role
 from p2pswarm.run.spec import default_run
 from p2pswarm.run.training import Training
 

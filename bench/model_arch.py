@@ -32,14 +32,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch import nn  # noqa: E402
+import torch
+import torch.nn.functional as F
+from torch import nn
 
-from p2pswarm.model.catalog import ModelSpec, get_model  # noqa: E402
-from p2pswarm.model.corpus import batches, heldout_batches, stdlib_corpus  # noqa: E402
-from p2pswarm.model.transformer import INIT_STD, _generator, build_stage  # noqa: E402
-from p2pswarm.swarm.evaluation import EVAL_BATCHES, EVAL_ROWS  # noqa: E402
+from p2pswarm.model.catalog import ModelSpec, get_model
+from p2pswarm.model.corpus import batches, heldout_batches, stdlib_corpus
+from p2pswarm.model.transformer import INIT_STD, _generator, build_stage
+from p2pswarm.swarm.evaluation import EVAL_BATCHES, EVAL_ROWS
 
 ROUND_STEPS = 20  # steps an arm takes before the other's turn: short turns share the machine's noise
 EVALS = 6  # held-out evaluations along the run (plus one at the start)

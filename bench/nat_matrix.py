@@ -103,7 +103,8 @@ def report(results: dict[tuple[str, str], list[dict]], trials: int) -> None:
                  "upgrade p50 ms", "upgrade p95 ms", "first byte p50 ms"], rows)
     print_table("time to first byte (connect + one round trip) by method",
                 ["method", "n", "p50 ms", "p95 ms"],
-                [[m, len(v), f"{percentile(v, 50):.0f}", f"{percentile(v, 95):.0f}"] for m, v in sorted(by_method.items())])
+                [[m, len(v), f"{percentile(v, 50):.0f}", f"{percentile(v, 95):.0f}"]
+                 for m, v in sorted(by_method.items())])
     print_table(f"throughput of a {PUSH_BYTES // 1024} KiB push by path",
                 ["path", "n", "p50 MiB/s", "p95 MiB/s"],
                 [[p, len(v), f"{percentile(v, 50):.1f}", f"{percentile(v, 95):.1f}"] for p, v in sorted(rate.items())])

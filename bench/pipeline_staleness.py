@@ -35,9 +35,9 @@ def run(delay: int, predict: bool, accumulate: int, steps: int) -> float:
     from p2pswarm.model.catalog import get_model
     from p2pswarm.model.corpus import batches, heldout_batches, stdlib_corpus
     from p2pswarm.run.spec import load_run
+    from p2pswarm.run.training import train_config
     from p2pswarm.swarm.activation import NO_ROUND
     from p2pswarm.swarm.engine import StageEngine, Work, ids_tensor
-    from p2pswarm.run.training import train_config
     from p2pswarm.swarm.evaluation import EVAL_BATCHES, EVAL_ROWS
 
     spec = get_model("tiny-lm/2")
@@ -69,7 +69,8 @@ def run(delay: int, predict: bool, accumulate: int, steps: int) -> float:
             first.compute(Work("backward", k, grad, None))
         if (t + 1) % REPORT_EVERY == 0 or t + 1 == steps:
             figure = evaluate()
-            print(f"  d={delay} predict={predict} accumulate={accumulate}: step {t + 1}, {(t + 1) * ids[:, 1:].numel()} "
+            print(f"  d={delay} predict={predict} accumulate={accumulate}: step {t + 1}, "
+                  f"{(t + 1) * ids[:, 1:].numel()} "
                   f"tokens, held-out {figure:.3f} ({time.monotonic() - began:.0f} s)", flush=True)
     return figure
 

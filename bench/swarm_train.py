@@ -35,6 +35,7 @@ micro-batches and compute-busy per peer.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import re
@@ -58,10 +59,10 @@ def baseline(tokens_wanted: int, seconds_cap: float) -> tuple[float, list[tuple[
 
     from p2pswarm.model.catalog import get_model
     from p2pswarm.model.corpus import batches, heldout_batches, stdlib_corpus
-    from p2pswarm.run.spec import load_run
     from p2pswarm.model.transformer import build_model, run_stages
-    from p2pswarm.swarm.engine import ids_tensor, lr_at, param_groups
+    from p2pswarm.run.spec import load_run
     from p2pswarm.run.training import train_config
+    from p2pswarm.swarm.engine import ids_tensor, lr_at, param_groups
     from p2pswarm.swarm.evaluation import EVAL_BATCHES, EVAL_ROWS
 
     config = train_config(load_run("tiny-lm"))  # the demo's run: the same optimizer
@@ -102,7 +103,7 @@ def baseline(tokens_wanted: int, seconds_cap: float) -> tuple[float, list[tuple[
 
 def at_tokens(curve: list[tuple[int, float]], tokens: int) -> float:
     """The baseline's held-out loss after ``tokens``, interpolated between evaluations."""
-    for (t0, l0), (t1, l1) in zip(curve, curve[1:]):
+    for (t0, l0), (t1, l1) in itertools.pairwise(curve):
         if t0 <= tokens <= t1:
             return l0 + (l1 - l0) * (tokens - t0) / max(1, t1 - t0)
     return curve[-1][1]
@@ -153,7 +154,7 @@ def main_arms(seconds: float, arms: list[str], delay_arm: bool) -> None:
         stages, replicas = (int(x) for x in name.split("x"))
         try:
             results[name] = swarm(seconds, stages, replicas)
-        except Exception as exc:  # noqa: BLE001 - one broken arm must not hide the others
+        except Exception as exc:
             print(f"arm {name}: failed: {exc}", flush=True)
     wanted = max([r["tokens"] for r in results.values()] + [1])
     base_rate, curve = baseline(wanted, BASELINE_CAP * seconds)
@@ -180,7 +181,7 @@ def link_arms(names: list[str], seconds: float) -> None:
             try:
                 result = (run_relayed_arm(seconds, Path(workdir)) if name == "relayed"
                           else run_link_arm(name, seconds, Path(workdir)))
-            except Exception as exc:  # noqa: BLE001 - one broken arm must not hide the others
+            except Exception as exc:
                 print(f"link arm {name}: failed after {time.monotonic() - began:.0f} s: {exc}", flush=True)
                 continue
         if name == "unshaped":

@@ -22,7 +22,7 @@ import argparse
 import re
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import trio
@@ -284,7 +284,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     tokens = max([s.tokens for s in snapshots] + [int((swarm or {}).get("tokens") or 0)])
     run_name = run.name if run else (stats.get("run") or {}).get("name") or "unknown"
     card = Card(identity or "unknown", run_name, tokens, bpb, note,
-                datetime.now(timezone.utc).isoformat(timespec="seconds"), source)
+                datetime.now(UTC).isoformat(timespec="seconds"), source)
     written = hf_export.write_export(out, spec, snapshots, card, tokenizer_file=tokenizer_file(run, spec.vocab),
                                      force=args.force)
     progress(f"wrote {out}: {spec.name}, outer rounds {rounds}, {written.weight_bytes / MB:.1f} MB of weights, "

@@ -9,11 +9,23 @@ from hypothesis import strategies as st
 from p2pswarm import wire
 from p2pswarm.errors import LocalProtocolError, RemoteProtocolError
 from p2pswarm.swarm.activation import (
-    MAX_PEER_ID_CHARS, MAX_QUEUE_DEPTH, MAX_RETRY_AFTER_MS, NO_ROUND, SESSION_BYTES, Ack, Backward, Busy, Forward,
+    MAX_PEER_ID_CHARS,
+    MAX_QUEUE_DEPTH,
+    MAX_RETRY_AFTER_MS,
+    NO_ROUND,
+    SESSION_BYTES,
+    Ack,
+    Backward,
+    Busy,
+    Forward,
     Priority,
 )
 from p2pswarm.testing.strategies import (
-    SMALL_DIM, decodes_or_raises_remote_error, register_frames, run_bytes, unchecked_frame,
+    SMALL_DIM,
+    decodes_or_raises_remote_error,
+    register_frames,
+    run_bytes,
+    unchecked_frame,
 )
 
 TYPES = (Forward, Backward, Ack, Busy)
@@ -92,7 +104,7 @@ def test_payload_not_matching_the_header_is_refused(pair, delta):
     wrong = payload + b"\0" * delta if delta > 0 else payload[:delta]
     if len(wrong) == len(payload):  # cutting an empty payload leaves it as it was
         return
-    with pytest.raises(RemoteProtocolError, match="tensor|targets"):
+    with pytest.raises(RemoteProtocolError, match=r"tensor|targets"):
         wire.decode_frame(unchecked_frame(pair, wrong))
     with pytest.raises(LocalProtocolError):
         wire.encode_frame(msg, wrong)

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 
 pytest.importorskip("torch")
-import trio  # noqa: E402
+import trio
 
-from p2pswarm.dht.records import Capacity, StageRecord  # noqa: E402
-from p2pswarm.model.catalog import get_model  # noqa: E402
-from p2pswarm.run.tunables import Tunables  # noqa: E402
-from p2pswarm.swarm.service import SwarmService  # noqa: E402
+from p2pswarm.dht.records import Capacity, StageRecord
+from p2pswarm.model.catalog import get_model
+from p2pswarm.run.tunables import Tunables
+from p2pswarm.swarm.service import SwarmService
 
 SPEC = get_model("tiny-lm/2")
 

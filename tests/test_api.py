@@ -22,7 +22,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from p2pswarm import wire
-
 from p2pswarm.api import http as api
 from p2pswarm.api.serve import check_api_exposure, is_loopback, open_api_listeners, parse_host_port, serve_api
 from p2pswarm.errors import ConfigError, DialError, StartupError
@@ -69,7 +68,7 @@ def running_api(routes=ROUTES, **kwargs) -> Iterator[str]:
     def run() -> None:
         try:
             trio.run(main)
-        except BaseException as exc:  # noqa: BLE001 - reported to the test below
+        except BaseException as exc:
             outcome.append(exc)
             started.put(None)
 

@@ -11,8 +11,17 @@ from hypothesis import strategies as st
 
 from p2pswarm import wire
 from p2pswarm.identity import generate_identity
-from p2pswarm.nat.autonat import (AUTONAT_PROTOCOL, PER_PEER_BURST, STATUS_DIAL_ERROR, STATUS_OK,
-                                  STATUS_RATE_LIMITED, AutonatService, DialRequest, DialResponse, dial_target)
+from p2pswarm.nat.autonat import (
+    AUTONAT_PROTOCOL,
+    PER_PEER_BURST,
+    STATUS_DIAL_ERROR,
+    STATUS_OK,
+    STATUS_RATE_LIMITED,
+    AutonatService,
+    DialRequest,
+    DialResponse,
+    dial_target,
+)
 from p2pswarm.net.host import connect, open_host, peer_info_from_multiaddr
 from p2pswarm.net.streams import open_stream
 
@@ -48,7 +57,8 @@ async def ask(client, server_id, addrs: tuple[str, ...], nonce: int = 7) -> Dial
 
 def with_server_and_client(test):
     async def main():
-        async with open_host(generate_identity(), LOOPBACK) as server, open_host(generate_identity(), LOOPBACK) as client:
+        async with (open_host(generate_identity(), LOOPBACK) as server,
+                    open_host(generate_identity(), LOOPBACK) as client):
             async with trio.open_nursery() as nursery:
                 services = []
                 for host in (server, client):

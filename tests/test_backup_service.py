@@ -14,16 +14,16 @@ import trio
 
 from p2pswarm.dht.records import BackupClaim, Capacity, StageRecord
 from p2pswarm.diloco import snapshots
-from p2pswarm.diloco.service import DilocoService
-from p2pswarm.run.diloco import DilocoSettings
-from p2pswarm.errors import DialError
 from p2pswarm.diloco.backup_service import BackupService, Held
 from p2pswarm.diloco.backups import check_backup, digest, encode_backup
+from p2pswarm.diloco.service import DilocoService
+from p2pswarm.errors import DialError
 from p2pswarm.identity import generate_identity
 from p2pswarm.model.catalog import MODELS, param_count
 from p2pswarm.net.connect import Connector
 from p2pswarm.net.host import connect, open_host, peer_info_from_multiaddr
 from p2pswarm.net.pool import StreamPool
+from p2pswarm.run.diloco import DilocoSettings
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -171,7 +171,7 @@ def test_a_stale_copy_announced_as_a_newer_round_is_refused():
     old, new = backup_bytes(3), backup_bytes(5, fill=1.0)
 
     async def test(pools, ids):
-        liar_a, liar_b, honest, mover = ids
+        liar_a, liar_b, honest, _mover = ids
         sides = [service(pool, peer, FakeStageMap()) for pool, peer in zip(pools, ids)]
         for side in sides[:3]:
             side.register()

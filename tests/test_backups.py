@@ -8,10 +8,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from p2pswarm.diloco import checkpoint
 from p2pswarm.dht.records import BackupClaim, Capacity, StageRecord
-from p2pswarm.diloco.outer import OuterOptimizer
-from p2pswarm.errors import RemoteProtocolError
+from p2pswarm.diloco import checkpoint
 from p2pswarm.diloco.backups import (
     KEEP_ROUNDS,
     MAX_TRACKED_REPLICAS,
@@ -24,6 +22,8 @@ from p2pswarm.diloco.backups import (
     digest,
     encode_backup,
 )
+from p2pswarm.diloco.outer import OuterOptimizer
+from p2pswarm.errors import RemoteProtocolError
 from p2pswarm.model.catalog import MODELS, param_count
 
 RUN = "fdd1f91421b0282a"

@@ -21,8 +21,8 @@ import time
 
 import trio
 
-from p2pswarm.node.config import DhtMode
 from p2pswarm.dht.ranking import MAX_PER_IP
+from p2pswarm.dht.record_codec import sign_record
 from p2pswarm.dht.records import (
     FLAG_GPU,
     FLAG_SNAPSHOT,
@@ -35,10 +35,10 @@ from p2pswarm.dht.records import (
     routing_rank,
     stage_key,
 )
-from p2pswarm.dht.record_codec import sign_record
 from p2pswarm.dht.store import MAX_ENTRIES_PER_IP_PER_KEY, RecordStore, StoredRecord
 from p2pswarm.identity import generate_identity
 from p2pswarm.model.catalog import get_model
+from p2pswarm.node.config import DhtMode
 from tests.test_discovery import RUN, start_swarm  # the nodes' (default) run: the fakes claim it too
 
 ATTACKER_IP = "203.0.113.7"  # TEST-NET-3: one public address, where no peer answers

@@ -10,9 +10,23 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from p2pswarm.errors import ConfigError
-from p2pswarm.model.catalog import (MODELS, STAGE_MEMORY_BUDGET, ModelSpec, activation_bytes, block_param_count,
-                                   default_rows, format_tier_table, get_model, least_served_stage, llama_ffn,
-                                   model_param_count, param_count, parse_layers, stage_memory, tier_table)
+from p2pswarm.model.catalog import (
+    MODELS,
+    STAGE_MEMORY_BUDGET,
+    ModelSpec,
+    activation_bytes,
+    block_param_count,
+    default_rows,
+    format_tier_table,
+    get_model,
+    least_served_stage,
+    llama_ffn,
+    model_param_count,
+    param_count,
+    parse_layers,
+    stage_memory,
+    tier_table,
+)
 
 TINY = get_model("tiny-lm")
 

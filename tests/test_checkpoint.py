@@ -23,7 +23,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from p2pswarm.diloco.checkpoint import (
-    DTYPES, FORMAT, INT_MAX, INT_MIN, KEEP, MAX_DEPTH, MAX_TENSORS, SnapshotStore, decode_state, digest,
+    DTYPES,
+    FORMAT,
+    INT_MAX,
+    INT_MIN,
+    KEEP,
+    MAX_DEPTH,
+    MAX_TENSORS,
+    SnapshotStore,
+    decode_state,
+    digest,
     encode_state,
 )
 from p2pswarm.diloco.outer import OuterOptimizer
@@ -278,7 +287,7 @@ def test_the_store_keeps_the_newest_and_loads_the_newest(tmp_path):
     assert directory.stat().st_mode & 0o777 == 0o700
     saved = [store.save(snapshot(r), round=r, step=10 * r) for r in range(8)]
     assert store.paths() == saved[-KEEP:]
-    assert [p.name for p in store.paths()][0] == "snapshot-00000004-r3-s30.p2ps"
+    assert next(p.name for p in store.paths()) == "snapshot-00000004-r3-s30.p2ps"
     assert saved[-1].read_bytes() == snapshot(7) and not [p for p in directory.iterdir() if p.suffix == ".tmp"]
     path, state = store.latest()
     assert path == saved[-1] and state["round"] == 7
@@ -350,8 +359,9 @@ while True:
     store.save(encode_state({"round": round_, "weights": weights}), round=round_, step=10 * round_)
     round_ += 1
 """
-WRITER_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(pathlib.Path(__file__).resolve().parents[1]),
-                                                          os.environ.get("PYTHONPATH", "")])}  # this checkout's p2pswarm
+WRITER_ENV = {**os.environ,  # this checkout's p2pswarm
+              "PYTHONPATH": os.pathsep.join([str(pathlib.Path(__file__).resolve().parents[1]),
+                                            os.environ.get("PYTHONPATH", "")])}
 KILL_DEADLINE = 60.0  # seconds: a bound for a broken run only; a passing run takes a few
 POLL = 0.002  # seconds between looks at the directory while waiting for a condition
 

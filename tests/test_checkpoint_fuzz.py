@@ -14,7 +14,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from p2pswarm.diloco.checkpoint import (
-    FORMAT, HEADER_START, MAX_DEPTH, MAX_HEADER_BYTES, MAX_TENSORS, SAFETENSORS_DTYPES, decode_state, encode_state,
+    FORMAT,
+    HEADER_START,
+    MAX_DEPTH,
+    MAX_HEADER_BYTES,
+    MAX_TENSORS,
+    SAFETENSORS_DTYPES,
+    decode_state,
+    encode_state,
 )
 from p2pswarm.errors import RemoteProtocolError
 from tests.test_checkpoint import same, states, tensors_in

@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
-import time
 import sys
+import time
+from typing import ClassVar
 
 import pytest
 
@@ -262,8 +263,8 @@ def test_status_shows_diloco_from_a_real_diloco_doc():
 
     from p2pswarm.cli import format_diloco
     from p2pswarm.diloco.service import DilocoService
-    from p2pswarm.run.diloco import DilocoSettings
     from p2pswarm.model.catalog import get_model
+    from p2pswarm.run.diloco import DilocoSettings
 
     async def doc() -> dict:
         service = DilocoService(settings=DilocoSettings(inner_steps=40), spec=get_model("tiny-lm/2"), stage=1,
@@ -308,9 +309,9 @@ def test_status_shows_each_stages_health_its_backups_and_what_blocks_training():
     import trio
 
     from p2pswarm.cli import format_status, format_swarm
+    from p2pswarm.dht.health import BlockWatch
     from p2pswarm.dht.records import BackupClaim, Capacity, StageRecord
     from p2pswarm.dht.stagemap import StageMap
-    from p2pswarm.dht.health import BlockWatch
     from p2pswarm.model.catalog import get_model
     from p2pswarm.swarm.service import SwarmService
 
@@ -322,8 +323,9 @@ def test_status_shows_each_stages_health_its_backups_and_what_blocks_training():
 
     class Index:
         me = "12D3KooWaaaaaaaa"
-        records = {0: [record("12D3KooWaaaaaaaa", 0, 7, [(1, 7), (2, 5)]), record("12D3KooWbbbbbbbb", 0, 7)],
-                   1: [record("12D3KooWcccccccc", 1, 7, [(2, 6)])]}
+        records: ClassVar[dict] = {0: [record("12D3KooWaaaaaaaa", 0, 7, [(1, 7), (2, 5)]),
+                                       record("12D3KooWbbbbbbbb", 0, 7)],
+                                   1: [record("12D3KooWcccccccc", 1, 7, [(2, 6)])]}
 
         async def lookup_stage(self, model, stage, k, standing=None, run=None):
             return self.records.get(stage, [])

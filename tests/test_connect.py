@@ -86,7 +86,8 @@ def test_relayed_connection_is_upgraded_by_the_receiving_side_only():
 
                 # B received the relayed connection, so B (and only B) upgrades it; A is dialable
                 with trio.fail_after(15):
-                    while not (has_direct(host_a, host_b.get_id()) and a.connector.stats.methods["holepunch"].successes):
+                    while not (has_direct(host_a, host_b.get_id())
+                               and a.connector.stats.methods["holepunch"].successes):
                         await trio.sleep(0.05)
                     while b.punch.book.outcomes["unilateral"] == 0:
                         await trio.sleep(0.05)

@@ -28,7 +28,8 @@ def with_pair(test):
     """Run ``test(client_host, client_control, server_host, server_control)`` on two connected hosts."""
 
     async def main():
-        async with open_host(generate_identity(), LOOPBACK) as server, open_host(generate_identity(), LOOPBACK) as client:
+        async with (open_host(generate_identity(), LOOPBACK) as server,
+                    open_host(generate_identity(), LOOPBACK) as client):
             async with trio.open_nursery() as nursery:
                 server_control, client_control = ControlService(server, nursery), ControlService(client, nursery)
                 await connect(client, peer_info_from_multiaddr(str(server.get_addrs()[0])))
@@ -136,7 +137,8 @@ def test_a_request_timeout_retires_the_channel_so_the_next_request_is_answered()
             await control.request(server.get_id(), wire.Pong(nonce=1), timeout=0.5)
         stuck = control._channels[str(server.get_id())]
         # Well inside HANDLER_TIMEOUT: only a fresh stream can answer this in time.
-        assert await control.request(server.get_id(), wire.Ping(nonce=2), timeout=HANDLER_TIMEOUT / 2) == wire.Pong(nonce=3)
+        assert await control.request(server.get_id(), wire.Ping(nonce=2),
+                                     timeout=HANDLER_TIMEOUT / 2) == wire.Pong(nonce=3)
         assert control._channels[str(server.get_id())] is not stuck
         with trio.fail_after(REQUEST_TIMEOUT + 5):
             await stuck.reader_done.wait()  # its reader stopped and reset the stream

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from p2pswarm.errors import ConfigError
 from p2pswarm.model import corpus as corpus_module
+from p2pswarm.model import token_shards
 from p2pswarm.model.corpus import (
     CorpusFile,
     batches,
@@ -27,11 +28,14 @@ from p2pswarm.model.corpus import (
     read_segments,
     split,
     stdlib_corpus,
-    windows,
 )
-from p2pswarm.model import token_shards
 from p2pswarm.model.token_shards import Shard, TokenCorpus, token_windows, tokenize_corpus
-from tests.test_tokenizer import bpe, write_corpus  # noqa: F401 - bpe is a fixture
+from tests.test_tokenizer import trained_tokenizer, write_corpus
+
+
+@pytest.fixture(scope="module", name="bpe")
+def bpe_fixture(tmp_path_factory):  # as tests/test_tokenizer.py's
+    return trained_tokenizer(tmp_path_factory.mktemp("bpe"))
 
 
 def write_tree(root: Path, contents: list[bytes]) -> None:
@@ -149,7 +153,7 @@ def test_a_single_file_holds_out_its_tail(tmp_path):
     held = list(heldout_batches(corpus, seq_len=49, batch_size=3))
     assert [len(b.rows) for b in held] == [3, 1]
     assert held == list(heldout_batches(data_corpus(path), seq_len=49, batch_size=3))
-    assert len(list(heldout_batches(corpus, seq_len=49, batch_size=3, max_rows=2))[0].rows) == 2
+    assert len(next(iter(heldout_batches(corpus, seq_len=49, batch_size=3, max_rows=2))).rows) == 2
 
 
 def test_files_are_read_in_chunks_of_the_chunk_size(tmp_path):
@@ -265,7 +269,8 @@ def test_a_tokenized_corpus_keeps_the_byte_corpus_split_and_text(tmp_path, bpe):
     assert tokens.heldout_bytes == corpus.heldout_bytes and len(train) == tokens.train_size
     manifest = json.loads((tokens.folder / "manifest.json").read_text())
     assert manifest["tokenizer"] == bpe.sha256 and manifest["dtype"] == "uint16"
-    assert [f[:2] for f in manifest["files"]] == sorted([s.file.rel, s.file.size] for s in corpus.train + corpus.heldout)
+    assert [f[:2] for f in manifest["files"]] == sorted([s.file.rel, s.file.size]
+                                                        for s in corpus.train + corpus.heldout)
     held_rows = [r for b in heldout_batches(tokens, 15, 4) for r in b.rows]
     assert np.array_equal(np.concatenate(held_rows), held[:len(held_rows) * 16])
     assert not [p for p in tokens.folder.iterdir() if p.name.startswith(".")]  # no temporary file left

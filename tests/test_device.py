@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 from p2pswarm.cli import build_parser, config_from_args, main
 from p2pswarm.errors import ConfigError, LocalProtocolError
 from p2pswarm.model.catalog import get_model, least_served_stage
-from p2pswarm.swarm.compute_thread import ComputeThread, open_compute_thread
 from p2pswarm.run.placement import Accelerators, Placement, choose_placement, resolve_placement
+from p2pswarm.swarm.compute_thread import ComputeThread, open_compute_thread
 
 BOOTSTRAP = "/ip4/127.0.0.1/tcp/4001/p2p/12D3KooWQYhTNQdmr3ArTeUHRYzFg94BKyTkoWBDWez9kSCVe2Xo"
 GPU_BOX = Accelerators(cuda_devices=2)
@@ -196,12 +196,12 @@ def test_one_fast_replica_serves_a_stage_as_much_as_several_slow_ones():
 
 
 def test_a_peer_on_an_accelerator_announces_it():
-    from p2pswarm.node.config import NodeConfig, Role
-    from p2pswarm.run.spec import default_run
-    from p2pswarm.run.training import Training
     from p2pswarm.dht.records import FLAG_GPU
     from p2pswarm.identity import generate_identity
     from p2pswarm.node import NodeState
+    from p2pswarm.node.config import NodeConfig, Role
+    from p2pswarm.run.spec import default_run
+    from p2pswarm.run.training import Training
 
     def capacity(device):
         config = NodeConfig(role=Role.JOIN, training=Training.of(default_run(), placement=Placement(device)))
@@ -218,9 +218,9 @@ def test_a_peer_on_an_accelerator_announces_it():
 def test_a_peer_takes_activations_in_its_runs_dtype_only():
     pytest.importorskip("torch")
     from p2pswarm.errors import RemoteProtocolError
+    from p2pswarm.run.training import TrainConfig
     from p2pswarm.swarm.activation import SESSION_BYTES, Ack, Forward
     from p2pswarm.swarm.buffers import Priority
-    from p2pswarm.run.training import TrainConfig
     from p2pswarm.swarm.service import SwarmService
 
     spec, rows, seq = get_model("tiny-lm/2"), 2, 8

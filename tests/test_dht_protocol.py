@@ -10,8 +10,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from p2pswarm import wire
-from p2pswarm.dht.protocol import (FETCH_REPLY_BUDGET, FetchRecords, FetchReply, StoreRecord, StoreReply,
-                                   handle_fetch, handle_store)
+from p2pswarm.dht.protocol import (
+    FETCH_REPLY_BUDGET,
+    FetchRecords,
+    FetchReply,
+    StoreRecord,
+    StoreReply,
+    handle_fetch,
+    handle_store,
+)
 from p2pswarm.dht.record_codec import sign_record, verify_record
 from p2pswarm.dht.records import Capacity, StageRecord
 from p2pswarm.dht.store import RecordStore
@@ -25,7 +32,8 @@ NOW = 1_000_000.0
 
 def record(identity, stage=0, ts=NOW, ttl=15.0, queue=0) -> StageRecord:
     return StageRecord(peer_id=identity.peer_id_text, addrs=("/ip4/127.0.0.1/tcp/1",), model="tiny-lm",
-                       stage=stage, start=2 * stage, end=2 * stage + 2, capacity=Capacity(free_memory_mb=100, queue_depth=queue),
+                       stage=stage, start=2 * stage, end=2 * stage + 2,
+                       capacity=Capacity(free_memory_mb=100, queue_depth=queue),
                        timestamp=ts, ttl=ttl)
 
 

@@ -202,7 +202,7 @@ def test_robust_methods_stay_in_the_honest_range(contributions, data):
 @FAST
 def test_one_attacker_of_four(swarm):
     honest, attacker, kind = swarm
-    contributions = honest + [attacker]
+    contributions = [*honest, attacker]
     center = torch.stack(honest).mean(0)
     spread = max(float(torch.linalg.vector_norm(h - center)) for h in honest)
     for method in ("trimmed_mean", "median"):  # coordinate by coordinate, inside the honest values
@@ -242,7 +242,7 @@ def test_aggregate_returns_a_new_tensor_and_keeps_its_inputs():
 @FAST
 def test_verify_accepts_honest_and_rejects_attacks(swarm):
     honest, attacker, kind = swarm
-    reference = aggregation._median(honest + [attacker])
+    reference = aggregation._median([*honest, attacker])
     for contribution in honest:
         verdict = verify(contribution, reference)
         assert verdict.accepted and verdict.reason == "", verdict

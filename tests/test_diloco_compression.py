@@ -356,7 +356,8 @@ def test_error_feedback_state_round_trip():
 
 
 @pytest.mark.parametrize("state", [{}, {"residual": torch.zeros(5)}, {"residual": torch.zeros(4, dtype=torch.float64)},
-                                   {"residual": torch.zeros(2, 2)}, {"residual": torch.tensor([0.0, 0, 0, float("nan")])},
+                                   {"residual": torch.zeros(2, 2)},
+                                   {"residual": torch.tensor([0.0, 0, 0, float("nan")])},
                                    {"residual": [0.0] * 4}, None])
 def test_error_feedback_rejects_a_bad_state(state):
     with pytest.raises(ValueError):

@@ -11,6 +11,7 @@ must tile [0, numel) evenly; ``group_digest`` must name exactly (stage, round, s
 from __future__ import annotations
 
 import hashlib
+import itertools
 import subprocess
 import sys
 
@@ -22,8 +23,19 @@ from p2pswarm import wire
 from p2pswarm.dht.records import MAX_STAGES
 from p2pswarm.diloco import messages as m
 from p2pswarm.diloco.messages import (
-    CODECS, DIGEST_BYTES, INT8_CHUNK, MAX_MEMBERS, MAX_NUMEL, MAX_REASON_CHARS, Hello, Part, Reply, Result,
-    expected_bytes, group_digest, shard_bounds,
+    CODECS,
+    DIGEST_BYTES,
+    INT8_CHUNK,
+    MAX_MEMBERS,
+    MAX_NUMEL,
+    MAX_REASON_CHARS,
+    Hello,
+    Part,
+    Reply,
+    Result,
+    expected_bytes,
+    group_digest,
+    shard_bounds,
 )
 from p2pswarm.errors import LocalProtocolError, RemoteProtocolError
 from p2pswarm.testing.strategies import decodes_or_raises_remote_error, register_frames, run_bytes, unchecked_frame
@@ -209,7 +221,7 @@ def test_expected_bytes_refuses_misuse(codec, numel):
 def test_shard_bounds_tile_evenly(numel, n):
     bounds = shard_bounds(numel, n)
     assert len(bounds) == n and bounds[0][0] == 0 and bounds[-1][1] == numel
-    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(bounds))
     sizes = [stop - start for start, stop in bounds]
     assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
 
@@ -242,7 +254,7 @@ def test_group_digest_names_stage_round_and_member_set(stage, round, members, rn
     assert group_digest(stage, round, shuffled) == digest
     assert group_digest((stage + 1) % MAX_STAGES, round, members) != digest
     assert group_digest(stage, round ^ 1, members) != digest
-    assert group_digest(stage, round, members + ["zz" * 20]) != digest
+    assert group_digest(stage, round, [*members, "zz" * 20]) != digest
     if len(members) > 1:
         assert group_digest(stage, round, members[1:]) != digest
     # member boundaries are length-prefixed: joining two ids never collides with one

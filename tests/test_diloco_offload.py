@@ -24,8 +24,8 @@ from p2pswarm.diloco import aggregation, compression, contribution, offload, sna
 from p2pswarm.diloco.loading import outer_config  # noqa: E402
 from p2pswarm.diloco.outer import OuterOptimizer  # noqa: E402
 from p2pswarm.diloco.service import DilocoService  # noqa: E402
-from p2pswarm.run.diloco import DilocoSettings  # noqa: E402
 from p2pswarm.model.catalog import get_model  # noqa: E402
+from p2pswarm.run.diloco import DilocoSettings  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -10,7 +10,13 @@ from hypothesis import strategies as st
 
 from p2pswarm.diloco.checkpoint import decode_state, encode_state
 from p2pswarm.diloco.outer import (
-    INNER_STEPS, OUTER_LR, OUTER_MOMENTUM, OuterConfig, OuterOptimizer, flatten, shift_flat,
+    INNER_STEPS,
+    OUTER_LR,
+    OUTER_MOMENTUM,
+    OuterConfig,
+    OuterOptimizer,
+    flatten,
+    shift_flat,
 )
 from p2pswarm.errors import ConfigError
 

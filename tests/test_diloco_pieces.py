@@ -20,11 +20,27 @@ from hypothesis import strategies as st
 from p2pswarm import wire
 from p2pswarm.diloco import compression
 from p2pswarm.diloco.messages import (
-    CODECS, MAX_MEMBERS, MAX_NUMEL, MAX_PIECES, MAX_STAGE_NUMEL, Hello, Part, expected_bytes, piece_elements,
-    shard_bounds, shard_plan,
+    CODECS,
+    MAX_MEMBERS,
+    MAX_NUMEL,
+    MAX_PIECES,
+    MAX_STAGE_NUMEL,
+    Hello,
+    Part,
+    expected_bytes,
+    piece_elements,
+    shard_bounds,
+    shard_plan,
 )
 from p2pswarm.diloco.round import (
-    CombineShard, Finished, NeedShards, OuterRound, Rejected, SendHello, SendPart, SendResult,
+    CombineShard,
+    Finished,
+    NeedShards,
+    OuterRound,
+    Rejected,
+    SendHello,
+    SendPart,
+    SendResult,
 )
 from p2pswarm.errors import RemoteProtocolError
 
@@ -191,7 +207,7 @@ def test_a_round_with_several_pieces_a_shard_sums_every_piece(lifo):
     net = Net(numel, limit, lifo=lifo)
     net.run()
     assert sorted(net.outcomes) == list(PEERS)
-    for peer, outcome in net.outcomes.items():
+    for outcome in net.outcomes.values():
         assert outcome.pieces == 3 and not outcome.missing and not outcome.left_out
         assert sorted(outcome.results) == list(range(9))
         assert sums(outcome, range(9)) == [sum(BIT.values())] * numel  # every element: the sum over all members

@@ -9,10 +9,10 @@ import pytest
 torch = pytest.importorskip("torch")
 trio = pytest.importorskip("trio")
 
-from p2pswarm.diloco.loading import STATE_FORMAT
-from p2pswarm.diloco.outer import flatten
-from p2pswarm.errors import RemoteProtocolError
-from tests.test_diloco_offload import STAGE, replicas
+from p2pswarm.diloco.loading import STATE_FORMAT  # noqa: E402
+from p2pswarm.diloco.outer import flatten  # noqa: E402
+from p2pswarm.errors import RemoteProtocolError  # noqa: E402
+from tests.test_diloco_offload import STAGE, replicas  # noqa: E402
 
 
 def snapshot_of(service, rounds: int) -> dict:

@@ -11,9 +11,10 @@ Properties, checked by a RuleBasedStateMachine after every step: members that fi
 the same group hold identical results; a result's contributors are members of the group,
 include its owner and never a garbage part; nobody sends a Part or Result outside its group or
 with another group's digest; a member's group lies within the proposal of each other member of
-it; only garbage senders are ever ``Rejected``; every message sent is valid on the wire. Liveness: once the clock passes every deadline, every live started member is
-DONE or LEFT_OUT. With no drops, garbage or kills and all members ready, every member finishes
-with the full group and every shard, in any delivery order.
+it; only garbage senders are ever ``Rejected``; every message sent is valid on the wire. Liveness:
+once the clock passes every deadline, every live started member is DONE or LEFT_OUT. With no drops,
+garbage or kills and all members ready, every member finishes with the full group and every shard,
+in any delivery order.
 """
 
 from __future__ import annotations
@@ -30,8 +31,20 @@ from p2pswarm import wire
 from p2pswarm.diloco import messages
 from p2pswarm.diloco.messages import Hello, Part, Reply, Result, group_digest, shard_bounds
 from p2pswarm.diloco.round import (
-    AGREE_S, GATHER_S, REDUCE_S, CatchUp, CombineShard, Finished, NeedShards, OuterRound, Phase, Rejected,
-    RoundTiming, SendHello, SendPart, SendResult,
+    AGREE_S,
+    GATHER_S,
+    REDUCE_S,
+    CatchUp,
+    CombineShard,
+    Finished,
+    NeedShards,
+    OuterRound,
+    Phase,
+    Rejected,
+    RoundTiming,
+    SendHello,
+    SendPart,
+    SendResult,
 )
 
 PEERS = ["p0", "p1", "p2", "p3"]
@@ -409,7 +422,7 @@ def test_a_hello_with_another_numel_or_codec_is_rejected_once():
     rnd.start(0.0)
     wrong = [Hello(STAGE, ROUND, 11, CODEC, True, False, ("p1",)), Hello(STAGE, ROUND, 10, "int8", True, False, ())]
     for hello in wrong:
-        reply, actions = rnd.on_hello("p1", hello, 0.0)
+        reply, _actions = rnd.on_hello("p1", hello, 0.0)
         assert reply == rnd.status()
     assert rnd.counts["rejected"] == 2 and rnd.phase is Phase.GATHER
     assert rnd.on_hello("p9", Hello(STAGE + 1, ROUND, 10, CODEC, True, True, ("p0", "p9")), 0.0)[1] == []

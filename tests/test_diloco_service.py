@@ -112,7 +112,8 @@ def test_a_missing_or_refused_result_applies_nothing_and_carries_our_part(codec)
     pseudo = torch.randn(3000, generator=gen)
     own = pseudo.clone()
     honest = own[slice(*bounds[mine])]  # our own shard's aggregate: the group's result for it
-    results = {mine: compression.encode(honest, codec), liar: compression.encode(-10 * own[slice(*bounds[liar])], codec)}
+    results = {mine: compression.encode(honest, codec),
+               liar: compression.encode(-10 * own[slice(*bounds[liar])], codec)}
     outcome = Outcome(group, results, missing=(gone,))
     done = trio.run(s._assemble, outcome, {"pseudo": pseudo, "bounds": bounds})
     aggregated, missing, refused = done.aggregated, done.missing, list(done.refused)
@@ -180,7 +181,7 @@ def test_a_hello_failing_after_the_group_was_agreed_does_not_make_its_peer_gone(
         s = service()
         s._pool = NoStream()
         failed = []
-        round_ = SimpleNamespace(phase=phase, on_send_failed=lambda peer, now: failed.append(peer) or [])
+        round_ = SimpleNamespace(phase=phase, on_send_failed=lambda peer, now, failed=failed: failed.append(peer) or [])
         trio.run(s._send_hello, round_, AHEAD, Hello(1, 3, 10, "int8", True, False, ()))
         assert failed == reported, phase
 

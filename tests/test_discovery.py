@@ -9,13 +9,13 @@ import trio
 
 import p2pswarm.dht.discovery as discovery
 import p2pswarm.dht.records as records_module
-from p2pswarm.node.config import DhtMode, NodeConfig, Role
 from p2pswarm.dht.record_codec import sign_record
 from p2pswarm.dht.records import Capacity, StageRecord, stage_key
-from p2pswarm.run.spec import default_run
 from p2pswarm.dht.store import StoredRecord
 from p2pswarm.identity import generate_identity
 from p2pswarm.node import run_node
+from p2pswarm.node.config import DhtMode, NodeConfig, Role
+from p2pswarm.run.spec import default_run
 
 LOOPBACK = ("/ip4/127.0.0.1/tcp/0",)
 
@@ -65,7 +65,7 @@ def test_routing_upkeep_rejoins_an_isolated_node(monkeypatch):
     async def main():
         async with trio.open_nursery() as nursery:
             # servers from the start: this is about the upkeep, not about waiting for PUBLIC
-            boot, nodes = await start_swarm(nursery, [(0, 2), (2, 4), (4, 6)], DhtMode.SERVER)
+            _boot, nodes = await start_swarm(nursery, [(0, 2), (2, 4), (4, 6)], DhtMode.SERVER)
             table = nodes[0].kad.routing_table
             for peer in table.get_peer_ids():
                 table.remove_peer(peer)
@@ -120,9 +120,11 @@ def test_a_peer_can_store_only_its_own_record_over_a_real_connection():
 
                 for _ in range(20):
                     fake = generate_identity()
-                    reply = await control.request(boot.host.get_id(), StoreRecord(record=sign_record(record_of(fake), fake)))
+                    reply = await control.request(boot.host.get_id(),
+                                                  StoreRecord(record=sign_record(record_of(fake), fake)))
                     assert isinstance(reply, ErrorReply) and reply.code == "rejected" and "only its own" in reply.detail
-                own = await control.request(boot.host.get_id(), StoreRecord(record=sign_record(record_of(attacker), attacker)))
+                own = await control.request(boot.host.get_id(),
+                                            StoreRecord(record=sign_record(record_of(attacker), attacker)))
                 assert own.accepted
                 held = boot.index.store.get(stage_key("tiny-lm", 0), time.time())
                 assert [s.record.peer_id for s in held] == [attacker.peer_id_text]

@@ -16,9 +16,9 @@ torch = pytest.importorskip("torch")
 from p2pswarm.errors import RemoteProtocolError  # noqa: E402
 from p2pswarm.model.catalog import get_model  # noqa: E402
 from p2pswarm.model.transformer import build_stage  # noqa: E402
-from p2pswarm.swarm.codec import from_wire, to_wire  # noqa: E402
-from p2pswarm.swarm.engine import StageEngine, Work, ids_tensor
 from p2pswarm.run.training import TrainConfig  # noqa: E402
+from p2pswarm.swarm.codec import from_wire, to_wire  # noqa: E402
+from p2pswarm.swarm.engine import StageEngine, Work, ids_tensor  # noqa: E402
 
 SPEC = get_model("tiny-lm/2")
 WHOLE = dataclasses.replace(SPEC, stage_size=SPEC.n_layers)  # the same weights as one stage
@@ -124,8 +124,7 @@ def test_tensors_survive_the_wire_and_ids_are_bytes():
 
 from p2pswarm.run.placement import Placement  # noqa: E402
 from p2pswarm.swarm.staging import Staging  # noqa: E402
-from tests.test_gpu import (check_outer_step_matches_the_host, check_snapshot_round_trip,  # noqa: E402
-                            check_training_lowers_the_loss)
+from tests.test_gpu import check_outer_step_matches_the_host, check_snapshot_round_trip, check_training_lowers_the_loss  # noqa: E402
 
 CPU_STEPS = 8  # the CPU check of the training loop (a small batch): enough for the loss to fall, quick on 2 cores
 

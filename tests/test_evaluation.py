@@ -174,7 +174,7 @@ def test_agreement_groups_chains_by_the_outer_round_every_stage_evaluated(evals)
     assert [a.round for a in found] == sorted({r for r, _, _, u in evals if u})
     for a in found:
         newest = {}
-        for i, (r, chain, bpb_, uniform) in enumerate(evals):
+        for r, chain, bpb_, uniform in evals:
             if uniform and r == a.round:
                 newest[(chain, "last")] = bpb_  # the newest evaluation of each chain counts
         assert a.chains == newest

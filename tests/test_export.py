@@ -13,6 +13,7 @@ import http.server
 import json
 import re
 import threading
+from typing import ClassVar
 
 import pytest
 
@@ -20,16 +21,16 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers", reason="the loader of the export (dev extra)")
 
 from p2pswarm import cli  # noqa: E402
-from p2pswarm.diloco.checkpoint import SnapshotStore, encode_state  # noqa: E402
 from p2pswarm.demo import free_port  # noqa: E402
+from p2pswarm.diloco.checkpoint import SnapshotStore, encode_state  # noqa: E402
 from p2pswarm.diloco.outer import OuterOptimizer  # noqa: E402
 from p2pswarm.errors import ConfigError  # noqa: E402
 from p2pswarm.export import heldout_figure, stage_peers, tokenizer_file  # noqa: E402
 from p2pswarm.model import hf_export, hf_files  # noqa: E402
 from p2pswarm.model.catalog import get_model  # noqa: E402
-from p2pswarm.run.spec import load_run  # noqa: E402
 from p2pswarm.model.tokenizer import FileTokenizer, train_bpe  # noqa: E402
 from p2pswarm.model.transformer import build_model, run_stages  # noqa: E402
+from p2pswarm.run.spec import load_run  # noqa: E402
 
 TOLERANCE = 1e-4  # float32 on both sides: only summation order differs
 TEXT = "def hello(name):\n    return f'héllo {name}' \x00\n"
@@ -221,9 +222,9 @@ def test_an_unreachable_api_exits_1(tmp_path, capsys):
 
 
 class _FakeApi(http.server.BaseHTTPRequestHandler):
-    docs: dict = {}
+    docs: ClassVar[dict] = {}
 
-    def do_GET(self):  # noqa: N802 - http.server's name
+    def do_GET(self):
         body = json.dumps(self.docs[self.path]).encode()
         self.send_response(200)
         self.send_header("Content-Length", str(len(body)))
@@ -263,7 +264,7 @@ def test_the_heldout_figure_is_the_exported_rounds():
 
 
 def test_the_vocabulary_comes_from_the_weights(tiny):
-    run, stages = tiny
+    run, _stages = tiny
     spec = dataclasses.replace(run.spec(), vocab=300)
     snapshots = [hf_export.stage_snapshot(snapshot_state(m, 1), "s") for m in build_model(spec, 0)]
     assert hf_export.check_stages(snapshots).vocab == 300

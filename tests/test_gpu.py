@@ -18,9 +18,9 @@ from p2pswarm.diloco import checkpoint  # noqa: E402
 from p2pswarm.diloco.outer import OuterOptimizer, flatten  # noqa: E402
 from p2pswarm.model.catalog import get_model  # noqa: E402
 from p2pswarm.run.placement import Placement  # noqa: E402
-from p2pswarm.swarm.codec import from_wire, to_wire  # noqa: E402
-from p2pswarm.swarm.engine import StageEngine, Work
 from p2pswarm.run.training import TrainConfig  # noqa: E402
+from p2pswarm.swarm.codec import from_wire, to_wire  # noqa: E402
+from p2pswarm.swarm.engine import StageEngine, Work  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

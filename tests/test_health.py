@@ -8,8 +8,21 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from p2pswarm.dht.health import (BLOCK_AFTER_S, FLAP_S, HEALTHY_REPLICAS, AgreedRounds, BlockWatch, Change, Health,
-                                  HealthWatch, blocked_reason, health_doc, known_counts, level_of, stage_health)
+from p2pswarm.dht.health import (
+    BLOCK_AFTER_S,
+    FLAP_S,
+    HEALTHY_REPLICAS,
+    AgreedRounds,
+    BlockWatch,
+    Change,
+    Health,
+    HealthWatch,
+    blocked_reason,
+    health_doc,
+    known_counts,
+    level_of,
+    stage_health,
+)
 
 N_STAGES = 4
 counts_st = st.dictionaries(st.integers(0, N_STAGES - 1), st.integers(0, 4))
@@ -84,7 +97,8 @@ def test_a_flap_within_the_hold_is_not_reported_and_a_loss_that_holds_is():
     assert watch.observe({1: 0}, 30.0) == []  # reported once
     assert watch.observe({1: 2}, 31.0) == []
     [back] = watch.observe({1: 3}, 36.0)
-    assert back.message() == "stage 1 is healthy again: 3 live replicas (was down: 0)" and back.log_level == logging.INFO
+    assert back.message() == "stage 1 is healthy again: 3 live replicas (was down: 0)"
+    assert back.log_level == logging.INFO
 
 
 def test_change_lines():

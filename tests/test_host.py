@@ -186,7 +186,7 @@ def test_connection_limit_is_enforced_exactly():
                     if len(outcomes) <= limit:  # the server holds every admitted peer
                         await _wait_for(lambda: len(server.get_connected_peers()) == len(outcomes))
                     else:  # and keeps none of the excess, even one whose handshake completed
-                        await _wait_for(lambda: server.get_id() not in client.get_connected_peers())
+                        await _wait_for(lambda client=client: server.get_id() not in client.get_connected_peers())
                     assert len(server.get_connected_peers()) <= limit
                 assert len(server.get_connected_peers()) == limit
             # The first `limit` dials succeed; the one after may complete its handshake before the
@@ -226,16 +226,18 @@ def test_libp2p_stream_limit_queues_instead_of_refusing():
     stream is neither negotiated nor refused. Drop the guard when this no longer holds.
     """
     from libp2p import new_host
+    from libp2p.crypto.x25519 import create_new_key_pair
     from libp2p.rcmgr import ResourceLimits, new_resource_manager
     from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_ID
     from libp2p.security.noise.transport import Transport as NoiseTransport
-    from libp2p.crypto.x25519 import create_new_key_pair
 
     async def main():
         identity = generate_identity()
         plain = new_host(key_pair=identity.key_pair,
-                         sec_opt={NOISE_ID: NoiseTransport(identity.key_pair, noise_privkey=create_new_key_pair().private_key)},
-                         resource_manager=new_resource_manager(limits=ResourceLimits(max_streams=2), enable_metrics=False))
+                         sec_opt={NOISE_ID: NoiseTransport(identity.key_pair,
+                                                           noise_privkey=create_new_key_pair().private_key)},
+                         resource_manager=new_resource_manager(limits=ResourceLimits(max_streams=2),
+                                                               enable_metrics=False))
         finished = []
         _silent_server(plain, finished)
         async with plain.run(listen_addrs=[multiaddr.Multiaddr(LOOPBACK[0])]):
@@ -279,7 +281,8 @@ def test_every_protocol_is_guarded_even_one_registered_after_the_host_was_built(
     handler cancelled (a local reset alone would leave the handler blocked in its read)."""
 
     async def main():
-        async with open_host(generate_identity(), LOOPBACK) as server, open_host(generate_identity(), LOOPBACK) as client:
+        async with (open_host(generate_identity(), LOOPBACK) as server,
+                    open_host(generate_identity(), LOOPBACK) as client):
             finished = []
             _silent_server(server, finished)
             set_protocol_limits(server, SILENT, ProtocolLimits(2, idle_timeout=0.5))
@@ -303,12 +306,14 @@ def test_a_stream_that_never_negotiates_is_closed_at_its_deadline():
     limits = HostLimits(streams=StreamLimits(negotiation_timeout=0.5))
 
     async def main():
-        async with open_host(generate_identity(), LOOPBACK, limits) as server, open_host(generate_identity(), LOOPBACK) as client:
+        async with (open_host(generate_identity(), LOOPBACK, limits) as server,
+                    open_host(generate_identity(), LOOPBACK) as client):
             await connect(client, peer_info_from_multiaddr(first_addr(server)))
             muxed = client.get_network().get_connections(server.get_id())[0].muxed_conn
             raw = await muxed.open_stream()  # a Yamux stream on which the client never says a word
             await _wait_for(lambda: guard_stats(server)["closed_negotiation"] == 1)
-            await _wait_for(lambda: guard_stats(server)["open"] == 0)  # released once its reset is done (after the count)
+            # released once its reset is done (after the count)
+            await _wait_for(lambda: guard_stats(server)["open"] == 0)
             await raw.reset()
 
     trio.run(main)

@@ -16,16 +16,22 @@ from p2pswarm import wire
 from p2pswarm.errors import LocalProtocolError, RemoteProtocolError
 from p2pswarm.model.catalog import ModelSpec
 from p2pswarm.model.transformer import build_model
+from p2pswarm.run.placement import Placement
+from p2pswarm.run.training import TrainConfig
 from p2pswarm.swarm import codec
 from p2pswarm.swarm import engine as eng
 from p2pswarm.swarm.activation import NO_ROUND, SESSION_BYTES, UNNAMED_RUN
 from p2pswarm.swarm.compute_thread import open_compute_thread
-from p2pswarm.run.placement import Placement
-from p2pswarm.run.training import TrainConfig
 from p2pswarm.swarm.inference import MAX_POSITIONS, InferClose, InferenceServer, InferOut, InferStep
 from p2pswarm.swarm.sessions import Limits
-from p2pswarm.testing.strategies import (SMALL_DIM, decodes_or_raises_remote_error, register_frames, run_bytes,
-                                         unchecked_frame)
+from p2pswarm.testing.strategies import (
+    SMALL_DIM,
+    decodes_or_raises_remote_error,
+    register_frames,
+    run_bytes,
+    unchecked_frame,
+)
+
 
 def trio_test(fn):
     """Run an async test under trio (no pytest plugin)."""
@@ -251,9 +257,9 @@ async def test_a_session_decodes_with_the_agreed_weights_of_its_first_round():
 
 from contextlib import asynccontextmanager  # noqa: E402
 
-from p2pswarm.swarm.completions import CompletionRequest  # noqa: E402
 from p2pswarm.errors import ConfigError, DialError, NoCandidates  # noqa: E402
 from p2pswarm.model.tokenizer import ByteTokenizer  # noqa: E402
+from p2pswarm.swarm.completions import CompletionRequest  # noqa: E402
 from p2pswarm.swarm.generation import SwarmCompleter  # noqa: E402
 
 

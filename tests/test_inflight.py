@@ -63,7 +63,7 @@ class InFlightMachine(RuleBasedStateMachine):
         self.given_up += got is not None
         assert key not in self.book
 
-    @rule(peer=st.sampled_from(DOWNSTREAMS + ["nobody"]))
+    @rule(peer=st.sampled_from([*DOWNSTREAMS, "nobody"]))
     def peer_failed(self, peer):
         keys = self.book.peer_failed(peer)
         expected = {k for k, e in self.model.items() if e.sent_to == peer}
@@ -106,7 +106,7 @@ class InFlightMachine(RuleBasedStateMachine):
     def waiting_from_matches_the_model(self):
         if not hasattr(self, "book"):
             return
-        for upstream in UPSTREAMS + ["stranger"]:
+        for upstream in [*UPSTREAMS, "stranger"]:
             expected = sum(1 for e in self.model.values() if e.upstream == upstream)
             assert self.book.waiting_from(upstream) == expected
 
@@ -178,5 +178,5 @@ def test_recent_keys_stay_bounded_and_match_a_model(items, capacity):
         item = (kind, (b"s", n))
         assert keys.add(item) == (item not in model)  # a duplicate exactly when remembered
         if item not in model:
-            model = (model + [item])[-capacity:]
+            model = [*model, item][-capacity:]
         assert len(keys) == len(model) <= capacity and all(m in keys for m in model)

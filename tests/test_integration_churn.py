@@ -141,7 +141,7 @@ async def hold_burst(addr: str, count: int, held: list, refused: list, done: tri
 
 
 def test_burst_beyond_the_cap_is_refused_then_new_peers_get_in(swarm):
-    addr, api, pid = start(swarm, "bootstrap", "--max-connections", str(CAP))
+    addr, api, _pid = start(swarm, "bootstrap", "--max-connections", str(CAP))
     target = peer_info_from_multiaddr(addr)
 
     async def main():

@@ -94,7 +94,7 @@ def test_layers_auto_picks_the_unserved_stage(swarm):
     boot = swarm.bootstrap()
     served = [swarm.join(boot, layers, name=f"peer{i}") for i, layers in enumerate(["0:2", "2:4", "6:8"])]
     for _, api in served:
-        assert wait_until(lambda: get_json(api, "/api/stages"), timeout=API_DEADLINE)
+        assert wait_until(lambda api=api: get_json(api, "/api/stages"), timeout=API_DEADLINE)
     assert wait_until(lambda: len(announced(get_json(served[-1][1], "/api/stages"))) == 3, timeout=API_DEADLINE)
     _, auto_api = swarm.join(boot, "auto", name="auto")
     stats = wait_until(lambda: (get_json(auto_api, "/api/stats") or {}).get("layers"), timeout=API_DEADLINE)
@@ -109,6 +109,7 @@ def test_dht_client_peer_announces_and_reads_through_servers(swarm):
     swarm.start("join", "--bootstrap", boot, "--listen", "/ip4/127.0.0.1/tcp/0", "--layers", "2:4",
                 "--dht-mode", "client", "--api", client_api, "--data-dir", str(swarm.workdir / "client"), name="client")
     apis = [api for _, api in servers] + [client_api]
-    assert wait_until(lambda: all(len(announced(get_json(api, "/api/stages"))) == 3 for api in apis), timeout=API_DEADLINE)
+    assert wait_until(lambda: all(len(announced(get_json(api, "/api/stages"))) == 3 for api in apis),
+                      timeout=API_DEADLINE)
     stats = get_json(client_api, "/api/stats")
     assert stats["dht_mode"] == "client" and stats["records_held"] == 0

@@ -30,9 +30,9 @@ transformers = pytest.importorskip("transformers", reason="the loader of the exp
 
 from p2pswarm.diloco.checkpoint import decode_state  # noqa: E402
 from p2pswarm.model import corpus as corpora  # noqa: E402
-from p2pswarm.run import plan  # noqa: E402
 from p2pswarm.model.catalog import get_model  # noqa: E402
 from p2pswarm.model.transformer import build_model, run_stages  # noqa: E402
+from p2pswarm.run import plan  # noqa: E402
 from p2pswarm.swarm.engine import ids_tensor  # noqa: E402
 from p2pswarm.swarm.evaluation import EVAL_BATCHES, EVAL_ROWS  # noqa: E402
 
@@ -134,7 +134,7 @@ def test_export_round_trip_through_a_training_swarm(tmp_path):
                 continue  # the stages were more than a round apart: export again
             rounds = exported_rounds(result.stderr)
             if len(set(rounds)) == 1 and rounds[0] >= 1:
-                figure = wait_until(lambda: swarm_figure(last, rounds[0]), FIGURE_WAIT)
+                figure = wait_until(lambda rounds=rounds: swarm_figure(last, rounds[0]), FIGURE_WAIT)
         assert figure is not None, get_json(last, "/api/swarm")
         assert "peer " in result.stderr and f"{SPEC.name}" in (out / "README.md").read_text()
 

@@ -12,8 +12,9 @@ other move follows during a settle window.
 The loss compared is the last stage's training loss (an EMA over ~20 micro-batches): the corpus is
 streamed once, so each micro-batch is text the model has not seen, a held-out figure in effect.
 The held-out rounds themselves are too rare for a short test on a loaded machine: a round that
-takes t seconds waits 9 t before the next (``swarm.service.EVAL_SHARE``), minutes here. Every deadline is a guard against a hang only; the recovery time is
-printed, never asserted (bench/heal.py measures it).
+takes t seconds waits 9 t before the next (``swarm.service.EVAL_SHARE``), minutes here. Every
+deadline is a guard against a hang only; the recovery time is printed, never asserted (bench/heal.py
+measures it).
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ import time
 
 import pytest
 
-from tests.procs import Swarm, get_json, wait_until
 from p2pswarm.demo import DEMO_GATHER_S, DEMO_OUTER_LR, DEMO_OUTER_MOMENTUM
+from tests.procs import Swarm, get_json, wait_until
 from tests.test_integration_three_stages import MODEL, assert_no_traceback, count, layers, peek, wait_for
 
 pytest.importorskip("torch")
@@ -115,7 +116,7 @@ def test_a_peer_moves_into_a_dead_stage_and_loads_its_backup(swarm):
              HEAL_DEADLINE, about=feeder[0], killed=victims)
     healed_at = time.monotonic()
     survivors = [api for api in apis if api not in [a for _, a in peers[1]]]
-    settled = {api: wait_until(lambda: get_json(api, "/api/stats"), API_DEADLINE)["rebalance"]["moves"]
+    settled = {api: wait_until(lambda api=api: get_json(api, "/api/stats"), API_DEADLINE)["rebalance"]["moves"]
                for api in survivors}
     assert sorted(settled.values()) == [0, 0, 0, 1], settled  # one move healed it
     print(f"stage 1's replicas SIGKILLed: a peer moved in after {moved_at - killed_at:.1f} s, loaded {loaded}; "

@@ -34,7 +34,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 MODEL = get_model("tiny-lm/3")  # 3 + 3 + 2 blocks: stage 1 is a middle stage
 AGREED = ("--model", MODEL.name, "--inner-steps", str(DEMO_INNER_STEPS),  # as `p2pswarm demo`
-          "--outer-momentum", str(DEMO_OUTER_MOMENTUM), "--outer-lr", str(DEMO_OUTER_LR), "--gather", str(DEMO_GATHER_S))
+          "--outer-momentum", str(DEMO_OUTER_MOMENTUM), "--outer-lr", str(DEMO_OUTER_LR),
+          "--gather", str(DEMO_GATHER_S))
 DONE = 20  # micro-batches stage 0 completes end to end before the counts are compared
 BEFORE_KILL = 10  # micro-batches stage 0 completes before a middle replica is SIGKILLed: training is under way
 MORE_AFTER_KILL = 20  # micro-batches stage 0 must complete after the SIGKILL

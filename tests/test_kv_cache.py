@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from torch.func import functional_call
@@ -22,7 +24,7 @@ def _cached_logits(stages, ids: torch.Tensor, cuts: list[int], weights=None) -> 
     """Logits at every position, from cached decodes of ids cut into pieces at ``cuts``."""
     caches = [KVCache() for _ in stages]
     out, bounds = [], [0, *cuts, ids.shape[1]]
-    for start, end in zip(bounds, bounds[1:]):
+    for start, end in itertools.pairwise(bounds):
         x = ids[:, start:end]
         for i, (module, cache) in enumerate(zip(stages, caches)):
             if weights is None:

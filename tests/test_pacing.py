@@ -6,12 +6,14 @@ behaviour: *live* peers answer each frame after a latency drawn within a factor 
 (a slow link is a live one), *hung* peers never answer, *dead* peers error at once. It checks that a
 live peer's ack always comes within the deadline the sender gave that attempt once the link is
 measured (so a live peer, however slow, is never failed over; before the first sample it is the
-driver's rule, no failure while bytes move, that keeps a slow first frame alive), that windows stay bounded, that a peer is offered only with
-room in its window, and that every re-send of a micro-batch follows a failure or a Busy.
+driver's rule, no failure while bytes move, that keeps a slow first frame alive), that windows stay
+bounded, that a peer is offered only with room in its window, and that every re-send of a
+micro-batch follows a failure or a Busy.
 """
 
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
@@ -21,7 +23,14 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from p2pswarm.errors import NoCandidates
 from p2pswarm.swarm.pacing import (
-    DEADLINE_CEILING, DEADLINE_FLOOR, INITIAL_SLACK, SAMPLE_MIN_BYTES, WINDOW_INITIAL, WINDOW_MAX, WINDOW_MIN, Link,
+    DEADLINE_CEILING,
+    DEADLINE_FLOOR,
+    INITIAL_SLACK,
+    SAMPLE_MIN_BYTES,
+    WINDOW_INITIAL,
+    WINDOW_MAX,
+    WINDOW_MIN,
+    Link,
 )
 from p2pswarm.swarm.router import Candidate, Failure, Router
 
@@ -32,8 +41,8 @@ events = st.lists(st.tuples(st.sampled_from(["sent", "ack", "busy", "timeout"]),
 
 def replay(link: Link, history) -> Link:
     for kind, seconds, size in history:
-        link = {"sent": lambda: link.sent(), "ack": lambda: link.acked(size, seconds),
-                "busy": lambda: link.busy(), "timeout": lambda: link.timed_out()}[kind]()
+        link = {"sent": link.sent, "ack": functools.partial(link.acked, size, seconds),
+                "busy": link.busy, "timeout": link.timed_out}[kind]()
     return link
 
 

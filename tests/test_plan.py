@@ -63,4 +63,5 @@ def test_a_snapshot_is_six_fp32_copies_and_its_headers():
         assert p.params == catalog.param_count(spec, stage)
         assert p.total_bytes == 6 * 4 * p.params + plan.SNAPSHOT_OVERHEAD
     assert plan.MAX_SNAPSHOT_BYTES % plan.GIB == 0
-    assert plan.MAX_SNAPSHOT_BYTES - plan.GIB < plan.largest_snapshot(catalog.MODELS.values()) <= plan.MAX_SNAPSHOT_BYTES
+    assert (plan.MAX_SNAPSHOT_BYTES - plan.GIB < plan.largest_snapshot(catalog.MODELS.values())
+            <= plan.MAX_SNAPSHOT_BYTES)

@@ -5,12 +5,12 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from p2pswarm.node.config import DhtMode, Role
 from p2pswarm.dht.announce import capacity_flags, record_addrs, stage_record
 from p2pswarm.dht.records import FLAG_RELAYED, FLAG_TRAINING, Capacity
 from p2pswarm.model.catalog import MODELS, get_model
 from p2pswarm.nat.policy import RelayAction, react
 from p2pswarm.nat.reachability import Reachability
+from p2pswarm.node.config import DhtMode, Role
 
 addrs_st = st.lists(st.sampled_from(["/ip4/203.0.113.9/tcp/4001", "/ip4/10.0.0.2/tcp/4001",
                                      "/ip4/127.0.0.1/tcp/4001"]), unique=True)

@@ -12,6 +12,7 @@ import pytest
 import trio
 import trio.testing
 
+import p2pswarm.net.pool as pool_module
 from p2pswarm import wire
 from p2pswarm.errors import CircuitExhausted, DialError
 from p2pswarm.identity import generate_identity
@@ -20,7 +21,6 @@ from p2pswarm.nat.relay_service import RelayConfig, serve_relay
 from p2pswarm.net.budget import BudgetConfig, CircuitLimit
 from p2pswarm.net.connect import Connector, connections_to, has_direct, is_relayed
 from p2pswarm.net.host import connect, open_host, peer_info_from_multiaddr, set_extra_addrs
-import p2pswarm.net.pool as pool_module
 from p2pswarm.net.pool import CIRCUIT_LIMIT_ATTR, StreamPool
 from p2pswarm.net.streams import open_stream
 
@@ -102,7 +102,7 @@ def test_sequential_leases_use_one_stream_and_warm_opens_ahead():
         assert server_pool.budget.stats()["peers"][str(host.get_id())]["streams"] == 1
         assert await pool.warm(server.get_id(), BULK, 3) == 3
         async with trio.open_nursery() as nursery:
-            for n in range(3):
+            for _ in range(3):
                 nursery.start_soon(exchange, pool, server.get_id(), b"w" * 100_000)
         assert pool.stats.opened == 3 and pool.stats.reused == 22  # the three were all warm
         assert [ok for *_, ok in receiver.frames] == [True] * 23 and server_pool.stats.frames_served == 23
@@ -128,7 +128,7 @@ def test_an_idle_warm_stream_is_closed_before_the_acceptors_idle_deadline(monkey
 
 def test_at_the_cap_a_lease_waits_for_the_stream_and_a_broken_one_is_replaced():
     async def test(server, server_pool, receiver, clients):
-        host, pool = clients[0]
+        _host, pool = clients[0]
         order, release = [], trio.Event()
 
         async def breaks():
@@ -154,7 +154,7 @@ def test_at_the_cap_a_lease_waits_for_the_stream_and_a_broken_one_is_replaced():
         assert order == ["first", "second waits", "second done"]
         assert pool.stats.opened == 2 and pool.stats.reset == 1 and pool.idle_streams(server.get_id(), BULK) == 1
         async with pool.lease(server.get_id(), BULK):
-            with pytest.raises(DialError, match="no .* stream"):
+            with pytest.raises(DialError, match=r"no .* stream"):
                 async with pool.lease(server.get_id(), BULK, timeout=0.2):
                     pass
 
@@ -358,7 +358,7 @@ def test_a_frame_the_circuit_cannot_carry_is_refused_before_the_relay_would_cut_
                 delivered += 1
             except CircuitExhausted:
                 count = a_pool.stats.circuits_recycled + 1
-                await wait_until(lambda: recycled(count))
+                await wait_until(lambda count=count: recycled(count))
         assert all(ok for *_, ok in receiver.frames) and len(receiver.frames) == 4 * sent
 
     with_relayed_pair(test, RelayConfig(circuit_bytes=limit))  # the pools' own default would be 16 MiB

@@ -99,7 +99,7 @@ def test_a_stranger_alone_on_its_subnet_is_behind_few_places(records, addr, mem)
     most MAX_PER_SUBNET strangers of each other subnet ahead of it (and the vouched peers)."""
     honest = rec("honest", addr, mem)
     others = [r for r in records if record_network(r)[1] != record_network(honest)[1]]
-    order = top(others + [honest], lambda peer: Standing.STRANGER, len(others) + 1)
+    order = top([*others, honest], lambda peer: Standing.STRANGER, len(others) + 1)
     ahead = order[:order.index(honest)]
     assert len(ahead) <= MAX_PER_SUBNET * len({record_network(r)[1] for r in others})
 

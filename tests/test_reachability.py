@@ -6,8 +6,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from p2pswarm.nat.reachability import (MIN_CONFIRMATIONS, OBSERVATION_MAX_AGE, DialBackResult, RateLimiter,
-                                       Reachability, ReachabilityTracker)
+from p2pswarm.nat.reachability import (
+    MIN_CONFIRMATIONS,
+    OBSERVATION_MAX_AGE,
+    DialBackResult,
+    RateLimiter,
+    Reachability,
+    ReachabilityTracker,
+)
 
 SERVERS = st.sampled_from(["s1", "s2", "s3", "s4", "s5"])
 

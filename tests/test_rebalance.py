@@ -13,11 +13,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from p2pswarm.model.catalog import get_model
 from p2pswarm.heal.rebalance import (
-    DOWN_GRACE, IMBALANCE_GRACE, JOIN_GRACE, MOVE_JITTER, PEER_COOLDOWN, STAGE_COOLDOWN, Move, Rebalancer, counts, rank,
+    DOWN_GRACE,
+    IMBALANCE_GRACE,
+    JOIN_GRACE,
+    MOVE_JITTER,
+    PEER_COOLDOWN,
+    STAGE_COOLDOWN,
+    Move,
+    Rebalancer,
+    counts,
+    rank,
     wanted,
 )
+from p2pswarm.model.catalog import get_model
 
 PERIOD = 5.0  # the mover's check period (heal.mover.MOVE_CHECK_S)
 SLOW_PERIOD = 30.0  # a coarser clock for the convergence runs: the rule does not depend on the period
@@ -277,8 +286,8 @@ def test_join_rebalances_by_default_only_with_layers_auto(flags, rebalance):
 
 def test_join_takes_a_backup_budget():
     from p2pswarm.cli import build_parser, config_from_args
-    from p2pswarm.node.config import DEFAULT_BACKUP_BUDGET_MB
     from p2pswarm.errors import ConfigError
+    from p2pswarm.node.config import DEFAULT_BACKUP_BUDGET_MB
 
     boot = "/ip4/1.2.3.4/tcp/4001/p2p/12D3KooWC4p8cVcVJXqt72KsBpXPXDKQtfn7YXyuMP4RMEUkfFiF"
     parse = build_parser().parse_args

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import math
 import random
 
@@ -33,11 +34,11 @@ from p2pswarm.dht.records import (
     MAX_BACKUP_CLAIMS,
     MAX_FREE_MEMORY_MB,
     MAX_LAYERS,
-    MAX_STAGES,
-    MAX_THROUGHPUT,
     MAX_MODEL_CHARS,
     MAX_PEER_ID_CHARS,
     MAX_QUEUE_DEPTH,
+    MAX_STAGES,
+    MAX_THROUGHPUT,
     MAX_TIMESTAMP,
     MAX_TTL,
     MIN_TTL,
@@ -49,8 +50,8 @@ from p2pswarm.dht.records import (
     Capacity,
     StageRecord,
     best_first,
-    stage_key,
     routing_rank,
+    stage_key,
 )
 from p2pswarm.errors import LocalProtocolError, RemoteProtocolError
 from p2pswarm.identity import generate_identity
@@ -97,7 +98,10 @@ def claims_st(own_stage: int):
                     unique_by=lambda claim: claim.stage).map(tuple)
 
 
-def records(peer_ids=st.sampled_from(sorted(BY_PEER))):
+peer_ids_st = st.sampled_from(sorted(BY_PEER))
+
+
+def records(peer_ids=peer_ids_st):
     def build(stage):
         return st.builds(
             lambda peer, addrs, model, layers, cap, ts, ttl, run, agreed, backups: StageRecord(
@@ -215,9 +219,12 @@ BAD_FIELDS = [
     ("cap", {"mem": 0, "queue": 2.0, "flags": 0}), ("cap", {"mem": 0, "queue": -5, "flags": 0}),
     ("cap", {"mem": 0, "queue": 0, "flags": FLAGS_LIMIT}), ("cap", {"mem": 0, "queue": 0, "flags": -1}),
     ("cap", {"mem": 0, "queue": 0}), ("cap", {"mem": 0, "queue": 0, "flags": 0, "tput": -1.0}),
-    ("cap", {"mem": 0, "queue": 0, "flags": 0, "tput": math.inf}), ("cap", {"mem": 0, "queue": 0, "flags": 0, "tput": "1"}),
-    ("cap", {"mem": 0, "queue": 0, "flags": 0, "round": -1}), ("cap", {"mem": 0, "queue": 0, "flags": 0, "round": 2**63}),
-    ("cap", {"mem": 0, "queue": 0, "flags": 0, "round": 1.0}), ("cap", {"mem": 0, "queue": 0, "flags": 0, "round": True}),
+    ("cap", {"mem": 0, "queue": 0, "flags": 0, "tput": math.inf}),
+    ("cap", {"mem": 0, "queue": 0, "flags": 0, "tput": "1"}),
+    ("cap", {"mem": 0, "queue": 0, "flags": 0, "round": -1}),
+    ("cap", {"mem": 0, "queue": 0, "flags": 0, "round": 2**63}),
+    ("cap", {"mem": 0, "queue": 0, "flags": 0, "round": 1.0}),
+    ("cap", {"mem": 0, "queue": 0, "flags": 0, "round": True}),
     ("cap", {"mem": 0, "queue": 0, "flags": 0, 7: 1}), ("cap", {"mem": 0, "queue": 0, "flags": 0, "x" * 33: 1}),
     ("cap", {"mem": 0, "queue": 0, "flags": 0, **{f"k{i}": i for i in range(MAX_CAPACITY_KEYS)}}),
     ("stage", -1), ("stage", MAX_STAGES), ("stage", True), ("stage", "1"), ("stage", None),
@@ -379,7 +386,7 @@ def test_non_canonical_encodings_are_refused():
         cbor2.dumps(message, canonical=True) + b"\x00",  # trailing bytes
         cbor2.dumps(message, canonical=True, indefinite_containers=True),
     ]:
-        with pytest.raises(RemoteProtocolError, match="canonical|CBOR"):
+        with pytest.raises(RemoteProtocolError, match=r"canonical|CBOR"):
             verify_record(data)
 
 
@@ -492,8 +499,10 @@ def test_record_helpers():
 
 def test_stage_key_is_the_documented_hash():
     expected = hashlib.sha256(b"p2pswarm/stage/fdd1f91421b0282a/tiny-llama/12").digest()
-    assert stage_key("tiny-llama", 12, "fdd1f91421b0282a") == expected == stage_key("tiny-llama", 12, "fdd1f91421b0282a")
-    assert stage_key("tiny-llama", 12) == hashlib.sha256(b"p2pswarm/stage/" + UNNAMED_RUN.encode() + b"/tiny-llama/12").digest()
+    assert stage_key("tiny-llama", 12, "fdd1f91421b0282a") == expected
+    assert expected == stage_key("tiny-llama", 12, "fdd1f91421b0282a")
+    assert stage_key("tiny-llama", 12) == hashlib.sha256(b"p2pswarm/stage/" + UNNAMED_RUN.encode()
+                                                         + b"/tiny-llama/12").digest()
 
 
 @given(models_st, st.integers(0, MAX_LAYERS - 1), run_ids, models_st, st.integers(0, MAX_LAYERS - 1), run_ids)
@@ -548,7 +557,7 @@ def test_best_first_ranks_and_ignores_input_order(items, rng):
                 -min(cap.free_memory_mb, PLAUSIBLE_FREE_MEMORY_MB), -min(cap.throughput, PLAUSIBLE_THROUGHPUT),
                 -record.timestamp, record.peer_id)
 
-    for better, worse in zip(ranked, ranked[1:]):
+    for better, worse in itertools.pairwise(ranked):
         assert claims(better) <= claims(worse)
         assert routing_rank(better) <= routing_rank(worse)
 

@@ -12,12 +12,22 @@ import pytest
 import trio
 from hypothesis import given
 from hypothesis import strategies as st
+from libp2p.network.stream.exceptions import StreamEOF
 
 from p2pswarm.errors import ConfigError
 from p2pswarm.identity import generate_identity
-from p2pswarm.nat.relay_service import (HOP_PROTOCOL, STATUS_NO_RESERVATION, STATUS_OK, STATUS_RESERVATION_REFUSED,
-                                        STATUS_RESOURCE_LIMIT_EXCEEDED, RelayBook, RelayConfig, Refusal,
-                                        load_relay_config, serve_relay)
+from p2pswarm.nat.relay_service import (
+    HOP_PROTOCOL,
+    STATUS_NO_RESERVATION,
+    STATUS_OK,
+    STATUS_RESERVATION_REFUSED,
+    STATUS_RESOURCE_LIMIT_EXCEEDED,
+    Refusal,
+    RelayBook,
+    RelayConfig,
+    load_relay_config,
+    serve_relay,
+)
 from p2pswarm.net.host import connect, open_host, peer_info_from_multiaddr
 from tests.test_cli import assert_one_line_error, run
 
@@ -230,7 +240,7 @@ def test_circuit_carries_data_and_refusals_use_spec_codes():
         assert reply.status == STATUS_RESOURCE_LIMIT_EXCEEDED  # one circuit per peer here
         with trio.fail_after(10):
             await closed.wait()
-            with pytest.raises(Exception):  # StreamEOF: the relay passed the destination's close on
+            with pytest.raises(StreamEOF):  # the relay passed the destination's close on
                 assert await stream.read(4) == b""
             await stream.close()
             while protocol.book.circuits:

@@ -12,11 +12,19 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from p2pswarm.dht.records import FLAG_DRAINING, FLAG_RELAYED, Capacity, StageRecord
 from p2pswarm.errors import NoCandidates
+from p2pswarm.swarm.pacing import DEADLINE_CEILING, DEADLINE_FLOOR, WINDOW_INITIAL, Link
 from p2pswarm.swarm.router import (
-    BACKOFF_CAP, K_CANDIDATES, STALE_AFTER, Candidate, Failure, Router, RouterConfig, backoff_delay, partner_for,
+    BACKOFF_CAP,
+    K_CANDIDATES,
+    STALE_AFTER,
+    Candidate,
+    Failure,
+    Router,
+    RouterConfig,
+    backoff_delay,
+    partner_for,
     score,
 )
-from p2pswarm.swarm.pacing import DEADLINE_CEILING, DEADLINE_FLOOR, WINDOW_INITIAL, Link
 
 PEERS = [f"peer{i}" for i in range(8)]
 latencies = st.floats(0.0, 2.0, allow_nan=False)

@@ -12,14 +12,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from p2pswarm.node.config import NodeConfig, Role
-from p2pswarm.run.diloco import DilocoSettings
+from p2pswarm.cli import build_parser, config_from_args
 from p2pswarm.errors import ConfigError
 from p2pswarm.model.catalog import default_rows, get_model
-from p2pswarm.cli import build_parser, config_from_args
+from p2pswarm.node.config import NodeConfig, Role
+from p2pswarm.run.diloco import DilocoSettings
+from p2pswarm.run.spec import DEFAULT_RUN, IDENTITY_CHARS, default_run, load_run, packaged_runs, parse_run, run_for_join
 from p2pswarm.run.training import TrainConfig, train_config
-from p2pswarm.run.spec import (DEFAULT_RUN, IDENTITY_CHARS, default_run, load_run, packaged_runs, parse_run,
-                                run_for_join)
 
 FULL = """
 name = "test"
@@ -126,7 +125,7 @@ def _toml(tables: list[tuple[str, list[str]]]) -> str:
 
 
 def _sections(text: str) -> list[tuple[str, list[str]]]:
-    sections, name = [("", [])], ""
+    sections = [("", [])]
     for line in text.strip().splitlines():
         if line.startswith("["):
             sections.append((line.strip("[]"), []))
@@ -217,7 +216,7 @@ def test_a_bad_run_file_is_one_config_error_naming_the_file_and_key(text, words)
 def test_a_micro_batch_too_big_for_one_frame_is_refused():
     pytest.importorskip("p2pswarm.run.plan")
     text = FULL.replace('model = "tiny-lm/2"', 'model = "xl"').replace("context = 64", "context = 1024")
-    with pytest.raises(ConfigError, match="batch.rows"):
+    with pytest.raises(ConfigError, match=r"batch\.rows"):
         parse(text.replace("rows = 4", "rows = 256").replace('dtype = "bfloat16"', 'dtype = "float32"'))
 
 
@@ -264,7 +263,8 @@ BOOT = "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWGRUVh7tM5gZ1mWG1jGkNhVVpR8pyR7H5RHmQVmo
 def test_cli_join_with_a_bad_run_file_exits_1_with_one_line(tmp_path):
     path = tmp_path / "bad.toml"
     path.write_text(FULL.replace("rows = 4", "rows = 4\ncolour = 1"))
-    for args in (("--run", str(path)), ("--run", "tiny-lm", "--model", "nano"), ("--run", "nano", "--inner-steps", "5")):
+    for args in (("--run", str(path)), ("--run", "tiny-lm", "--model", "nano"),
+                 ("--run", "nano", "--inner-steps", "5")):
         result = cli("join", "--bootstrap", BOOT, *args)
         lines = [line for line in result.stderr.splitlines() if line.startswith("p2pswarm: error:")]
         assert result.returncode == 1 and len(lines) == 1 and "Traceback" not in result.stderr, result.stderr

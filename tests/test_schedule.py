@@ -9,8 +9,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from p2pswarm.model.catalog import get_model
-from p2pswarm.swarm.engine import StageEngine, param_groups
 from p2pswarm.run.training import TrainConfig
+from p2pswarm.swarm.engine import StageEngine, param_groups
 from p2pswarm.swarm.schedule import lr_at
 
 schedules = st.tuples(st.floats(1e-6, 1.0), st.integers(0, 2000), st.integers(0, 5000), st.floats(0.0, 1.0))

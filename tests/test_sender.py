@@ -95,12 +95,13 @@ def test_a_frame_too_big_to_send_is_a_local_error_that_blames_no_peer(caplog):
     assert all(router.peers[peer].failures == 0 for peer in PEERS)
     errors = [r for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 2  # once per message type (forward, backward), not once per micro-batch
-    assert str(8 * 1024 * (2048 * 4 + 1)) in errors[0].getMessage() and str(wire.MAX_PAYLOAD_BYTES) in errors[0].getMessage()
+    assert str(8 * 1024 * (2048 * 4 + 1)) in errors[0].getMessage()
+    assert str(wire.MAX_PAYLOAD_BYTES) in errors[0].getMessage()
     assert d.stats()["unsendable"] == 3
 
 
 def test_a_frame_that_fits_is_delivered():
-    d, router, pool, seen = deliverer()
+    d, _router, pool, seen = deliverer()
     trio.run(d.forward, send(Forward, 7))  # 56 MiB: within the frame
     assert pool.frames == 1 and len(seen["acked"]) == 1 and not seen["lost"] and d.counts["unsendable"] == 0
 

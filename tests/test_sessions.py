@@ -8,8 +8,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from p2pswarm.errors import ConfigError
-from p2pswarm.swarm.sessions import (Limits, SessionBusy, SessionOverloaded, SessionTable, UnknownSession,
-                                     WrongPosition)
+from p2pswarm.swarm.sessions import Limits, SessionBusy, SessionOverloaded, SessionTable, UnknownSession, WrongPosition
 
 A, B, C = b"a" * 16, b"b" * 16, b"c" * 16
 

@@ -131,7 +131,8 @@ def test_one_peer_with_thousands_of_silent_streams_locks_nobody_out(caplog):
                         await honest_round(node, node_control, nursery)
                         rounds, rounds_after_every_defence = rounds + 1, rounds_after_every_defence + defences_acted
                 stats = guard_stats(node)
-                assert not guard.cancelled_caught, (rounds, rounds_after_every_defence, attack.raw, attack.attempts, stats)
+                assert not guard.cancelled_caught, (rounds, rounds_after_every_defence, attack.raw,
+                                                    attack.attempts, stats)
                 print(f"attacker: {attack.raw} raw streams, {attack.negotiated} of {attack.attempts} negotiated; "
                       f"{rounds} honest rounds answered, {rounds_after_every_defence} after every defence "
                       f"acted; guard: {stats}")

@@ -152,7 +152,8 @@ def test_specific_rejections_and_choices():
                           address_attr(0x802C, "7.7.7.7", 7)])
     assert decode_binding_response(both, tid) == BindingResult(("9.9.9.9", 9), ("8.8.8.8", 8), None)
     ipv6 = (0x0020, struct.pack("!BBH", 0, 2, 1) + bytes(16))
-    assert decode_binding_response(response(tid, [ipv6, address_attr(0x0001, "1.2.3.4", 5)]), tid).mapped == ("1.2.3.4", 5)
+    assert decode_binding_response(response(tid, [ipv6, address_attr(0x0001, "1.2.3.4", 5)]),
+                                   tid).mapped == ("1.2.3.4", 5)
     for attrs in ([ipv6], [], [(0x0001, b"\0\1\0\5\1\2\3")], [(0x0001, b"\0\3\0\5\1\2\3\4")]):
         with pytest.raises(RemoteProtocolError):
             decode_binding_response(response(tid, attrs), tid)
@@ -558,7 +559,8 @@ async def simulated_nat(nursery, mapping: str, filtering: str):
                 continue
             if filtering == "port" and there not in contacted:
                 continue
-            mapped = source if mapping == "none" else (PUBLIC_IP, 40000 + (list(sockets).index(here) if mapping == "symmetric" else 0))
+            mapped = source if mapping == "none" else (
+                PUBLIC_IP, 40000 + (list(sockets).index(here) if mapping == "symmetric" else 0))
             other = (flip(here[0], ips, True), flip(here[1], ports_, True))
             packet = response(data[8:20], [address_attr(0x0020, *mapped, xor=True), address_attr(0x802C, *other)])
             await sockets[there].sendto(packet, source)

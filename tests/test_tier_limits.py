@@ -24,12 +24,11 @@ import pytest
 import torch
 
 from p2pswarm import wire
-
-from p2pswarm.diloco import checkpoint
-from p2pswarm.diloco import messages as msgs, snapshots
+from p2pswarm.diloco import checkpoint, snapshots
+from p2pswarm.diloco import messages as msgs
 from p2pswarm.model import catalog
-from p2pswarm.run import plan
 from p2pswarm.model.transformer import StageModule
+from p2pswarm.run import plan
 from p2pswarm.swarm.activation import MAX_TARGETS, SESSION_BYTES, Forward
 from p2pswarm.swarm.buffers import Priority
 

@@ -226,11 +226,11 @@ def test_stage_0_feeds_bpe_micro_batches_whose_targets_cross_the_wire(bpe, tmp_p
     import trio
 
     from p2pswarm.model.catalog import get_model
+    from p2pswarm.run.training import TrainConfig
     from p2pswarm.swarm.activation import SESSION_BYTES, Ack, Forward
     from p2pswarm.swarm.buffers import Priority
     from p2pswarm.swarm.codec import targets_to_bytes
     from p2pswarm.swarm.engine import Output
-    from p2pswarm.run.training import TrainConfig
     from p2pswarm.swarm.service import SwarmService
 
     data = write_corpus(tmp_path / "data")

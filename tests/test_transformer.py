@@ -11,8 +11,17 @@ import pytest
 import torch
 
 from p2pswarm.errors import ConfigError
-from p2pswarm.model.catalog import (MODELS, SIZING_VOCAB, STAGE_MEMORY_BUDGET, ModelSpec, default_rows, get_model,
-                                   model_param_count, param_count, stage_memory)
+from p2pswarm.model.catalog import (
+    MODELS,
+    SIZING_VOCAB,
+    STAGE_MEMORY_BUDGET,
+    ModelSpec,
+    default_rows,
+    get_model,
+    model_param_count,
+    param_count,
+    stage_memory,
+)
 from p2pswarm.model.transformer import StageModule, build_model, build_stage, run_stages
 
 TINY = get_model("tiny-lm")

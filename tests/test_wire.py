@@ -206,7 +206,7 @@ def test_oversize_lengths_are_rejected_before_reading():
     too_big = FakeStream(frame)
     for stream, max_payload, stops_at in [(too_long, 100, 4), (too_big, 99, len(frame) - 100)]:
         with pytest.raises(RemoteProtocolError):
-            trio.run(lambda: wire.read_frame(stream, max_payload=max_payload))
+            trio.run(lambda stream=stream, max_payload=max_payload: wire.read_frame(stream, max_payload=max_payload))
         assert stream.pos == stops_at  # nothing read (or allocated) past the offending length
         with pytest.raises(RemoteProtocolError):
             wire.decode_frame(stream.data, max_payload=max_payload)
@@ -298,7 +298,8 @@ def test_import_pulls_in_neither_torch_nor_trio():
 
 HUGE_DIMS = [2**31 - 1, 2**31, 2**32, 3036988439, 3037012561, 2**62, wire.INT_MAX]
 dims = st.one_of(st.integers(0, 6), st.sampled_from(HUGE_DIMS), st.integers(0, wire.INT_MAX), st.integers(-3, -1))
-dtypes = st.one_of(st.sampled_from(sorted(wire.DTYPE_SIZES)), st.text(max_size=10), st.sampled_from(["bool", "complex64"]))
+dtypes = st.one_of(st.sampled_from(sorted(wire.DTYPE_SIZES)), st.text(max_size=10),
+                   st.sampled_from(["bool", "complex64"]))
 
 
 def small_size(dtype: str, shape: tuple[int, ...]) -> int | None:

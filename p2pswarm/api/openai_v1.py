@@ -141,7 +141,7 @@ class Reply:
                     doc = self.document([choice])
                     doc["p2pswarm"]["tokens"] = len(chunk.token_ids)
                     await _event(send, json.dumps(doc))
-        except Exception as exc:  # noqa: BLE001 - after the first chunk, the error travels as an event
+        except Exception as exc:
             if not started:
                 raise
             await _event(send, json.dumps(error_for(exc, "generation").body()))

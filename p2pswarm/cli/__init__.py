@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         quiet_libp2p(args.log_level)
         trio.run(_run_until_signalled, config)
         return 0
-    except BaseException as exc:  # noqa: BLE001 - the one place errors become exit codes
+    except BaseException as exc:
         error = first_error(exc)
         if isinstance(error, P2PSwarmError):
             print(f"p2pswarm: error: {error}", file=sys.stderr)

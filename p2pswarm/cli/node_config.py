@@ -47,7 +47,8 @@ def config_from_args(args: argparse.Namespace) -> NodeConfig:
         raise ConfigError(f"--max-connections must be at least 1, not {args.max_connections}")
     for addr in args.bootstrap:
         peer_info_from_multiaddr(addr)  # ConfigError unless it ends in /p2p/<peer id>: before torch is imported
-    default_listen = {Role.BOOTSTRAP: DEFAULT_BOOTSTRAP_LISTEN, Role.RELAY: DEFAULT_RELAY_LISTEN}.get(role, DEFAULT_LISTEN)
+    default_listen = {Role.BOOTSTRAP: DEFAULT_BOOTSTRAP_LISTEN,
+                      Role.RELAY: DEFAULT_RELAY_LISTEN}.get(role, DEFAULT_LISTEN)
     kwargs = dict(role=role, listen=tuple(args.listen or [default_listen]), bootstrap=tuple(args.bootstrap),
                   key_path=args.key, data_dir=args.data_dir, api=args.api, api_token=args.api_token,
                   stun=parse_stun_server(args.stun) if args.stun else None, max_connections=args.max_connections)
@@ -65,7 +66,8 @@ def config_from_args(args: argparse.Namespace) -> NodeConfig:
         if args.backup_budget_mb < 0:
             raise ConfigError(f"--backup-budget-mb must be at least 0, not {args.backup_budget_mb}")
         layers = parse_layers(args.layers, model)
-        placement = resolve_placement(args.device, args.precision)  # ConfigError: a device we lack, fp16 (imports torch)
+        # ConfigError: a device we lack, fp16 (imports torch)
+        placement = resolve_placement(args.device, args.precision)
         kwargs.update(rebalance=layers is None if args.rebalance is None else args.rebalance,
                       backup_budget_mb=args.backup_budget_mb)
         kwargs.update(layers=layers, dht_mode=DhtMode(args.dht_mode), relays=tuple(args.relay), data=args.data,

@@ -33,7 +33,8 @@ def api_token_option(parser: argparse.ArgumentParser, serving: bool = False) -> 
     """``--api-token``: the token a node's API demands (``serving``) or that a client sends."""
     parser.add_argument("--api-token", default=os.environ.get(API_TOKEN_ENV), metavar="TOKEN",
                         help=("every API request must carry 'Authorization: Bearer TOKEN'; needed to bind --api "
-                              "beyond loopback" if serving else "the node's API token") + f" (default ${API_TOKEN_ENV})")
+                              "beyond loopback" if serving else "the node's API token")
+                        + f" (default ${API_TOKEN_ENV})")
 
 
 def _node_options(parser: argparse.ArgumentParser, default_listen: str) -> None:
@@ -216,7 +217,8 @@ def _tokenizer_parser(sub) -> None:
     train.add_argument("--data", required=True, metavar="PATH", help="a text file, or a folder of text files")
     train.add_argument("--vocab", required=True, type=int, metavar="N",
                        help=f"vocabulary size, {MIN_BPE_VOCAB}..{MAX_BPE_VOCAB} (the 256 byte symbols, then merges)")
-    train.add_argument("out", type=Path, metavar="OUT.json", help="where to write the tokenizer (its folder must exist)")
+    train.add_argument("out", type=Path, metavar="OUT.json",
+                       help="where to write the tokenizer (its folder must exist)")
 
 
 def _diloco_options(parser: argparse.ArgumentParser) -> None:

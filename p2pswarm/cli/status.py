@@ -51,7 +51,8 @@ def format_swarm(swarm: dict) -> list[str]:
         f"engine        busy {engine['busy_fraction']:.1%}  local-only {engine['local_only']}  drops "
         f"{engine['drops']}  in flight {swarm['in_flight']}  inbound {swarm['inbound']['items']}/"
         f"{swarm['inbound']['capacity']} (mean fill {swarm['inbound']['mean_fill']:.1%})",
-        f"delivery      sent {delivery.get('sent', 0)}  acked {delivery.get('acked', 0)}  busy {delivery.get('busy', 0)}"
+        f"delivery      sent {delivery.get('sent', 0)}  acked {delivery.get('acked', 0)}  "
+        f"busy {delivery.get('busy', 0)}"
         f"  failovers {delivery.get('rerouted', 0)} (p50 {_fmt(delivery.get('failover_ms_p50'), '.0f')} ms)  lost "
         f"{delivery.get('lost', 0)}  timeouts {delivery.get('timeouts', 0)}  duplicates dropped "
         f"{counts.get('duplicates_dropped', 0)}  ack p50/p99 {_fmt(delivery.get('ack_ms_p50'), '.0f')}/"
@@ -113,7 +114,8 @@ def format_status(stats: dict, stages: dict, swarm: dict | None = None, diloco: 
         peers = ", ".join(f"{r['peer_id'][-8:]} (queue {r['queue_depth']}{', answered' if r.get('answered') else ''})"
                           for r in doc["peers"]) or "(nobody)"
         served = f"{doc['health']}, {doc['replicas']} replica(s)" if "health" in doc else f"{len(doc['peers'])} peer(s)"
-        lines.append(f"  stage {int(stage):>3}  layers [{doc['start']}, {doc['end']})  {served}  {peers}{_backups(doc)}")
+        lines.append(f"  stage {int(stage):>3}  layers [{doc['start']}, {doc['end']})  "
+                     f"{served}  {peers}{_backups(doc)}")
     if swarm:
         lines[5:5] = format_swarm(swarm) + (format_diloco(diloco) if diloco else [])
     return "\n".join(lines)

@@ -53,7 +53,8 @@ DEFAULT_DURATION = 150.0  # seconds of training: with forming and stopping, unde
 DEFAULT_STAGES = 2
 DEMO_INNER_STEPS = 40  # H in the demo: a stage replica takes ~4 steps/s here, so a round every ~10-15 s
 DEMO_OUTER_MOMENTUM = 0.0  # a demo has ~10 outer rounds: plain averaging (lr 1, no momentum) learned most per
-DEMO_OUTER_LR = 1.0  # token in the 1 x 2 arm (1.07x one process; lr 0.7 Nesterov 0.5: 1.09x; lr 1.0 Nesterov 0.5: 1.12x)
+DEMO_OUTER_LR = 1.0  # token in the 1 x 2 arm (1.07x one process; lr 0.7 Nesterov 0.5: 1.09x;
+# lr 1.0 Nesterov 0.5: 1.12x)
 DEMO_GATHER_S = 10.0  # a ready replica waits this long for the other; it keeps training meanwhile
 DEMO_SNAPSHOT_PERIOD = 30.0  # snapshots on disk every 30 s: several within one demo
 RESTART_AFTER = 10.0  # seconds between --kill-one's SIGKILL and the restart of the same peer

@@ -89,7 +89,8 @@ class Progress:
         curve = self.curve()
         if curve:
             last = curve[-1]
-            return f"{last.bits_per_byte:.3f} (round {last.round}, {len(last.chains)} chain(s), spread {last.spread:.3f})"
+            return (f"{last.bits_per_byte:.3f} (round {last.round}, {len(last.chains)} chain(s), "
+                    f"spread {last.spread:.3f})")
         if not self.heldout:
             return "  -  "
         each = ", ".join(f"{b:.2f}" for *_, b in sorted(self.latest.values(), key=lambda v: v[1]))
@@ -115,7 +116,8 @@ class Progress:
         for e in entries:
             rounds, chain = e.get("rounds"), e.get("chain")
             r = EvalRound(e["source"].encode(), e["round"], e["bpb"], e["tokens"], 1, e["at"],
-                          rounds=None if rounds is None else tuple(rounds), chain=None if chain is None else tuple(chain),
+                          rounds=None if rounds is None else tuple(rounds),
+                          chain=None if chain is None else tuple(chain),
                           complete=e.get("complete", True))
             self.evaluations[(e["source"], e["round"], r.chain)] = r
 
@@ -166,7 +168,8 @@ class Progress:
 
 def _loaded_text(peer: Peer, loaded: dict) -> str:
     return (f"demo: peer {peer.index} loaded stage {peer.stage} from {loaded['peer'][-8:]}: outer round "
-            f"{loaded['round']}, inner step {loaded['step']}, {loaded['bytes'] / 1e6:.1f} MB in {loaded['seconds']:.1f} s"
+            f"{loaded['round']}, inner step {loaded['step']}, {loaded['bytes'] / 1e6:.1f} MB in "
+            f"{loaded['seconds']:.1f} s"
             + ("; its own progress kept (rebased)" if loaded.get("rebased") else ""))
 
 
@@ -178,8 +181,8 @@ def print_summary(progress: Progress, seconds: float, killed: bool, path: Path |
     per_stage: dict[int, int] = {}
     for stage, _ in progress.outer:
         per_stage[stage] = per_stage.get(stage, 0) + 1
-    print(f"demo: outer rounds completed: {', '.join(f'stage {s}: {n}' for s, n in sorted(per_stage.items())) or 'none'}",
-          flush=True)
+    completed = ', '.join(f'stage {s}: {n}' for s, n in sorted(per_stage.items())) or 'none'
+    print(f"demo: outer rounds completed: {completed}", flush=True)
     busy = sorted(progress.busy.values())
     if busy:
         print(f"demo: compute-busy fraction per peer since its first micro-batch {', '.join(f'{b:.3f}' for b in busy)} "

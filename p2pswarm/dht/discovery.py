@@ -318,7 +318,7 @@ class StageIndex:
                 nursery.start_soon(fetch_from, peer_id)
         now = self._clock()
         fresh = [r for r in newest.values() if r.is_fresh(now)]
-        self.stats.lookup_seconds = (self.stats.lookup_seconds + [time.perf_counter() - started])[-100:]
+        self.stats.lookup_seconds = [*self.stats.lookup_seconds, time.perf_counter() - started][-100:]
         return pool(fresh, standing or self.own_first, k)
 
     def _merge(self, newest: dict[str, StageRecord], raw: bytes, asked: tuple[str, str, int]) -> None:

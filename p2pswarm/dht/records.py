@@ -76,7 +76,8 @@ class Capacity:
 
 @dataclass(frozen=True)
 class BackupClaim:
-    """A record's claim to hold stage ``stage``'s agreed backup of outer round ``round``, whose bytes hash to ``digest``."""
+    """A record's claim to hold stage ``stage``'s agreed backup of outer round ``round``, whose bytes
+    hash to ``digest``."""
 
     stage: int  # 0 <= stage < MAX_STAGES, never the claiming record's own stage
     round: int  # 0 <= round <= MAX_OUTER_ROUND

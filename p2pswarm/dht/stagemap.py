@@ -28,13 +28,12 @@ from collections.abc import Awaitable, Callable
 import trio
 
 from p2pswarm import wire
+from p2pswarm.dht import health, ranking
 from p2pswarm.dht.candidates import CHECK_PERIOD, CandidateBook, asks_first
 from p2pswarm.dht.discovery import ANNOUNCE_PERIOD, DEFAULT_K, LOOKUP_TIMEOUT, STAGE_MAP_PERIOD, StageIndex
-from p2pswarm.dht import ranking
 from p2pswarm.dht.ranking import Standing
 from p2pswarm.dht.records import PLAUSIBLE_THROUGHPUT, UNNAMED_RUN, StageRecord
 from p2pswarm.errors import DialError
-from p2pswarm.dht import health
 from p2pswarm.model.catalog import ModelSpec, least_served_stage
 
 log = logging.getLogger(__name__)

@@ -34,12 +34,8 @@ from pathlib import Path
 import trio
 
 from p2pswarm import wire
-
-from p2pswarm.diloco import checkpoint
 from p2pswarm.dht.records import MAX_BACKUP_CLAIMS, BackupClaim
-from p2pswarm.diloco import snapshots
-from p2pswarm.errors import DialError, ProtocolError, RemoteProtocolError
-from p2pswarm.files import write_atomic
+from p2pswarm.diloco import checkpoint, snapshots
 from p2pswarm.diloco.backups import (
     BACKUP_COPIES,
     BACKUP_EVERY_ROUNDS,
@@ -50,6 +46,8 @@ from p2pswarm.diloco.backups import (
     check_backup,
     choose_backups,
 )
+from p2pswarm.errors import DialError, ProtocolError, RemoteProtocolError
+from p2pswarm.files import write_atomic
 
 log = logging.getLogger(__name__)
 

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from p2pswarm.diloco import checkpoint
 from p2pswarm.dht.records import DIGEST_BYTES, BackupClaim, StageRecord
+from p2pswarm.diloco import checkpoint
 from p2pswarm.errors import RemoteProtocolError
 from p2pswarm.model.catalog import ModelSpec, param_count
 from p2pswarm.run.plan import FP32_BYTES, SNAPSHOT_OVERHEAD
@@ -85,7 +85,7 @@ class AgreedLedger:
             announced = replicas.setdefault(record.peer_id, _Announced())
             announced.seen_at = now
             if record.agreed not in announced.pairs:
-                announced.pairs = sorted(announced.pairs + [record.agreed])[-KEEP_ROUNDS:]
+                announced.pairs = sorted([*announced.pairs, record.agreed])[-KEEP_ROUNDS:]
             if len(replicas) > MAX_TRACKED_REPLICAS:
                 del replicas[min(replicas, key=lambda peer: (replicas[peer].seen_at, peer))]
 

@@ -42,12 +42,20 @@ from typing import Any
 
 import torch
 
+from p2pswarm.diloco.snapshot_tree import (  # noqa: F401 - the tree's limits are the snapshot's (tests import them here)
+    INT_MAX,
+    INT_MIN,
+    MAX_DEPTH,
+    MAX_TENSORS,
+    RESERVED_NAME,
+    decode_tree,
+    dumps,
+    encode_tree,
+    loads,
+)
 from p2pswarm.errors import RemoteProtocolError
 from p2pswarm.files import write_atomic
 from p2pswarm.run import plan
-from p2pswarm.diloco.snapshot_tree import (  # noqa: F401 - the tree's limits are the snapshot's (tests import them here)
-    INT_MAX, INT_MIN, MAX_DEPTH, MAX_TENSORS, RESERVED_NAME, decode_tree, dumps, encode_tree, loads,
-)
 
 FORMAT = "p2pswarm-snapshot/2"  # the metadata's format id: a new layout gets a new id
 OLD_MAGIC = b"P2PSNAP1"  # the first format's magic: refused with a message that says so

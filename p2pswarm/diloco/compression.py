@@ -67,8 +67,8 @@ def encode(vector: torch.Tensor, codec: str, error_out: torch.Tensor | None = No
     ``error_out``, a float32 tensor of the same length, receives what the codec left out:
     ``vector - decode(result)``, exactly (the decoder's arithmetic, without decoding the bytes
     again). Raises ValueError on an unknown codec, a tensor that is not 1-D float32, one longer
-    than ``max_elements`` (at most MAX_ELEMENTS), non-finite values (they would not decode: a local fault, not a message) or
-    an ``error_out`` that does not fit.
+    than ``max_elements`` (at most MAX_ELEMENTS), non-finite values (they would not decode: a local
+    fault, not a message) or an ``error_out`` that does not fit.
     """
     if codec not in CODECS:
         raise ValueError(f"unknown codec {codec!r}, expected one of {CODECS}")

@@ -13,8 +13,9 @@ of these in ``trio.to_thread.run_sync`` and keeps only O(1) bookkeeping on the l
 The others run on the engine's compute thread (``SwarmService.with_engine``): taking and encoding
 the pseudo-gradient, the outer step, the host copy of a snapshot and loading one (the parameters
 may be on a GPU: those steps move them slice by slice, ``outer.flatten``/``shift_flat``). Here
-everything is on the host, nothing touches the engine or the driver's attributes: each function works on what it is given and returns what the
-driver then records on the loop (so a peer's strike is counted on the trio side, never in a thread).
+everything is on the host, nothing touches the engine or the driver's attributes: each function
+works on what it is given and returns what the driver then records on the loop (so a peer's strike
+is counted on the trio side, never in a thread).
 """
 
 from __future__ import annotations

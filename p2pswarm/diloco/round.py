@@ -33,21 +33,54 @@ import enum
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from p2pswarm.dht.records import MAX_STAGES
 from p2pswarm.diloco.group import Membership
 from p2pswarm.diloco.messages import (
-    CODECS, MAX_MEMBERS, MAX_ROUND, MAX_STAGE_NUMEL, Hello, Part, Reply, Result, is_peer_id, shard_plan,
+    CODECS,
+    MAX_MEMBERS,
+    MAX_ROUND,
+    MAX_STAGE_NUMEL,
+    Hello,
+    Part,
+    Reply,
+    Result,
+    is_peer_id,
+    shard_plan,
 )
 from p2pswarm.diloco.round_actions import (
-    Action, CatchUp, CombineShard, Finished, NeedShards, Outcome, Rejected, SendHello, SendPart, SendResult,
+    Action,
+    CatchUp,
+    CombineShard,
+    Finished,
+    NeedShards,
+    Outcome,
+    Rejected,
+    SendHello,
+    SendPart,
+    SendResult,
 )
 from p2pswarm.diloco.round_early import EarlyBuffer
 from p2pswarm.diloco.round_reduce import ExpectedBytes, Reduction, reply_to
-from p2pswarm.dht.records import MAX_STAGES
 
 __all__ = [
-    "AGREE_S", "GATHER_S", "REDUCE_S", "EARLY_BUFFER_MODELS", "EARLY_SLACK_BYTES", "Action", "CatchUp",
-    "CombineShard", "Finished", "NeedShards", "OuterRound", "Outcome", "Phase", "Rejected", "RoundTiming",
-    "SendHello", "SendPart", "SendResult",
+    "AGREE_S",
+    "EARLY_BUFFER_MODELS",
+    "EARLY_SLACK_BYTES",
+    "GATHER_S",
+    "REDUCE_S",
+    "Action",
+    "CatchUp",
+    "CombineShard",
+    "Finished",
+    "NeedShards",
+    "Outcome",
+    "OuterRound",
+    "Phase",
+    "Rejected",
+    "RoundTiming",
+    "SendHello",
+    "SendPart",
+    "SendResult",
 ]
 
 GATHER_S = 20.0  # a ready replica waits this long for the expected ones: stragglers of H inner steps
@@ -90,7 +123,8 @@ class OuterRound:
                  piece_elements: int | None = None) -> None:
         if not is_peer_id(me) or not all(is_peer_id(p) for p in expected):
             raise ValueError("me and every expected peer must be valid peer ids")
-        if not (0 <= stage < MAX_STAGES and 0 <= round <= MAX_ROUND and 1 <= numel <= MAX_STAGE_NUMEL and codec in CODECS):
+        if not (0 <= stage < MAX_STAGES and 0 <= round <= MAX_ROUND and 1 <= numel <= MAX_STAGE_NUMEL
+                and codec in CODECS):
             raise ValueError(f"invalid round: stage {stage}, round {round}, numel {numel}, codec {codec!r}")
         self.me, self.stage, self.round, self.numel, self.codec = me, stage, round, numel, codec
         self.expected = frozenset(expected) - {me}

@@ -55,7 +55,7 @@ class DilocoService:
 
     def __init__(self, *, settings: DilocoSettings, spec, stage: int, me: str, pool, stage_map,
                  snapshot_dir: Path | None = None, run=None, backups=None, serve_snapshots=None,
-                 tunables: Tunables = Tunables()) -> None:  # noqa: B008 (frozen)
+                 tunables: Tunables = Tunables()) -> None:
         self.settings, self.spec, self.stage, self.me = settings, spec, stage, me
         self.run_id = run.run_bytes if run is not None else UNNAMED_RUN_BYTES  # in every Hello and snapshot.get
         self._other_runs: set[str] = set()  # replicas of another run, logged once each

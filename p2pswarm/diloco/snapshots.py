@@ -145,13 +145,13 @@ class SnapshotServer:
             if not self._versions or now - self._versions[-1].made_at > FRESH_S:
                 snapshot = await self._make()
                 await trio.to_thread.run_sync(lambda: snapshot.digest)  # hashed once, off the loop
-                self._versions = (self._versions + [snapshot])[-KEEP_VERSIONS:]
+                self._versions = [*self._versions, snapshot][-KEEP_VERSIONS:]
             return self._versions[-1]
 
     def add_agreed(self, snapshot: Snapshot) -> None:
         """Serve ``snapshot`` (our stage's agreed backup, its digest computed) by digest from now on."""
         if all(kept.digest != snapshot.digest for kept in self._agreed):
-            self._agreed = (self._agreed + [snapshot])[-KEEP_AGREED:]
+            self._agreed = [*self._agreed, snapshot][-KEEP_AGREED:]
 
     async def on_frame(self, peer: str, message, payload: bytes):
         if not isinstance(message, Get):

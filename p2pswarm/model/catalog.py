@@ -19,7 +19,6 @@ model long before any weights exist.
 from __future__ import annotations
 
 import dataclasses
-
 import random
 from dataclasses import dataclass
 
@@ -383,7 +382,8 @@ def format_tier_table() -> str:
     for row in tier_table():
         seq = MODELS[row.model].context
         lines.append(f"| {row.model} | {_count(row.params)} | {row.n_layers} | {row.stages} x {row.stage_size} "
-                     f"| {row.rows} x {seq} | {_count(row.params_per_stage)} | {row.memory / GB:.2f} | {row.memory_bpe / GB:.2f} "
+                     f"| {row.rows} x {seq} | {_count(row.params_per_stage)} | {row.memory / GB:.2f} "
+                     f"| {row.memory_bpe / GB:.2f} "
                      f"| {row.activation_bf16 / 2**20:.1f} / {row.activation_fp32 / 2**20:.1f} MiB |")
     return "\n".join(lines)
 

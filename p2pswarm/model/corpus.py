@@ -22,6 +22,7 @@ Pure and torch-free: it yields bytes (or token arrays); the compute engine turns
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 import os
 import random
@@ -361,7 +362,7 @@ def bigram_entropy(chunks: Iterable[bytes]) -> float:
             continue
         if prev is not None:
             pairs[prev << 8 | chunk[0]] += 1
-        pairs.update(a << 8 | b for a, b in zip(chunk, chunk[1:]))
+        pairs.update(a << 8 | b for a, b in itertools.pairwise(chunk))
         prev = chunk[-1]
     firsts: Counter[int] = Counter()
     for key, n in pairs.items():

@@ -12,6 +12,7 @@ Importable without torch: it only renames keys.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
@@ -62,7 +63,7 @@ def hf_state_dict(stages: Sequence[_Stage]) -> dict[str, Any]:
     """The weights of a whole model, stages 0..S-1 in order, under HF's names (tensors not copied)."""
     if not stages or not stages[0].is_first or not stages[-1].is_last:
         raise LocalProtocolError("an HF state dict needs every stage, from the first to the last")
-    for before, after in zip(stages, stages[1:]):
+    for before, after in itertools.pairwise(stages):
         if after.start != before.end:
             raise LocalProtocolError(f"stages do not chain: layers {before.start}:{before.end} then "
                                      f"{after.start}:{after.end}")

@@ -205,7 +205,8 @@ def _expected_manifest(corpus: Corpus, tokenizer) -> dict:
         except OSError:
             mtime = 0
         files[seg.file.rel] = [seg.file.rel, seg.file.size, mtime]
-    return {"version": MANIFEST_VERSION, "tokenizer": tokenizer.sha256, "vocab": tokenizer.vocab_size, "dtype": _dtype(tokenizer.vocab_size), "source": corpus.name,
+    return {"version": MANIFEST_VERSION, "tokenizer": tokenizer.sha256, "vocab": tokenizer.vocab_size,
+            "dtype": _dtype(tokenizer.vocab_size), "source": corpus.name,
             "heldout_permille": HELDOUT_PERMILLE, "files": sorted(files.values()),
             "train_segments": _segments_doc(corpus.train), "heldout_segments": _segments_doc(corpus.heldout)}
 

@@ -105,7 +105,7 @@ class FileTokenizer:
             raise ConfigError(f"tokenizer {path}: cannot read it ({exc.strerror})") from None
         try:
             hf = HFTokenizer.from_str(data.decode("utf-8"))
-        except Exception as exc:  # noqa: BLE001 — tokenizers raises plain Exception for bad files
+        except Exception as exc:
             first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             raise ConfigError(f"tokenizer {path}: not a valid tokenizer.json ({first})") from None
         vocab = hf.get_vocab_size(with_added_tokens=True)

@@ -43,7 +43,8 @@ DIAL_BACK_TIMEOUT = 5.0  # a SYN dropped by a NAT is only ever seen as a timeout
 REQUEST_TIMEOUT = DIAL_BACK_TIMEOUT + 5.0  # the client waits for the dial-back plus two exchanges
 PER_PEER_RATE, PER_PEER_BURST = 1 / 30, 2  # a client re-checks every minute or so; allow a retry
 GLOBAL_RATE, GLOBAL_BURST = 1.0, 10  # dial-backs per second a server spends on everyone together
-DIALER_LISTEN = "/ip4/127.0.0.1/tcp/0"  # the dialer only dials out; it listens on loopback because it must listen somewhere
+# the dialer only dials out; it listens on loopback because it must listen somewhere
+DIALER_LISTEN = "/ip4/127.0.0.1/tcp/0"
 MAX_REQUEST_ADDRS = 16  # a peer has a few listen addresses; more is padding or an attack
 
 STATUS_OK, STATUS_DIAL_ERROR, STATUS_REFUSED, STATUS_RATE_LIMITED = "ok", "dial-error", "refused", "rate-limited"

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from p2pswarm.nat.reachability import Reachability
 
 
-
 class Role(enum.Enum):
     BOOTSTRAP = "bootstrap"  # a public DHT server that serves no layers
     JOIN = "join"  # a peer that serves a layer range

@@ -102,7 +102,7 @@ class RelayPicker:
     def next_wakeup(self, now: float) -> float:
         """Seconds until something is due (a refresh), at most TICK."""
         due = [h.refresh_at() - now for h in self.held.values()]
-        return max(0.0, min([TICK] + due))
+        return max(0.0, min([TICK, *due]))
 
     def circuit_addrs(self) -> list[str]:
         addrs = []

@@ -26,9 +26,11 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-MAX_INBOUND_STREAMS = 4096  # node-wide: what py-libp2p held before (HostLimits.max_streams); go-libp2p's system limit is of this order
-MAX_INBOUND_PER_PEER = 256  # go-libp2p's default PeerBaseLimit.StreamsInbound; 16 such peers are needed to fill the node
-MAX_INBOUND_PER_PEER_PROTOCOL = 32  # "a few dozen": go-libp2p's ProtocolPeerBaseLimit is 64; our protocols use one or a few streams a peer
+MAX_INBOUND_STREAMS = 4096  # node-wide: what py-libp2p held before (HostLimits.max_streams);
+# go-libp2p's system limit is of this order
+MAX_INBOUND_PER_PEER = 256  # go-libp2p's default PeerBaseLimit.StreamsInbound; 16 such peers fill the node
+MAX_INBOUND_PER_PEER_PROTOCOL = 32  # "a few dozen": go-libp2p's ProtocolPeerBaseLimit is 64;
+# our protocols use one or a few streams a peer
 NEGOTIATION_TIMEOUT = 10.0  # go-libp2p's negotiation timeout; an honest peer negotiates in ~10 ms
 DEFAULT_IDLE_TIMEOUT = 120.0  # a peer silent this long while we wait on it is gone; the count limits bound it anyway
 

@@ -26,7 +26,7 @@ import functools
 import logging
 import math
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol, Union
+from typing import Any, Protocol
 
 import trio
 
@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 BUDGET_WAIT = 2.0  # a slowed peer's frame waits at most this: well under Yamux's 5 s zero-window reset (defect 2)
 
-Reply = Union[wire.Message, tuple[wire.Message, bytes], None]
+Reply = wire.Message | tuple[wire.Message, bytes] | None
 Handler = Callable[[str, wire.Message, bytes], Awaitable[Reply]]
 
 

@@ -40,9 +40,10 @@ command-line flags: they need not match.
 canonical JSON of the resolved values (the tokenizer by its sha256, not its path), not the file's
 text, so key order, comments and spelling (``3e-3`` or ``0.003``) do not change it, and any value
 that does changes it. It also hashes the model's dimensions as the catalog resolves them, so two
-versions of p2pswarm that build a catalog name differently never mix. The name is not part of it: the identity decides who trains together. It is
-part of every stage key and record and travels in activation, DiLoCo and snapshot requests
-(``run_bytes``: its 8 bytes), so peers of different runs never exchange a tensor.
+versions of p2pswarm that build a catalog name differently never mix. The name is not part of it:
+the identity decides who trains together. It is part of every stage key and record and travels in
+activation, DiLoCo and snapshot requests (``run_bytes``: its 8 bytes), so peers of different runs
+never exchange a tensor.
 
 Pure: no torch, no trio (the CLI loads runs before anything starts).
 """

@@ -26,9 +26,9 @@ from typing import Any
 import torch
 
 from p2pswarm import wire
-from p2pswarm.run.spec import DEFAULT_DTYPE
 from p2pswarm.errors import LocalProtocolError, RemoteProtocolError
 from p2pswarm.model.catalog import BYTE_VOCAB
+from p2pswarm.run.spec import DEFAULT_DTYPE
 from p2pswarm.swarm import engine as eng
 from p2pswarm.swarm.activation import (
     UNNAMED_RUN,

@@ -51,9 +51,9 @@ from torch.func import functional_call
 from p2pswarm.errors import ConfigError
 from p2pswarm.model.catalog import ModelSpec
 from p2pswarm.model.transformer import build_stage
-from p2pswarm.swarm.activation import NO_ROUND
 from p2pswarm.run.placement import Placement
 from p2pswarm.run.training import TrainConfig
+from p2pswarm.swarm.activation import NO_ROUND
 from p2pswarm.swarm.schedule import lr_at
 from p2pswarm.swarm.staging import Staging
 from p2pswarm.swarm.versions import WeightVersions
@@ -70,7 +70,8 @@ class Work:
     tensor: torch.Tensor  # token ids on stage 0, else hidden states (forward) or output gradients (backward)
     targets: torch.Tensor | None  # int64 [batch, seq] on the way to the last stage; None on a backward
     step: int = 0  # the sender's step; on an evaluation, the round
-    rounds: tuple[int, ...] = ()  # on an evaluation: the outer round each stage before us evaluated (activation.Forward)
+    # on an evaluation: the outer round each stage before us evaluated (activation.Forward)
+    rounds: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

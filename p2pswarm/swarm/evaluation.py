@@ -5,10 +5,10 @@ bytes on every peer) through the swarm as a round of inference-priority micro-ba
 is the round's number, the session is the sender's. Only the last stage computes a loss, so it
 is the last stage that adds each micro-batch's summed loss into its round and publishes the
 latest complete round in bits per byte (and bits per token: the same with the byte tokenizer;
-with another, ``bits_per_byte`` divides by the bytes of text the target tokens stand for). A round is complete when ``expected`` micro-batches
-arrived, or when a later round of the same session starts (a round cut short by a lost
-micro-batch still counts, over the bytes that arrived). A straggler of a round already closed
-(late or duplicated) is ignored.
+with another, ``bits_per_byte`` divides by the bytes of text the target tokens stand for). A round
+is complete when ``expected`` micro-batches arrived, or when a later round of the same session
+starts (a round cut short by a lost micro-batch still counts, over the bytes that arrived). A
+straggler of a round already closed (late or duplicated) is ignored.
 
 With DiLoCo, a round evaluates the *agreed* weights of one outer round at every stage (the same
 bit-equal weights on every replica of a stage), and its micro-batches say which round each stage

@@ -37,10 +37,10 @@ from dataclasses import dataclass, field
 import trio
 
 from p2pswarm import wire
-from p2pswarm.swarm.completions import CompletionChunk, CompletionRequest
 from p2pswarm.errors import ConfigError, DialError, NoCandidates, Overloaded, P2PSwarmError, RemoteProtocolError
 from p2pswarm.net.budget import frame_deadline
 from p2pswarm.swarm.activation import NO_ROUND, SESSION_BYTES, UNNAMED_RUN
+from p2pswarm.swarm.completions import CompletionChunk, CompletionRequest
 from p2pswarm.swarm.inference import IDS_DTYPE, PROTOCOL_ID, InferClose, InferOut, InferStep, max_step_bytes
 
 log = logging.getLogger(__name__)
@@ -174,7 +174,8 @@ class SwarmCompleter:
         """The reply's part for the new positions: hidden states of the last n of ``count``, or the logits."""
         if len(reply.shape) == 2:  # the last stage's logits [1, vocab]
             if reply.dtype != "float32" or reply.shape[1] != self.spec.vocab:
-                raise RemoteProtocolError(f"logits of {reply.dtype} {reply.shape} for a vocabulary of {self.spec.vocab}")
+                raise RemoteProtocolError(f"logits of {reply.dtype} {reply.shape} for a vocabulary of "
+                                          f"{self.spec.vocab}")
             return payload
         if reply.shape[:2] != (1, count) or reply.shape[2] != self.spec.width:
             raise RemoteProtocolError(f"hidden states of shape {reply.shape} for {count} positions")

@@ -22,7 +22,8 @@ from dataclasses import dataclass, replace
 
 Key = tuple[bytes, int]  # (session, micro-batch id)
 
-IN_FLIGHT_DEADLINE = 30.0  # seconds a micro-batch may wait for its gradient: a stage's compute on a loaded machine, twice
+# seconds a micro-batch may wait for its gradient: a stage's compute on a loaded machine, twice
+IN_FLIGHT_DEADLINE = 30.0
 IN_FLIGHT_CAPACITY = 256  # entries at most: a stage's inbound buffer (64) several times over
 RECENT_KEYS = 4096  # micro-batches a receiver remembers taking: minutes of work, far beyond any re-send
 

@@ -19,8 +19,9 @@ from our side only (what a peer claims never enters it):
   [WINDOW_MIN, WINDOW_MAX]. An ack that took over QUEUE_FACTOR times what the fastest rate seen
   on this link explains (plus QUEUE_ALLOWANCE) means our own frames wait in a queue on the way
   (a full uplink buffer): the window then shrinks by one frame per window instead of growing,
-  so a slow line is kept full but not queued behind seconds of our own data (as TCP Vegas). A sender takes a slot before it writes and gives it back on the
-  answer; stage 0 cuts a micro-batch only when some next-stage peer has room.
+  so a slow line is kept full but not queued behind seconds of our own data (as TCP Vegas). A sender
+  takes a slot before it writes and gives it back on the answer; stage 0 cuts a micro-batch only
+  when some next-stage peer has room.
 
 A liar cannot game this: acking what it never read makes its samples look like a fast link,
 which only sends it frames whose gradients then never come (``inflight`` gives those up and the

@@ -34,8 +34,8 @@ big for one frame) is a *local* error: it is found before any peer is tried, log
 once with its sizes, and the micro-batch is lost; no peer is failed or backed off for it.
 
 A gradient has exactly one destination, the peer that holds the micro-batch's graph, so it is
-retried on ``Busy`` and on a timeout (the receiver drops a duplicate) and lost on an error. Every loss is reported (``on_lost``) and counted; none
-raises out of here. Imports neither torch nor the model.
+retried on ``Busy`` and on a timeout (the receiver drops a duplicate) and lost on an error. Every
+loss is reported (``on_lost``) and counted; none raises out of here. Imports neither torch nor the model.
 """
 
 from __future__ import annotations
@@ -241,7 +241,8 @@ class Deliverer:
         except Exception as exc:  # whatever a peer or its connection does, it is that peer's failure
             error = first_error(exc)
             expected = isinstance(error, (P2PSwarmError, OSError, trio.BrokenResourceError, trio.ClosedResourceError))
-            log.log(logging.DEBUG if expected else logging.WARNING, "%s to %s failed: %r", send.message.TYPE, peer, error)
+            log.log(logging.DEBUG if expected else logging.WARNING, "%s to %s failed: %r", send.message.TYPE, peer,
+                    error)
             return Reply(None, Failure.ERROR, trio.current_time() - started)
 
     def _ack_deadline(self, peer: str, size: int) -> float:
@@ -296,7 +297,8 @@ class Deliverer:
                                                "acked_as_duplicate", "circuit_full",
                                                "training_forwards_acked", "unsendable")},
                 "ack_ms_p50": percentile(self.ack_ms, 0.5), "ack_ms_p99": percentile(self.ack_ms, 0.99),
-                "failover_ms_p50": percentile(self.failover_ms, 0.5), "failover_ms_p99": percentile(self.failover_ms, 0.99),
+                "failover_ms_p50": percentile(self.failover_ms, 0.5),
+                "failover_ms_p99": percentile(self.failover_ms, 0.99),
                 "failovers_measured": len(self.failover_ms),
                 "failover_ms_recent": [round(x, 1) for x in self.failover_ms[-100:]]}
 

@@ -40,6 +40,8 @@ from p2pswarm.dht.health import BlockWatch
 from p2pswarm.errors import RemoteProtocolError
 from p2pswarm.model.catalog import ModelSpec
 from p2pswarm.model.tokenizer import ByteTokenizer
+from p2pswarm.run.placement import Placement
+from p2pswarm.run.training import TrainConfig
 from p2pswarm.run.tunables import Tunables
 from p2pswarm.swarm import admission, codec, losses, status
 from p2pswarm.swarm import engine as eng
@@ -53,8 +55,6 @@ from p2pswarm.swarm.activation import (
 )
 from p2pswarm.swarm.buffers import Priority
 from p2pswarm.swarm.compute_thread import ComputeThread, open_compute_thread
-from p2pswarm.run.placement import Placement
-from p2pswarm.run.training import TrainConfig
 from p2pswarm.swarm.evaluation import EvalBook
 from p2pswarm.swarm.feeding import Feeder
 from p2pswarm.swarm.inference import PROTOCOL_ID as INFER_PROTOCOL
@@ -95,7 +95,8 @@ class SwarmService:
         self.core = StageCore(is_first=self.is_first, is_last=self.is_last, max_in_flight=self.max_in_flight,
                               now=trio.current_time())
         core = self.core  # its parts, as the API, DiLoCo and tests read them:
-        self.inbound, self.outbound, self.ledger, self.inflight = core.inbound, core.outbound, core.ledger, core.inflight
+        self.inbound, self.outbound = core.inbound, core.outbound
+        self.ledger, self.inflight = core.ledger, core.inflight
         self.counts = core.counts
         self.bans = admission.Bans()
         self._banned = self.bans.until  # peer -> until when it is refused

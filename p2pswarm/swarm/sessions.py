@@ -110,7 +110,8 @@ class SessionTable:
             raise SessionOverloaded(f"{entry.length + n} positions take {need} bytes of KV cache, past the "
                                     f"session budget of {self.limits.session_bytes}")
         if self.used_bytes() + n * self.limits.bytes_per_token > self.limits.total_bytes:
-            raise SessionOverloaded(f"the KV caches of this replica's sessions would pass {self.limits.total_bytes} bytes")
+            raise SessionOverloaded(f"the KV caches of this replica's sessions would pass "
+                                    f"{self.limits.total_bytes} bytes")
         entry.pending, entry.last_used = n, now
         self.sessions[session] = entry
         return entry

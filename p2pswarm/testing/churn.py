@@ -11,7 +11,7 @@ handshake is timed: TCP, Noise, Yamux), does one piece of work over the control 
 from __future__ import annotations
 
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 
 import trio
@@ -97,7 +97,7 @@ async def run_churn(target_addr: str, count: int, *, parallel: int = 4, report_e
         errors: list[str] = []
         next_index = iter(range(size))
 
-        async def worker() -> None:
+        async def worker(next_index: Iterator[int], handshakes: list[float], errors: list[str]) -> None:
             for _ in next_index:
                 try:
                     handshakes.append(await one_lifetime(target_addr, work))
@@ -106,7 +106,7 @@ async def run_churn(target_addr: str, count: int, *, parallel: int = 4, report_e
 
         async with trio.open_nursery() as nursery:
             for _ in range(parallel):
-                nursery.start_soon(worker)
+                nursery.start_soon(worker, next_index, handshakes, errors)
         block = ChurnBlock(first, len(handshakes), len(errors), tuple(handshakes), tuple(errors[:3]))
         blocks.append(block)
         on_block(block)

@@ -17,8 +17,8 @@ Namespace names are ``p2l<pid><lab letters><role><index>``, unique per run, at m
 from __future__ import annotations
 
 import enum
-import json
 import itertools
+import json
 import os
 import shutil
 import signal
@@ -235,7 +235,7 @@ class NamespaceLab:
             timeout: float) -> subprocess.Popen:
         """Start ARGV in HOST, killed after TIMEOUT s; stdout is a text pipe, stderr goes to LOG_PATH."""
         command = self._argv(host, argv, timeout)
-        stderr = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115 - closed below
+        stderr = open(log_path, "w") if log_path else subprocess.DEVNULL
         try:
             process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, stdin=subprocess.DEVNULL,
                                        text=True)
@@ -274,7 +274,7 @@ class NamespaceLab:
         for name in reversed(self.namespaces):
             try:
                 kill_netns(name)
-            except Exception:  # noqa: BLE001, S110 - teardown goes on; the retry below deletes it
+            except Exception:
                 pass
         for process in self.processes:
             try:
@@ -291,7 +291,7 @@ class NamespaceLab:
                     break
                 for name in leftover:
                     kill_netns(name)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 time.sleep(0.2)
         self.namespaces.clear()
 

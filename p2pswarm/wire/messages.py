@@ -9,7 +9,6 @@ from __future__ import annotations
 from p2pswarm.errors import RemoteProtocolError
 from p2pswarm.wire.schema import DTYPE_SIZES, MAX_PAYLOAD_BYTES, MAX_TENSOR_DIMS, Message, message
 
-
 # --- tensors --------------------------------------------------------------------------
 
 

@@ -24,7 +24,9 @@ pytestmark = pytest.mark.timeout(240)
 READY_TIMEOUT = 110.0  # PRIVATE after ~20 s, then a reservation round; slower on a loaded 2-core machine
 MAP_TIMEOUT = 60.0  # a guard: records are re-announced every 5 s (six lab processes share two cores)
 NBYTES = 512 * 1024  # well inside the relay's per-circuit byte limit
-UPGRADE_WAIT = 30.0  # the API's most: the punch is retried after PUNCH_BACKOFF (10 s), so a first and a second attempt lost on a loaded machine get a third (one upgrade took 20 s in CI)
+# the API's most: the punch is retried after PUNCH_BACKOFF (10 s), so a first and a second attempt
+# lost on a loaded machine get a third (one upgrade took 20 s in CI)
+UPGRADE_WAIT = 30.0
 NO_UPGRADE_WAIT = 8.0  # to a symmetric NAT: a punch cannot work, the relayed path must stay (suite time: not 25 s)
 
 

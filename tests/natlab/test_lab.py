@@ -199,7 +199,8 @@ def run_namespaces(prefix: str) -> list[str]:
 def test_teardown_after_exception_leaves_nothing():
     """An exception inside the lab still kills its processes (even TERM-ignoring or foreign ones)
     and deletes every namespace; the exception itself propagates."""
-    ignore_term = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(60)"
+    ignore_term = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                   "print('up', flush=True); time.sleep(60)")
     with pytest.raises(RuntimeError, match="boom"), NatLab() as lab:
         host, home = lab.public_host("a"), lab.nat_host("home", NatKind.SYMMETRIC)
         stubborn = lab.run(home, [sys.executable, "-c", ignore_term], timeout=PROC_TIMEOUT)

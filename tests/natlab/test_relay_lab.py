@@ -53,7 +53,7 @@ def test_natted_joins_reserve_on_the_relay_and_advertise_circuit_addresses(lab, 
     print(f"PRIVATE after {private_at}, circuit address after {circuit_at} (s since start)")
     assert set(circuit_at) == set(names), (current, logs)
     relay_id = relay_addr.rsplit("/p2p/", 1)[1]
-    for name, doc in current.items():
+    for doc in current.values():
         expected = f"{relay_addr}/p2p-circuit/p2p/{doc['peer_id']}"
         assert doc["reachability"] == "private" and doc["circuit_addrs"] == [expected], doc
         assert expected in doc["addrs"]
