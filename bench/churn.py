@@ -33,10 +33,10 @@ import trio
 from common import machine_line, print_table, quiet_logs, ratio, stop_server
 
 from p2pswarm import wire
+from p2pswarm.allocator import ALLOCATOR_ENV
 from p2pswarm.identity import generate_identity
 from p2pswarm.net.control import CONTROL_PROTOCOL, ControlService
 from p2pswarm.net.host import connect, open_host, peer_info_from_multiaddr
-from p2pswarm.node.memory import ALLOCATOR_ENV
 from p2pswarm.testing.churn import LOOPBACK, ChurnBlock, ProcessUsage, run_churn
 
 FLOOD_PEERS = 17  # the probe's attackers

@@ -1,5 +1,22 @@
-"""``python -m p2pswarm`` runs the command line."""
+"""``python -m p2pswarm`` and the ``p2pswarm`` command: the command line.
 
-from p2pswarm.cli import main
+A node command first re-executes itself with glibc's malloc (``allocator``), before the package's
+imports, so that its start pays for them once.
+"""
 
-raise SystemExit(main())
+from __future__ import annotations
+
+import sys
+
+from p2pswarm.allocator import use_system_malloc
+
+
+def run() -> int:
+    use_system_malloc(sys.argv[1:])  # returns at once but for a node command that needs the re-exec
+    from p2pswarm.cli import main  # lazy: after the re-exec, so that libp2p and torch are imported once
+
+    return main()
+
+
+if __name__ == "__main__":
+    raise SystemExit(run())

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import pytest
 
+from p2pswarm import allocator
 from p2pswarm.node import memory
 from tests.procs import Swarm
 
-pytestmark = pytest.mark.skipif(memory._libc() is None, reason="needs Linux with glibc (malloc_trim)")
+pytestmark = pytest.mark.skipif(allocator.libc() is None, reason="needs Linux with glibc (malloc_trim)")
 
 
 def environment_of(pid: int) -> dict[str, str]:
@@ -25,11 +26,11 @@ def started(swarm: Swarm, env: dict | None = None) -> int:
 
 
 def test_a_node_runs_with_the_system_allocator(tmp_path, monkeypatch):
-    monkeypatch.delenv(memory.ALLOCATOR_ENV, raising=False)
+    monkeypatch.delenv(allocator.ALLOCATOR_ENV, raising=False)
     swarm = Swarm(tmp_path)
     try:
         pid = started(swarm)
-        assert environment_of(pid)[memory.ALLOCATOR_ENV] == memory.SYSTEM_ALLOCATOR  # same pid: execve
+        assert environment_of(pid)[allocator.ALLOCATOR_ENV] == allocator.SYSTEM_ALLOCATOR  # same pid: execve
     finally:
         swarm.close()
 
@@ -37,8 +38,8 @@ def test_a_node_runs_with_the_system_allocator(tmp_path, monkeypatch):
 def test_the_operators_allocator_is_kept(tmp_path):
     swarm = Swarm(tmp_path)
     try:
-        pid = started(swarm, env={memory.ALLOCATOR_ENV: "pymalloc"})
-        assert environment_of(pid)[memory.ALLOCATOR_ENV] == "pymalloc"
+        pid = started(swarm, env={allocator.ALLOCATOR_ENV: "pymalloc"})
+        assert environment_of(pid)[allocator.ALLOCATOR_ENV] == "pymalloc"
     finally:
         swarm.close()
 

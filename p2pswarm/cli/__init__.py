@@ -27,7 +27,6 @@ from p2pswarm.model.catalog import MODELS
 from p2pswarm.model.tokenizer import cmd_train
 from p2pswarm.node import run_node
 from p2pswarm.node.config import NodeConfig
-from p2pswarm.node.memory import use_system_malloc
 from p2pswarm.run.spec import format_run, format_runs_table, load_run, packaged_runs
 
 __all__ = ["build_parser", "config_from_args", "format_diloco", "format_status", "format_swarm", "main"]
@@ -93,8 +92,6 @@ def main(argv: list[str] | None = None) -> int:
                             inner_steps=args.inner_steps, run=args.run, summary=args.summary,
                             rounds=args.rounds, tune=tuple(args.tune))
         config = config_from_args(args)
-        if argv is None:  # run as the program (not called from Python): memory that comes back
-            use_system_malloc(sys.argv[1:])
         quiet_libp2p(args.log_level)
         trio.run(_run_until_signalled, config)
         return 0

@@ -1,0 +1,57 @@
+"""Which allocator a node process runs with: glibc's malloc, chosen by re-executing at start.
+
+A node's Python objects live in glibc's malloc (``PYTHONMALLOC=malloc``), which can give back any
+free page (``node/memory.py`` says why and trims). The variable must be set before the interpreter
+starts, so a node command re-executes itself, unless the operator chose an allocator or there is no
+glibc. ``python -m p2pswarm`` and the ``p2pswarm`` command do it first thing, before the package's
+imports (libp2p, torch): a node's start pays for them once, not twice.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import os
+import sys
+
+ALLOCATOR_ENV = "PYTHONMALLOC"
+SYSTEM_ALLOCATOR = "malloc"
+NODE_COMMANDS = frozenset({"bootstrap", "relay", "join"})  # the commands that run a node (and may run for months)
+_GLOBAL_OPTIONS_WITH_VALUE = frozenset({"--log-level", "--log-format"})  # options before the command
+
+
+def command_of(argv: list[str]) -> str | None:
+    """The subcommand of a ``p2pswarm`` command line (``argv`` without the program), or None."""
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in _GLOBAL_OPTIONS_WITH_VALUE:
+            skip = True
+        elif not arg.startswith("-"):
+            return arg
+    return None
+
+
+def use_system_malloc(argv: list[str]) -> None:
+    """Re-execute ``python -m p2pswarm argv`` with Python objects in glibc's malloc when ``argv`` is a
+    node command; returns when that is not needed or not possible (another command, the variable is
+    set already, no glibc)."""
+    if command_of(argv) not in NODE_COMMANDS or os.environ.get(ALLOCATOR_ENV) or libc() is None:
+        return
+    environment = {**os.environ, ALLOCATOR_ENV: SYSTEM_ALLOCATOR}
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "p2pswarm", *argv], environment)
+
+
+@functools.cache
+def libc() -> ctypes.CDLL | None:
+    """glibc, or None (musl, macOS, Windows: no malloc_trim)."""
+    name = ctypes.util.find_library("c") if sys.platform.startswith("linux") else None
+    try:
+        found = ctypes.CDLL(name) if name else None
+    except OSError:
+        return None
+    return found if found is not None and hasattr(found, "malloc_trim") else None
