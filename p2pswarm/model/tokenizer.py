@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from p2pswarm.errors import ConfigError
+from p2pswarm.model.corpus import data_corpus, read_segments
 
 log = logging.getLogger(__name__)
 
@@ -191,8 +192,6 @@ def train_bpe(data: str | os.PathLike[str], vocab: int, out: str | os.PathLike[s
     """Train a byte-level BPE tokenizer on ``data``'s training part and write it to ``out`` atomically."""
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models, pre_tokenizers, trainers
-
-    from p2pswarm.model.corpus import data_corpus, read_segments
 
     check_vocab(vocab)
     out = Path(out).expanduser()

@@ -65,6 +65,7 @@ from p2pswarm.errors import ConfigError
 from p2pswarm.model.catalog import ModelSpec, get_model
 from p2pswarm.model.tokenizer import FileTokenizer, load_tokenizer
 from p2pswarm.run import diloco as dls
+from p2pswarm.run import plan
 
 DEFAULT_RUN = "tiny-lm"  # what ``join`` trains without --run: today's demo behaviour
 RUN_FORMAT = 1  # part of the canonical form: a change of meaning changes every identity
@@ -330,10 +331,6 @@ def _problem(run: RunSpec, model: ModelSpec) -> tuple[str, str] | None:
 
 def _plan_problem(run: RunSpec, model: ModelSpec) -> tuple[str, str] | None:
     """Whether a micro-batch's activation message fits a frame (``model.plan`` when present)."""
-    try:
-        from p2pswarm.run import plan
-    except ImportError:
-        return None
     check = getattr(plan, "activation_problem", None)
     problem = check(dataclasses.replace(model, vocab=run.vocab), run.rows, run.context, run.dtype) if check else None
     return ("batch.rows", problem) if problem else None

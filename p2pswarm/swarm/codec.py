@@ -28,6 +28,7 @@ import torch
 from p2pswarm import wire
 from p2pswarm.errors import LocalProtocolError, RemoteProtocolError
 from p2pswarm.model.catalog import BYTE_VOCAB
+from p2pswarm.run import plan
 from p2pswarm.run.spec import DEFAULT_DTYPE
 from p2pswarm.swarm import engine as eng
 from p2pswarm.swarm.activation import (
@@ -128,10 +129,6 @@ def targets_to_bytes(targets: torch.Tensor, vocab: int = BYTE_VOCAB) -> bytes:
 def max_payload(spec, dtype: str) -> int:
     """The largest micro-batch a peer may send us: MAX_ROWS x context in the run's activation dtype
     with its targets, within one frame (``run.plan``)."""
-    from p2pswarm.run import (
-        plan,  # sizes only (pure): imported here, where the bound is made
-    )
-
     return plan.max_message_bytes(spec, MAX_ROWS, spec.context, dtype)
 
 

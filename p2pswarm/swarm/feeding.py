@@ -26,6 +26,7 @@ import trio
 from p2pswarm.errors import ConfigError
 from p2pswarm.model import corpus as corpora
 from p2pswarm.model import token_shards
+from p2pswarm.run import plan
 from p2pswarm.swarm import engine as eng
 from p2pswarm.swarm.activation import NO_ROUND, SESSION_BYTES
 from p2pswarm.swarm.buffers import Priority
@@ -147,7 +148,5 @@ class Feeder:
 
     def _eval_rows(self, seq: int) -> int:
         """Rows per held-out micro-batch: EVAL_ROWS, or fewer where those would not fit one frame."""
-        from p2pswarm.run import plan
-
         svc = self.service
         return plan.fitting_rows(svc.spec, EVAL_ROWS, seq, svc.config.activation_dtype)

@@ -134,7 +134,7 @@ class InferenceServer:
     """Answers inference steps for our stage with the engine's agreed weights (module docstring)."""
 
     def __init__(self, service, limits: Limits | None = None) -> None:
-        from p2pswarm.model.transformer import kv_bytes
+        from p2pswarm.model.transformer import kv_bytes  # lazy: torch, loaded on a node's first session
 
         self.service, self.spec, self.stage = service, service.spec, service.stage
         self.wire_dtype = service.config.activation_dtype
@@ -207,8 +207,8 @@ class InferenceServer:
         import torch
         from torch.func import functional_call
 
-        from p2pswarm.model.transformer import KVCache
-        from p2pswarm.swarm import codec
+        from p2pswarm.model.transformer import KVCache  # lazy: torch, loaded on a node's first session
+        from p2pswarm.swarm import codec  # lazy: torch
 
         engine = self.service.engine
         wanted = entry.round if entry.round is not None else message.round
@@ -233,8 +233,8 @@ class InferenceServer:
         import torch
         from torch.func import functional_call
 
-        from p2pswarm.model.transformer import KVCache
-        from p2pswarm.swarm import codec
+        from p2pswarm.model.transformer import KVCache  # lazy: torch, loaded on a node's first session
+        from p2pswarm.swarm import codec  # lazy: torch
 
         engine, held = self.service.engine, dict(self.service.engine._agreed)
         if entry.round is not None and entry.round not in held:
@@ -258,7 +258,7 @@ class InferenceServer:
         for the call: on the engine's module, concurrent with a training forward, each would see
         the other's."""
         if self._module is None:
-            from p2pswarm.model.transformer import StageModule
+            from p2pswarm.model.transformer import StageModule  # lazy: torch
 
             self._module = StageModule(self.spec, self.stage).to(engine.device)
         return self._module
