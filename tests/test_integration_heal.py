@@ -12,7 +12,7 @@ other move follows during a settle window.
 The loss compared is the last stage's training loss (an EMA over ~20 micro-batches): the corpus is
 streamed once, so each micro-batch is text the model has not seen, a held-out figure in effect.
 The held-out rounds themselves are too rare for a short test on a loaded machine: a round that
-takes t seconds waits 9 t before the next (``swarm.service.EVAL_SHARE``), minutes here. Every
+takes t seconds waits 9 t before the next (``run.tunables.EVAL_SHARE``), minutes here. Every
 deadline is a guard against a hang only; the recovery time is printed, never asserted (bench/heal.py
 measures it).
 """

@@ -29,7 +29,7 @@ from p2pswarm import wire
 from p2pswarm.errors import LocalProtocolError, RemoteProtocolError
 from p2pswarm.model.catalog import BYTE_VOCAB
 from p2pswarm.run import plan
-from p2pswarm.run.spec import DEFAULT_DTYPE
+from p2pswarm.run.spec import DEFAULT_DTYPE, MAX_ROWS  # rows a peer may send us in one micro-batch
 from p2pswarm.swarm import engine as eng
 from p2pswarm.swarm.activation import (
     UNNAMED_RUN,
@@ -40,7 +40,6 @@ from p2pswarm.swarm.activation import (
 from p2pswarm.swarm.buffers import Priority
 from p2pswarm.swarm.stage_core import Job, Send
 
-MAX_ROWS = 256  # rows a peer may send us in one micro-batch
 _TARGET_DTYPES = {1: "u1", 2: "<u2", 4: "<i4"}  # target bytes per token -> its little-endian numpy dtype
 
 

@@ -28,7 +28,7 @@ from p2pswarm.testing.natlab import NatKind, NatLab
 
 MODEL = "tiny-lm/2"
 REPLICAS = 2  # per stage: 2 x 2 peers, as in the demo
-FLOAT32_BYTES = 4  # activations and gradients travel as float32 (swarm.engine.ACTIVATION_DTYPE)
+FLOAT32_BYTES = 4  # activations and gradients travel as float32 (the default run's dtype, run.spec.DEFAULT_DTYPE)
 WIRE_OVERHEAD = 1514 / 1448  # Ethernet + IP + TCP (timestamps) headers per full segment, what tbf counts
 TRAIN_TIMEOUT = 180.0  # seconds from start-up until stage-0 tokens move (torch imports on 2 cores)
 RELAY_TIMEOUT = 120.0  # PRIVATE verdict (~25 s) and a reservation round
