@@ -4,16 +4,20 @@ A node's Python objects live in glibc's malloc (``PYTHONMALLOC=malloc``), which 
 free page (``node/memory.py`` says why and trims). The variable must be set before the interpreter
 starts, so a node command re-executes itself, unless the operator chose an allocator or there is no
 glibc. ``python -m p2pswarm`` and the ``p2pswarm`` command do it first thing, before the package's
-imports (libp2p, torch): a node's start pays for them once, not twice.
+imports (libp2p, torch): a node's start pays for them once, not twice. A node that has shut
+down cleanly leaves without the interpreter's finalization (``exit_at_once``).
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import ctypes.util
 import functools
 import os
 import sys
+import threading
+from typing import NoReturn
 
 ALLOCATOR_ENV = "PYTHONMALLOC"
 SYSTEM_ALLOCATOR = "malloc"
@@ -55,3 +59,25 @@ def libc() -> ctypes.CDLL | None:
     except OSError:
         return None
     return found if found is not None and hasattr(found, "malloc_trim") else None
+
+
+def exit_at_once(code: int) -> NoReturn:
+    """End a node process that has shut down cleanly, without the interpreter's finalization.
+
+    By now the node's host is closed and its files are written. What finalization would still do
+    is free each of the ~400,000 objects torch and libp2p create at import, one ``free`` at a time
+    in glibc's malloc: 2.5-3 s on a 2-core machine (measured), paid by every Ctrl-C and by every
+    test that stops a node. The OS takes the memory back at once. Before leaving, the exit
+    handlers run (logging's flush among them) and any non-daemon thread is waited for, as a
+    normal exit would.
+    """
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing more can reach it
+            pass
+    os._exit(code)
