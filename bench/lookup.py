@@ -40,8 +40,8 @@ from common import (
 
 from p2pswarm.dht.discovery import ANNOUNCE_PERIOD, RECORD_TTL, STAGE_MAP_PERIOD
 from p2pswarm.model.catalog import get_model
-from p2pswarm.node import run_node
 from p2pswarm.node.config import NodeConfig, Role
+from p2pswarm.node.running import run_node
 from p2pswarm.run.spec import default_run
 from p2pswarm.run.training import Training
 
@@ -114,7 +114,7 @@ def dilate_node_periods(factor: float) -> None:
     import p2pswarm.dht.candidates as candidates
     import p2pswarm.dht.records as records
     import p2pswarm.dht.stagemap as stagemap
-    import p2pswarm.node as node
+    import p2pswarm.node.running as node
 
     stagemap.ANNOUNCE_PERIOD *= factor
     stagemap.STAGE_MAP_PERIOD *= factor

@@ -198,8 +198,8 @@ def test_one_fast_replica_serves_a_stage_as_much_as_several_slow_ones():
 def test_a_peer_on_an_accelerator_announces_it():
     from p2pswarm.dht.records import FLAG_GPU
     from p2pswarm.identity import generate_identity
-    from p2pswarm.node import NodeState
     from p2pswarm.node.config import NodeConfig, Role
+    from p2pswarm.node.running import NodeState
     from p2pswarm.run.spec import default_run
     from p2pswarm.run.training import Training
 

@@ -13,8 +13,8 @@ from p2pswarm.dht.record_codec import sign_record
 from p2pswarm.dht.records import Capacity, StageRecord, stage_key
 from p2pswarm.dht.store import StoredRecord
 from p2pswarm.identity import generate_identity
-from p2pswarm.node import run_node
 from p2pswarm.node.config import DhtMode, NodeConfig, Role
+from p2pswarm.node.running import run_node
 from p2pswarm.run.spec import default_run
 
 LOOPBACK = ("/ip4/127.0.0.1/tcp/0",)

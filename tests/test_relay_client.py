@@ -214,8 +214,8 @@ async def _ping_through(dialer, circuit_addr: str, client_id) -> None:
 
 def test_node_reserves_only_while_private_and_shows_it_in_stats():
     from p2pswarm.nat.reachability import Reachability
-    from p2pswarm.node import run_node
     from p2pswarm.node.config import DhtMode, NodeConfig, Role
+    from p2pswarm.node.running import run_node
 
     async def main():
         async with trio.open_nursery() as nursery:

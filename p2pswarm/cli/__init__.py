@@ -25,7 +25,6 @@ from p2pswarm.logs import quiet_libp2p, setup_logging
 from p2pswarm.model import catalog
 from p2pswarm.model.catalog import MODELS
 from p2pswarm.model.tokenizer import cmd_train
-from p2pswarm.node import run_node
 from p2pswarm.node.config import NodeConfig
 from p2pswarm.run.spec import format_run, format_runs_table, load_run, packaged_runs
 
@@ -40,6 +39,9 @@ def _print_addrs(addrs: list[str]) -> None:
 
 
 async def _run_until_signalled(config: NodeConfig) -> None:
+    # lazy: the node's services import libp2p and torch (2 s here), which --help, keygen, status and
+    # every one-line error need not wait for
+    from p2pswarm.node.running import run_node
 
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
