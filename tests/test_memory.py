@@ -4,6 +4,9 @@ choice of allocator is kept."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from p2pswarm import allocator
@@ -63,3 +66,21 @@ def test_trim_gives_back_freed_memory_that_malloc_keeps():
 
 BLOCK = 64 * 1024  # below malloc's mmap threshold: from the heap
 HOLES = 1024  # 64 MiB of holes
+
+
+def test_exit_at_once_still_stops_worker_threads_runs_exit_handlers_and_keeps_the_code():
+    """A node leaves without finalization, but what a normal exit does first still happens: an
+    executor's idle workers are stopped (they are not daemons: a plain join would wait forever), the
+    log is flushed, and the exit code is the node's."""
+    code = (
+        "from concurrent.futures import ThreadPoolExecutor\n"
+        "import logging, sys\n"
+        "from p2pswarm.allocator import exit_at_once\n"
+        "ThreadPoolExecutor(2).submit(int, '7').result()\n"
+        "logging.basicConfig(stream=sys.stderr)\n"
+        "logging.getLogger('node').warning('the last line')\n"
+        "exit_at_once(3)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 3, result.stderr
+    assert result.stderr.strip().endswith("the last line"), result.stderr
