@@ -10,7 +10,7 @@ import pytest
 import trio
 from trio.testing import wait_all_tasks_blocked
 
-from p2pswarm.errors import DialError, StartupError
+from p2pswarm.errors import ConfigError, DialError, StartupError
 from p2pswarm.identity import generate_identity
 from p2pswarm.net import host as host_module
 from p2pswarm.net.guard import guard_stats, set_protocol_limits
@@ -317,3 +317,30 @@ def test_a_stream_that_never_negotiates_is_closed_at_its_deadline():
             await raw.reset()
 
     trio.run(main)
+
+
+PEER = "12D3KooWDNBaynwLzcwCmDKXNd7PjbJZbCJaUrWxtrAeAEd6D6Ge"
+
+
+@pytest.mark.parametrize("addr", [
+    f"/ip4/127.0.0.1/tcp/4001/p2p/{PEER}",
+    f"/dns4/example.com/tcp/4001/p2p/{PEER}",
+    "/ip4/1.2.3.4/tcp/1/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N",
+    "/ip4/127.0.0.1/tcp/4001",
+    f"/ip4/1.2.3.4/tcp/1/p2p/{PEER}/p2p-circuit",
+    "/ip4/1.2.3.4/tcp/1/p2p/12D3Koo",
+    "not a multiaddr",
+    "",
+])
+def test_the_command_lines_light_check_agrees_with_libp2ps_parse(addr):
+    """``check_peer_multiaddr`` (no libp2p import) accepts exactly what ``peer_info_from_multiaddr``
+    accepts, and refuses the rest with a ConfigError."""
+
+    def verdict(check) -> bool:
+        try:
+            check(addr)
+        except ConfigError:
+            return False
+        return True
+
+    assert verdict(host_module.check_peer_multiaddr) == verdict(host_module.peer_info_from_multiaddr)

@@ -11,7 +11,7 @@ from p2pswarm.model.catalog import parse_layers
 from p2pswarm.model.corpus import data_corpus
 from p2pswarm.nat.relay_service import RelayConfig, load_relay_config
 from p2pswarm.nat.stun import parse_stun_server
-from p2pswarm.net.host import peer_info_from_multiaddr
+from p2pswarm.net.host import check_peer_multiaddr
 from p2pswarm.node.config import (
     DEFAULT_BOOTSTRAP_LISTEN,
     DEFAULT_LISTEN,
@@ -46,7 +46,7 @@ def config_from_args(args: argparse.Namespace) -> NodeConfig:
     if args.max_connections < 1:
         raise ConfigError(f"--max-connections must be at least 1, not {args.max_connections}")
     for addr in args.bootstrap:
-        peer_info_from_multiaddr(addr)  # ConfigError unless it ends in /p2p/<peer id>: before torch is imported
+        check_peer_multiaddr(addr)  # ConfigError unless it ends in /p2p/<peer id>: before libp2p is imported
     default_listen = {Role.BOOTSTRAP: DEFAULT_BOOTSTRAP_LISTEN,
                       Role.RELAY: DEFAULT_RELAY_LISTEN}.get(role, DEFAULT_LISTEN)
     kwargs = dict(role=role, listen=tuple(args.listen or [default_listen]), bootstrap=tuple(args.bootstrap),
@@ -58,7 +58,7 @@ def config_from_args(args: argparse.Namespace) -> NodeConfig:
         run, diloco = _join_run(args)
         model = run.spec()
         for relay in args.relay:
-            peer_info_from_multiaddr(relay)  # ConfigError unless it ends in /p2p/<peer id>
+            check_peer_multiaddr(relay)  # ConfigError unless it ends in /p2p/<peer id>
         if args.threads is not None and args.threads < 1:
             raise ConfigError(f"--threads must be at least 1, not {args.threads}")
         if args.data is not None:
