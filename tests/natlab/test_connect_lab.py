@@ -73,7 +73,11 @@ def test_connection_matrix_direct_punched_and_relayed(lab, tmp_path):
     # connection was there 0.3 ms after the relayed one). The upgrade itself is asserted between
     # real hosts in tests/test_connect.py; here the pair must end direct (asserted above).
     assert stats["easy2"]["holepunch"]["punched"] >= 1, stats["easy2"]["holepunch"]
-    sym2 = stats["sym2"]["holepunch"]  # it tried (a failing punch takes ~20 s: three rounds) and never got through
-    assert sym2["punched"] == sym2["unilateral"] == 0 and sym2["failed"] + sym2["running"] >= 1, sym2
+    # sym2 tried to punch to sym1 (a failing punch takes ~20 s: three rounds) and never got through; the
+    # pair stayed relayed (asserted above). A unilateral upgrade is no punch: sym2 dials a public peer
+    # that reached it over the relay (pub, for its own DHT or DiLoCo traffic) directly, which a symmetric
+    # NAT allows (seen once: "hole punch to <pub>: unilateral after 0.23 s", before the pings began).
+    sym2 = stats["sym2"]["holepunch"]
+    assert sym2["punched"] == 0 and sym2["failed"] + sym2["running"] >= 1, sym2
     assert all(doc["holepunch"]["refused_second_initiator"] == 0 for doc in stats.values()), stats
     assert stats["pub"]["connect"]["relay"]["successes"] >= 1 and stats["pub"]["connect"]["holepunch"]["successes"] >= 1
