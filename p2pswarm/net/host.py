@@ -329,9 +329,9 @@ def peer_info_from_multiaddr(addr: str):
     """PeerInfo for a full multiaddr ending in /p2p/<peer id>; ConfigError if it has none."""
     from libp2p.peer.peerinfo import info_from_p2p_addr
 
-    parsed = parse_multiaddr(addr)
+    check_peer_multiaddr(addr)  # the one rule, and its one-line errors
     try:
-        return info_from_p2p_addr(parsed)
+        return info_from_p2p_addr(parse_multiaddr(addr))
     except Exception:
         raise ConfigError(f"multiaddr {addr} must end in /p2p/<peer id>") from None
 
