@@ -34,13 +34,12 @@ CONVERGE_DEADLINE = 120.0  # seconds, a guard: converging takes 2-8 s on a quiet
 #                           six training peers on two shared cores once took over 60 s (a full-suite failure)
 
 
-@dataclass
+@dataclass(frozen=True)
 class DiscoverySwarm:
-    swarm: Swarm
     nodes: list  # (process, api) of every join peer: the SERVED ones, the auto one, the DHT client
     auto_api: str
     client_api: str
-    expected: set  # (peer id, start, end) of every join peer
+    expected: set  # (peer id, start, end) of every join peer, read from each one's own /api/stats
 
 
 def announced(stages_doc: dict | None) -> set[tuple[str, int, int]]:
@@ -75,15 +74,14 @@ def discovery(tmp_path_factory):
                              str(swarm.workdir / "client"), "--threads", "1", name="client")
         nodes = [*served, auto, (client, client_api)]
         expected = {own_entry(api) for _, api in nodes}
-        yield DiscoverySwarm(swarm, nodes, auto[1], client_api, expected)
+        yield DiscoverySwarm(nodes, auto[1], client_api, expected)
     finally:
         swarm.close()
 
 
 def test_layers_auto_picks_the_unserved_stage(discovery):
     """Three stages of tiny-lm are served; a peer joining with --layers auto takes the fourth."""
-    stats = wait_until(lambda: (get_json(discovery.auto_api, "/api/stats") or {}).get("layers") and
-                       get_json(discovery.auto_api, "/api/stats"), timeout=API_DEADLINE)
+    stats = wait_until(lambda: get_json(discovery.auto_api, "/api/stats"), timeout=API_DEADLINE)
     assert stats and stats["layers"] == AUTO_LAYERS and stats["stage"] == AUTO_STAGE, stats
 
 
