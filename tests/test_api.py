@@ -3,6 +3,7 @@ garbage, resets, stalls and huge requests that never stop the server, and the ex
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import logging
@@ -101,15 +102,29 @@ def http(address: str, path: str, data: bytes | None = None, headers: dict | Non
         return exc.code, exc.read()
 
 
+RESET_BY_SERVER = (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN)
+
+
 def raw_exchange(address: str, data: bytes) -> bytes:
-    """Send ``data``, close our sending side, read the answer to the end."""
+    """Send ``data``, close our sending side, read the answer to the end.
+
+    A server that answers before reading everything (a 431) closes a socket with unread bytes, so
+    its kernel resets the connection: our send or half-close may then fail, and the answer sent
+    before the reset is still ours to read."""
     host, port = parse_host_port(address)
     with socket.create_connection((host, port), timeout=SERVER_DEADLINE) as sock:
-        sock.sendall(data)
-        sock.shutdown(socket.SHUT_WR)
+        try:
+            sock.sendall(data)
+            sock.shutdown(socket.SHUT_WR)
+        except OSError as exc:
+            if exc.errno not in RESET_BY_SERVER:
+                raise
         answer = b""
-        while chunk := sock.recv(65536):
-            answer += chunk
+        try:
+            while chunk := sock.recv(65536):
+                answer += chunk
+        except ConnectionResetError:
+            pass
         return answer
 
 
