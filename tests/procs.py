@@ -12,6 +12,21 @@ import urllib.request
 from pathlib import Path
 
 from p2pswarm.demo import free_port
+from p2pswarm.run import diloco as dls
+
+TEST_ROWS = 2  # sequences per micro-batch in small_batch_run: a quarter of tiny-lm's 8, so that a test's peers,
+#                sharing 2 cores, pay a quarter of the compute and the bytes per micro-batch; no mechanism tested
+#                with it depends on the batch's size (the heal test compares losses: it keeps tiny-lm's batch)
+
+
+def small_batch_run(workdir: Path, model: str, inner_steps: int = dls.INNER_STEPS, outer_lr: float = dls.OUTER_LR,
+                    momentum: float = dls.OUTER_MOMENTUM) -> tuple[str, str]:
+    """``--run FILE`` for a run file written in ``workdir``: the tiny-lm run's seed, optimizer, codec and
+    aggregator on ``model``, with ``TEST_ROWS`` rows per micro-batch and these DiLoCo values."""
+    path = workdir / f"run-{model.replace('/', '-')}-h{inner_steps}.toml"
+    path.write_text(f'name = "test"\nmodel = "{model}"\n\n[batch]\nrows = {TEST_ROWS}\n\n'
+                    f"[diloco]\ninner_steps = {inner_steps}\nouter_lr = {outer_lr!r}\nmomentum = {momentum!r}\n")
+    return "--run", str(path)
 
 
 class Swarm:

@@ -1,7 +1,8 @@
 """Replicas of one stage keep agreeing through DiLoCo outer rounds, as real processes on loopback.
 
 Three ``p2pswarm join`` peers serve the one stage of ``tiny-lm/1`` (each cuts its own
-micro-batches and computes its own loss), with a small H so that rounds come every few seconds:
+micro-batches and computes its own loss), with a small H so that rounds come every few seconds and
+micro-batches of ``TEST_ROWS`` rows (``tests.procs.small_batch_run``):
 
 - they complete outer rounds as a group of three;
 - one is SIGKILLed: the other two go on completing rounds without it;
@@ -25,12 +26,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.procs import Swarm, get_json, wait_until
+from tests.procs import Swarm, get_json, small_batch_run, wait_until
 
 pytest.importorskip("torch")
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
-DILOCO = ("--model", "tiny-lm/1", "--inner-steps", "8", "--gather", "8", "--snapshot-period", "20")
+MODEL, INNER_STEPS = "tiny-lm/1", 8
+LOCAL = ("--gather", "8", "--snapshot-period", "20")  # DiLoCo's knobs that need not match
 LAYERS = "0:8"  # tiny-lm/1: one stage of all 8 blocks
 ATTACKER = (str(Path(__file__).with_name("attacking_peer.py")), "negate10")  # run instead of `-m p2pswarm`
 
@@ -53,11 +55,16 @@ def assert_no_traceback(swarm: Swarm) -> None:
         assert "Traceback" not in text, (log.name, text[-3000:])
 
 
+def diloco_flags(swarm: Swarm) -> tuple[str, ...]:
+    return (*small_batch_run(swarm.workdir, MODEL, INNER_STEPS), *LOCAL)
+
+
 def test_three_replicas_average_through_a_sigkill_and_a_restart(tmp_path):
     swarm = Swarm(tmp_path)
     try:
+        flags = diloco_flags(swarm)
         boot = swarm.bootstrap()
-        peers = [swarm.join(boot, LAYERS, f"r{i}", *DILOCO) for i in range(3)]
+        peers = [swarm.join(boot, LAYERS, f"r{i}", *flags) for i in range(3)]
         apis = [api for _, api in peers]
         ids = [peer_id(api) for api in apis]
         assert wait_until(lambda: all(len(rounds_with(api, 3)) >= 2 for api in apis), 180), \
@@ -71,7 +78,7 @@ def test_three_replicas_average_through_a_sigkill_and_a_restart(tmp_path):
             [diloco(api) for api in apis[:2]]  # the two others go on without it
 
         restarted = time.monotonic()
-        swarm.join(boot, LAYERS, "r2", *DILOCO, api=victim_api, log_name="r2-restart")
+        swarm.join(boot, LAYERS, "r2", *flags, api=victim_api, log_name="r2-restart")
         loaded = wait_until(lambda: (diloco(victim_api).get("loaded_from") or {}).get("peer") and
                             diloco(victim_api)["loaded_from"], 120)
         assert loaded and loaded["peer"] in ids[:2], diloco(victim_api)
@@ -91,9 +98,10 @@ def test_three_replicas_average_through_a_sigkill_and_a_restart(tmp_path):
 def test_a_poisoned_pseudo_gradient_is_rejected_and_the_round_completes(tmp_path):
     swarm = Swarm(tmp_path)
     try:
+        flags = diloco_flags(swarm)
         boot = swarm.bootstrap()
-        honest = [swarm.join(boot, LAYERS, f"h{i}", *DILOCO)[1] for i in range(2)]
-        poisoner = swarm.join(boot, LAYERS, "bad", *DILOCO, program=ATTACKER)[1]
+        honest = [swarm.join(boot, LAYERS, f"h{i}", *flags)[1] for i in range(2)]
+        poisoner = swarm.join(boot, LAYERS, "bad", *flags, program=ATTACKER)[1]
         bad_id = peer_id(poisoner)
 
         def rejected_everywhere():

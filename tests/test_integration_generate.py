@@ -19,7 +19,7 @@ import urllib.request
 import pytest
 
 from p2pswarm.model.catalog import get_model
-from tests.procs import Swarm, get_json, wait_until
+from tests.procs import Swarm, get_json, small_batch_run, wait_until
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -27,7 +27,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 MODEL = get_model("tiny-lm/2")
 INNER_STEPS = 1_000_000  # no outer round ends during the test: the agreed weights stay round 0's (the initial ones)
-AGREED = ("--model", MODEL.name, "--inner-steps", str(INNER_STEPS))
 PROMPT = "def main():\n    "
 NEW_TOKENS = 24
 LONG_TOKENS = 60  # the stream a replica dies in: long enough to kill it midway
@@ -96,8 +95,9 @@ def _inference(api: str) -> dict:
 
 def test_greedy_generation_through_the_swarm_equals_transformers_and_survives_a_sigkill(swarm):
     boot = swarm.bootstrap()
-    (first, api), = [swarm.join(boot, _layers(0), "s0", *AGREED)]
-    replicas = [swarm.join(boot, _layers(1), f"s1r{r}", *AGREED) for r in range(2)]
+    run = small_batch_run(swarm.workdir, MODEL.name, INNER_STEPS)  # training is the background here: a light one
+    (first, api), = [swarm.join(boot, _layers(0), "s0", *run)]
+    replicas = [swarm.join(boot, _layers(1), f"s1r{r}", *run) for r in range(2)]
     trained = wait_until(lambda: ((get_json(api, "/api/swarm") or {}).get("counts", {})
                                   .get("micro_batches_done", 0) > 0), START_DEADLINE)
     assert trained, [p.poll() for p in swarm.processes]

@@ -1,7 +1,8 @@
 """A middle stage relays activations forward and gradients back: 3 stages of real processes on loopback.
 
 ``tiny-lm/3`` cuts the 8 blocks into stages [0, 3), [3, 6) and [6, 8); a bootstrap node and one
-``p2pswarm join`` per stage replica run as their own processes, with the demo's DiLoCo values.
+``p2pswarm join`` per stage replica run as their own processes, with the demo's DiLoCo values and
+micro-batches of ``TEST_ROWS`` rows (``tests.procs.small_batch_run``).
 
 - 3 stages x 1 replica: stage 0 completes micro-batches end to end, which it can only do once the
   middle stage forwarded their activations and relayed their gradients back; the counts of the
@@ -27,15 +28,13 @@ import pytest
 from p2pswarm.demo import DEMO_GATHER_S, DEMO_INNER_STEPS, DEMO_OUTER_LR, DEMO_OUTER_MOMENTUM
 from p2pswarm.model.catalog import get_model
 from p2pswarm.run.tunables import MIN_IN_FLIGHT
-from tests.procs import Swarm, get_json, wait_until
+from tests.procs import Swarm, get_json, small_batch_run, wait_until
 
 pytest.importorskip("torch")
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 MODEL = get_model("tiny-lm/3")  # 3 + 3 + 2 blocks: stage 1 is a middle stage
-AGREED = ("--model", MODEL.name, "--inner-steps", str(DEMO_INNER_STEPS),  # as `p2pswarm demo`
-          "--outer-momentum", str(DEMO_OUTER_MOMENTUM), "--outer-lr", str(DEMO_OUTER_LR),
-          "--gather", str(DEMO_GATHER_S))
+GATHER = ("--gather", str(DEMO_GATHER_S))  # as `p2pswarm demo`, like the run's DiLoCo values
 DONE = 20  # micro-batches stage 0 completes end to end before the counts are compared
 BEFORE_KILL = 10  # micro-batches stage 0 completes before a middle replica is SIGKILLed: training is under way
 MORE_AFTER_KILL = 20  # micro-batches stage 0 must complete after the SIGKILL
@@ -74,7 +73,9 @@ def start_swarm(swarm: Swarm, replicas: list[int]) -> list[list[tuple]]:
     Nothing waits for the stage map here: on a loaded machine a record may lapse for a moment and
     come back, and what matters is that training flows, which every test waits for."""
     boot = swarm.bootstrap()
-    return [[swarm.join(boot, layers(s), f"s{s}r{r}", *AGREED) for r in range(n)] for s, n in enumerate(replicas)]
+    run = small_batch_run(swarm.workdir, MODEL.name, DEMO_INNER_STEPS, DEMO_OUTER_LR, DEMO_OUTER_MOMENTUM)
+    return [[swarm.join(boot, layers(s), f"s{s}r{r}", *run, *GATHER) for r in range(n)]
+            for s, n in enumerate(replicas)]
 
 
 def wait_for(swarm: Swarm, what, deadline: float, *, about: str, killed=()):

@@ -1,7 +1,8 @@
 """A swarm of real processes trains: 2 stages x 2 replicas on loopback, one replica SIGKILLed midway.
 
-Runs ``p2pswarm demo --rounds`` itself (a bootstrap node and four ``p2pswarm join`` peers, each its
-own process) until the held-out figure of outer round ``ROUNDS`` is in, and reads its summary: the
+Runs ``p2pswarm demo --rounds --run`` itself (a bootstrap node and four ``p2pswarm join`` peers, each its
+own process; the demo's model and DiLoCo values with micro-batches of ``TEST_ROWS`` rows,
+``tests.procs.small_batch_run``) until the held-out figure of outer round ``ROUNDS`` is in, and reads its summary: the
 held-out loss of the agreed weights, measured by the last stage on the fixed held-out set through
 every chain, must fall from round 0's (the untrained model, the same on every replica); every
 chain must give the same figure for the same round (replicas agree); after the kill, outer rounds
@@ -19,9 +20,13 @@ import sys
 
 import pytest
 
+from p2pswarm.demo import DEMO_OUTER_LR, DEMO_OUTER_MOMENTUM
+from tests.procs import small_batch_run
+
 pytest.importorskip("torch")
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
+MODEL = "tiny-lm/2"  # the demo's 2 stages
 ROUNDS = 2  # outer rounds to evaluate; the kill comes once round ROUNDS // 2 is evaluated (keeps the suite short)
 INNER_STEPS = 20  # half the demo's H: rounds come twice as often (keeps the suite short)
 EVERY_ROUND = ("--tune", "eval_share=1")  # the held-out figure of every round, not of one in ten seconds' worth
@@ -31,10 +36,11 @@ AGREEMENT = 0.05  # bits/byte between chains evaluating the same round (bit-equa
 
 def test_two_by_two_swarm_learns_and_survives_a_sigkill(tmp_path):
     summary = tmp_path / "summary.json"
+    run = small_batch_run(tmp_path, MODEL, INNER_STEPS, DEMO_OUTER_LR, DEMO_OUTER_MOMENTUM)  # the demo's values
     result = subprocess.run(
-        [sys.executable, "-m", "p2pswarm", "demo", "--peers", "4", "--stages", "2", "--rounds", str(ROUNDS),
-         "--inner-steps", str(INNER_STEPS), "--duration", str(GUARD_S), "--kill-one", "--dir", str(tmp_path / "demo"),
-         "--summary", str(summary), *EVERY_ROUND],
+        [sys.executable, "-m", "p2pswarm", "demo", "--peers", "4", *run, "--rounds", str(ROUNDS),
+         "--duration", str(GUARD_S), "--kill-one", "--dir", str(tmp_path / "demo"), "--summary", str(summary),
+         *EVERY_ROUND],
         capture_output=True, text=True, timeout=GUARD_S + 100)
     out = result.stdout
     logs = {p.name: p.read_text(errors="replace") for p in (tmp_path / "demo").glob("*.log")}
