@@ -13,6 +13,7 @@ from pathlib import Path
 
 from p2pswarm.demo import free_port
 from p2pswarm.run import diloco as dls
+from tests.forked import ForkedNode
 
 TEST_ROWS = 2  # sequences per micro-batch in small_batch_run: a quarter of tiny-lm's 8, so that a test's peers,
 #                sharing 2 cores, pay a quarter of the compute and the bytes per micro-batch; no mechanism tested
@@ -29,20 +30,31 @@ def small_batch_run(workdir: Path, model: str, inner_steps: int = dls.INNER_STEP
     return "--run", str(path)
 
 
+P2PSWARM = ("-m", "p2pswarm")
+FORKED_COMMANDS = {"join"}  # a bootstrap or relay never imports torch: forked with it, its every GC would walk
+#                             torch's objects too (the churn test's bootstrap took 99 s instead of 75)
+
+
 class Swarm:
     """Processes started by one test; ``close()`` ends each of them by pid."""
 
     def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
-        self.processes: list[subprocess.Popen] = []
+        self.processes: list[subprocess.Popen | ForkedNode] = []
 
     def start(self, *args: str, name: str, env: dict | None = None,
-              program: tuple[str, ...] = ("-m", "p2pswarm")) -> subprocess.Popen:
-        """``python PROGRAM ARGS``: ``p2pswarm``, or a test's script that wraps it (``attacking_peer.py``)."""
-        log = open(self.workdir / f"{name}.log", "w")
-        process = subprocess.Popen([sys.executable, *program, *args], stdout=subprocess.PIPE,
-                                   stderr=log, stdin=subprocess.DEVNULL, text=True,
-                                   env={**os.environ, **env} if env else None)
+              program: tuple[str, ...] = P2PSWARM) -> subprocess.Popen | ForkedNode:
+        """``python PROGRAM ARGS``: ``p2pswarm`` (a join is forked with its imports done, ``tests.forked``), or
+        in an interpreter of its own with more ``env`` or a test's script that wraps it (``attacking_peer.py``)."""
+        log_path = self.workdir / f"{name}.log"
+        process: subprocess.Popen | ForkedNode
+        if env is None and program == P2PSWARM and args[0] in FORKED_COMMANDS:
+            log_path.write_text("")
+            process = ForkedNode(list(args), self.workdir / f"{name}.out", log_path)
+        else:
+            process = subprocess.Popen([sys.executable, *program, *args], stdout=subprocess.PIPE,
+                                       stderr=open(log_path, "w"), stdin=subprocess.DEVNULL, text=True,
+                                       env={**os.environ, **env} if env else None)
         self.processes.append(process)
         return process
 
