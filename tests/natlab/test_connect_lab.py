@@ -72,7 +72,12 @@ def test_connection_matrix_direct_punched_and_relayed(lab, tmp_path):
     # relayed connection opens there is nothing left to upgrade (seen once in CI: the direct
     # connection was there 0.3 ms after the relayed one). The upgrade itself is asserted between
     # real hosts in tests/test_connect.py; here the pair must end direct (asserted above).
-    assert stats["easy2"]["holepunch"]["punched"] >= 1, stats["easy2"]["holepunch"]
+    # The easy pair was joined by a punch, from either side: the receiving side of a relayed connection
+    # punches, and easy2 (a replica of easy1's stage) may reach easy1 over the relay for its own DHT or
+    # DiLoCo traffic before the test's ping (seen under stress-ng: easy1 "punched after 0.57 s" to easy2,
+    # easy2's 0 attempts). easy1's other peers cannot count: pub is a unilateral upgrade, sym1 fails.
+    easy_punched = [stats[name]["holepunch"]["punched"] for name in ("easy1", "easy2")]
+    assert sum(easy_punched) >= 1, (stats["easy1"]["holepunch"], stats["easy2"]["holepunch"])
     # sym2 tried to punch to sym1 (a failing punch takes ~20 s: three rounds) and never got through; the
     # pair stayed relayed (asserted above). A unilateral upgrade is no punch: sym2 dials a public peer
     # that reached it over the relay (pub, for its own DHT or DiLoCo traffic) directly, which a symmetric
