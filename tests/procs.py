@@ -11,6 +11,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from p2pswarm.allocator import command_of
 from p2pswarm.demo import free_port
 from p2pswarm.run import diloco as dls
 from tests.forked import ForkedNode
@@ -48,7 +49,7 @@ class Swarm:
         in an interpreter of its own with more ``env`` or a test's script that wraps it (``attacking_peer.py``)."""
         log_path = self.workdir / f"{name}.log"
         process: subprocess.Popen | ForkedNode
-        if env is None and program == P2PSWARM and args[0] in FORKED_COMMANDS:
+        if env is None and program == P2PSWARM and command_of(list(args)) in FORKED_COMMANDS:
             log_path.write_text("")
             process = ForkedNode(list(args), self.workdir / f"{name}.out", log_path)
         else:

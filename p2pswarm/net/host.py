@@ -317,21 +317,23 @@ def _root_cause(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
 
 
-def check_peer_multiaddr(addr: str) -> None:
-    """ConfigError unless ``addr`` is a multiaddr ending in /p2p/<peer id> (the multiaddr package checks
-    the peer id's encoding): the command line's check, without importing libp2p (1.2 s)."""
-    protocols = parse_multiaddr(addr).protocols()
+def check_peer_multiaddr(addr: str):
+    """``addr`` parsed; ConfigError unless it is a multiaddr ending in /p2p/<peer id> (the multiaddr package
+    checks the peer id's encoding): the command line's check, without importing libp2p (1.2 s)."""
+    parsed = parse_multiaddr(addr)
+    protocols = parsed.protocols()
     if not protocols or protocols[-1].name != "p2p":
         raise ConfigError(f"multiaddr {addr} must end in /p2p/<peer id>")
+    return parsed
 
 
 def peer_info_from_multiaddr(addr: str):
     """PeerInfo for a full multiaddr ending in /p2p/<peer id>; ConfigError if it has none."""
     from libp2p.peer.peerinfo import info_from_p2p_addr
 
-    check_peer_multiaddr(addr)  # the one rule, and its one-line errors
+    parsed = check_peer_multiaddr(addr)  # the one rule, and its one-line errors
     try:
-        return info_from_p2p_addr(parse_multiaddr(addr))
+        return info_from_p2p_addr(parsed)
     except Exception:
         raise ConfigError(f"multiaddr {addr} must end in /p2p/<peer id>") from None
 
