@@ -161,7 +161,7 @@ def encode_state(state: dict) -> bytes:
         dtype, shape, raw, nbytes = raws[name]
         table.append((name, dtype, shape, cursor, cursor + nbytes))
         if nbytes:
-            parts.append(memoryview(raw.numpy()))  # type: ignore[arg-type]  # numpy types __buffer__ for 3.12+ only
+            parts.append(memoryview(raw.numpy()))
         cursor += nbytes
     try:
         zeroed = _header_bytes(_ZERO_DIGEST, tree_json, table)

@@ -193,12 +193,13 @@ def _advertise_extra_addrs(host) -> None:
     host.p2pswarm_extra_addrs = extra_addrs
     listen_addrs = host.get_addrs
 
+    ours = multiaddr.Multiaddr(f"/p2p/{host.get_id()!s}")  # parsed once: identify asks on every connection
+
     def get_addrs() -> list[multiaddr.Multiaddr]:
         # Not through addrs_factory: BasicHost.get_addrs() strips the last /p2p/<id> of every
         # address before appending ours, which turns <relay>/p2p/<relay id>/p2p-circuit into the
         # relay's own address.
         # Confirmed public addresses (a DMZ router's) first: many dialers try only the first.
-        ours = multiaddr.Multiaddr(f"/p2p/{host.get_id()!s}")
         extra = [a.encapsulate(ours) for a in extra_addrs]
         public = [a for a in extra if "/p2p-circuit" not in str(a)]
         return public + list(listen_addrs()) + [a for a in extra if a not in public]

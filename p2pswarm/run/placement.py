@@ -82,9 +82,9 @@ def free_device_memory_mb(device: str) -> int:
     try:
         if device.startswith("cuda"):
             free, _total = torch.cuda.mem_get_info(torch.device(device))
-            return free // MIB
+            return int(free) // MIB
         if device == "mps":
-            return max(0, torch.mps.recommended_max_memory() - torch.mps.driver_allocated_memory()) // MIB
+            return max(0, int(torch.mps.recommended_max_memory() - torch.mps.driver_allocated_memory())) // MIB
     except (RuntimeError, AssertionError, AttributeError):  # no driver, or one that does not say (a torch
         # without CUDA asserts): announce no memory rather than fail the announcement
         pass
