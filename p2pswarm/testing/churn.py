@@ -6,13 +6,23 @@ handshake is timed: TCP, Noise, Yamux), does one piece of work over the control 
 ``count`` lifetimes, ``parallel`` at a time, and reports each block of ``report_every`` as a
 ``ChurnBlock``. Used by the regression tests (tests/test_integration_churn.py) and by
 ``bench/churn.py``; the node under test is a real process, watched through ``ProcessUsage``.
+
+``churn_in_processes`` runs the lifetimes from fresh client processes
+(``python -m p2pswarm.testing.churn``, one JSON line per block): a client's CPU per lifetime
+(~40 ms, py-libp2p's handshake, identify and Yamux) exceeds the node's (~26 ms), so one client is
+the bottleneck, and a test runner's big heap (torch imported) slows it by a further quarter.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import subprocess
+import sys
 from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
 
 import trio
 
@@ -116,6 +126,61 @@ async def run_churn(target_addr: str, count: int, *, parallel: int = 4, report_e
     return blocks
 
 
+WORKS: dict[str, Work] = {"ping": ping_work, "reserve": reserve_work}
+
+
+def churn_in_processes(target_addr: str, count: int, *, clients: int = 2, parallel: int = 16,
+                       report_every: int = 500, work: str = "ping",
+                       on_block: Callable[[ChurnBlock], None] = lambda block: None) -> list[ChurnBlock]:
+    """``count`` lifetimes from ``clients`` client processes, ``parallel`` at a time in all; their blocks in
+    order (each block's ``first`` counts across clients), reported once every client is done."""
+    shares = [count // clients + (1 if k < count % clients else 0) for k in range(clients)]
+    firsts = [sum(shares[:k]) for k in range(clients)]
+    started = [subprocess.Popen(
+        [sys.executable, "-m", "p2pswarm.testing.churn", target_addr, str(share), "--first", str(first),
+         "--parallel", str(max(1, parallel // clients)), "--report-every", str(report_every), "--work", work],
+        stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+        for share, first in zip(shares, firsts, strict=True) if share]
+    blocks: list[ChurnBlock] = []
+    try:
+        with ThreadPoolExecutor(len(started)) as readers:  # each pipe drained as its client writes it
+            outputs = list(readers.map(lambda process: process.communicate()[0], started))
+        for process, output in zip(started, outputs, strict=True):
+            if process.returncode != 0:
+                raise RuntimeError(f"churn client {process.args} exited with {process.returncode}")
+            for line in output.splitlines():
+                doc = json.loads(line)
+                blocks.append(ChurnBlock(**{**doc, "handshakes": tuple(doc["handshakes"]),
+                                            "errors": tuple(doc["errors"])}))
+    finally:
+        for process in started:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    blocks.sort(key=lambda block: block.first)
+    for block in blocks:
+        on_block(block)
+    return blocks
+
+
+def main(argv: list[str] | None = None) -> None:
+    """A churn client: COUNT lifetimes against TARGET, one JSON line per block on stdout."""
+    parser = argparse.ArgumentParser(prog="python -m p2pswarm.testing.churn", description=main.__doc__)
+    parser.add_argument("target", help="the node's multiaddr, ending in /p2p/<peer id>")
+    parser.add_argument("count", type=int)
+    parser.add_argument("--first", type=int, default=0, help="the index of this client's first lifetime")
+    parser.add_argument("--parallel", type=int, default=4)
+    parser.add_argument("--report-every", type=int, default=1000)
+    parser.add_argument("--work", choices=sorted(WORKS), default="ping")
+    args = parser.parse_args(argv)
+
+    def report(block: ChurnBlock) -> None:
+        print(json.dumps({**asdict(block), "first": args.first + block.first}), flush=True)
+
+    trio.run(lambda: run_churn(args.target, args.count, parallel=args.parallel, report_every=args.report_every,
+                               work=WORKS[args.work], on_block=report))
+
+
 def describe(exc: BaseException) -> str:
     """The innermost error of ``exc`` (trio wraps one in exception groups), in one short line."""
     while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
@@ -138,3 +203,7 @@ class ProcessUsage:
                 if line.startswith("VmRSS:"):
                     rss_kb = int(line.split()[1])
         return cls(rss_mb=rss_kb / 1024, fds=len(os.listdir(f"/proc/{pid}/fd")))
+
+
+if __name__ == "__main__":
+    main()
