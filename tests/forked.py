@@ -8,14 +8,21 @@ is then forked from it: a real process with its own pid, sockets, signals and fi
 ``p2pswarm.allocator`` arranges for a node, and leaving through ``exit_at_once`` as a node does.
 What it skips is the interpreter's start and those imports. The command line's own start (the
 re-exec into glibc's malloc, the lazy imports) stays tested where tests run ``python -m p2pswarm``
-themselves: ``test_cli``, ``test_memory``, the demo's test and the NAT lab.
+themselves: ``test_cli``, ``test_memory``, the demo's test, and the NAT lab's bootstrap and relay nodes.
+
+The NAT lab's joins are forked too (``spawn_in_namespace``): the child enters the lab host's network
+namespace (``setns``, as ``ip netns exec`` does) and is bounded in time by ``alarm`` (as ``timeout``
+bounds a started one).
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import math
 import multiprocessing
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -23,11 +30,15 @@ from multiprocessing import forkserver
 from pathlib import Path
 
 from p2pswarm import allocator
+from p2pswarm.allocator import command_of
 
 PRELOAD = ["torch", "p2pswarm.cli", "p2pswarm.node.running", "p2pswarm.swarm.service", "p2pswarm.diloco.service",
            "p2pswarm.diloco.backup_service", "p2pswarm.diloco.loading"]  # what a training join imports
+PROGRAM = [sys.executable, "-m", "p2pswarm"]  # a node's command line, as the NAT lab starts one
 LINE_DEADLINE = 120.0  # seconds readline waits for a node's first line (its address): a guard only
 POLL_S = 0.05
+NETNS_DIR = "/var/run/netns"  # where ``ip netns add`` binds a namespace
+CLONE_NEWNET = 0x40000000  # <sched.h>: setns's network namespace type
 
 
 @functools.cache
@@ -47,8 +58,24 @@ def _context() -> multiprocessing.context.ForkServerContext:
     return context
 
 
-def _node_main(argv: list[str], out_path: str, err_path: str) -> None:
-    """In the forked child: standard streams as a started process has them, then the node's command."""
+def _enter_namespace(name: str) -> None:
+    """This process (single-threaded: just forked) into the network namespace ``ip netns`` calls ``name``."""
+    fd = os.open(os.path.join(NETNS_DIR, name), os.O_RDONLY)
+    try:
+        if ctypes.CDLL(None, use_errno=True).setns(fd, CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"setns into network namespace {name}")
+    finally:
+        os.close(fd)
+
+
+def _node_main(argv: list[str], out_path: str, err_path: str, namespace: str | None = None,
+               life_s: float | None = None) -> None:
+    """In the forked child: into ``namespace`` and bounded to ``life_s`` seconds (SIGALRM ends it) if given;
+    standard streams as a started process has them; then the node's command."""
+    if namespace is not None:
+        _enter_namespace(namespace)
+    if life_s is not None:
+        signal.alarm(max(1, math.ceil(life_s)))
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     os.dup2(os.open(out_path, os.O_WRONLY | os.O_APPEND), 1)
     os.dup2(os.open(err_path, os.O_WRONLY | os.O_APPEND), 2)
@@ -83,11 +110,12 @@ class Lines:
 class ForkedNode:
     """What the tests use of ``subprocess.Popen``, for a node forked by the server."""
 
-    def __init__(self, args: list[str], stdout_path: Path, stderr_path: Path) -> None:
+    def __init__(self, args: list[str], stdout_path: Path, stderr_path: Path, namespace: str | None = None,
+                 life_s: float | None = None) -> None:
         self.args = args
         stdout_path.write_text("")
-        self._process = _context().Process(target=_node_main, args=(args, str(stdout_path), str(stderr_path)),
-                                           daemon=True)  # one left running is ended with the tests
+        self._process = _context().Process(target=_node_main, daemon=True,  # one left running ends with the tests
+                                           args=(args, str(stdout_path), str(stderr_path), namespace, life_s))
         self._process.start()
         self.stdout = Lines(stdout_path, lambda: self.poll() is None)
 
@@ -103,8 +131,30 @@ class ForkedNode:
     def poll(self) -> int | None:
         return self._process.exitcode
 
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
     def wait(self, timeout: float | None = None) -> int:
         self._process.join(timeout)
         if self._process.exitcode is None:
             raise subprocess.TimeoutExpired(self.args, timeout or 0)
         return self._process.exitcode
+
+
+def spawn_in_namespace(namespace: str, argv: list[str], log_path: str | Path | None,
+                       timeout: float) -> ForkedNode | None:
+    """``NamespaceLab``'s hook for ``python -m p2pswarm join ...`` (``argv`` as the lab would start it): forked
+    into ``namespace``, its stderr to ``log_path``, ended after ``timeout`` s; None for any other command."""
+    args = argv[len(PROGRAM):]
+    if argv[:len(PROGRAM)] != PROGRAM or command_of(args) != "join" or log_path is None:
+        return None
+    log_path = Path(log_path)
+    log_path.write_text("")
+    return ForkedNode(args, log_path.with_suffix(".out"), log_path, namespace=namespace, life_s=timeout)

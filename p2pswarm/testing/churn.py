@@ -147,7 +147,7 @@ def churn_in_processes(target_addr: str, count: int, *, clients: int = 2, parall
             outputs = list(readers.map(lambda process: process.communicate()[0], started))
         for process, output in zip(started, outputs, strict=True):
             if process.returncode != 0:
-                raise RuntimeError(f"churn client {process.args} exited with {process.returncode}")
+                raise RuntimeError(f"churn client {process.args!r} exited with {process.returncode}")
             for line in output.splitlines():
                 doc = json.loads(line)
                 blocks.append(ChurnBlock(**{**doc, "handshakes": tuple(doc["handshakes"]),

@@ -26,9 +26,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, Self
+from typing import Any, ClassVar, Protocol, Self
 
 NAME_PREFIX = "p2l"  # every lab namespace starts with this, then the pid of the process that made it
 MAX_NS_NAME = 15  # keep namespace names as short as interface names
@@ -195,6 +196,9 @@ class NamespaceLab:
 
     name_prefix = NAME_PREFIX  # namespace names: this, the pid, the lab's letters, a role, an index
     core_role = "i"  # the role letter of the namespace that holds the bridge
+    # A hook the tests set (tests/forked.py): (namespace, argv, log path, timeout) -> a started process, or
+    # None to start ARGV as below. It forks joins from a server that imported torch once.
+    spawner: ClassVar[Callable[[str, list[str], str | Path | None, float], Any] | None] = None
 
     def __init__(self) -> None:
         self.prefix = f"{self.name_prefix}{os.getpid()}{letters(next(_lab_counter))}"
@@ -235,6 +239,10 @@ class NamespaceLab:
             timeout: float) -> subprocess.Popen:
         """Start ARGV in HOST, killed after TIMEOUT s; stdout is a text pipe, stderr goes to LOG_PATH."""
         command = self._argv(host, argv, timeout)
+        spawned = NamespaceLab.spawner(host.name, argv, log_path, timeout) if NamespaceLab.spawner else None
+        if spawned is not None:
+            self.processes.append(spawned)
+            return spawned
         stderr = open(log_path, "w") if log_path else subprocess.DEVNULL
         try:
             process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, stdin=subprocess.DEVNULL,
