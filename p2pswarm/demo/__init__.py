@@ -184,11 +184,8 @@ def _train(members: list[Peer], processes: list[subprocess.Popen], n_stages: int
     victim = next(p for p in reversed(members) if p.stage == n_stages - 1) if kill_one else None
     while time.time() - started < duration:
         time.sleep(SHOW_PERIOD)
-        evaluated = max((a.round for a in progress.curve()), default=-1)
-        back = victim is None or (victim.restarted and victim.index in progress.loads)  # reloaded its stage
-        if rounds is not None and evaluated >= rounds and back:
-            break
         if victim:
+            evaluated = max((a.round for a in progress.curve()), default=-1)
             halfway = evaluated >= rounds // 2 if rounds is not None else time.time() - started >= duration / 2
             _kill_and_restart(victim, processes, time.time() - started, halfway)
             if victim.killed:
@@ -204,6 +201,9 @@ def _train(members: list[Peer], processes: list[subprocess.Popen], n_stages: int
               f"failovers {progress.failovers}  lost {progress.lost}", flush=True)
         for line in progress.outer_rounds(members) + progress.new_round_lines():
             print(line, flush=True)
+        back = victim is None or (victim.restarted and victim.index in progress.loads)  # reloaded its stage
+        if rounds is not None and max((a.round for a in progress.curve()), default=-1) >= rounds and back:
+            break  # as soon as it is seen, not a SHOW_PERIOD later
     if rounds is not None and max((a.round for a in progress.curve()), default=-1) < rounds:
         print(f"demo: outer round {rounds} was not evaluated within {duration:.0f} s", file=sys.stderr)
         print_summary(progress, time.time() - started, bool(victim), summary)
