@@ -249,3 +249,47 @@ def test_a_stage_never_looked_up_is_unknown_not_down():
             nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+class ListIndex:
+    """lookup_stage answers at once with ``answer`` (records made by the test)."""
+
+    me = "me"
+
+    def __init__(self) -> None:
+        self.answer: list[StageRecord] = []
+
+    async def lookup_stage(self, model: str, stage: int, k: int, standing=None, run=UNNAMED_RUN) -> list[StageRecord]:
+        return [r for r in self.answer if r.stage == stage]
+
+
+def test_a_peer_asked_for_by_id_is_found_while_its_record_lives_even_when_a_lookup_misses_it():
+    """``addrs_of`` (``/api/ping`` by peer id) gives a stranger's addresses from any lookup while its record is
+    fresh: the next lookup's answer may lack it (cut short), or its address crowd may keep it out of the top."""
+    async def main():
+        index = ListIndex()
+        start, end = MODEL.stage_range(0)
+
+        def record(peer: str, addr: str, ttl: float = 60.0) -> StageRecord:
+            return StageRecord(peer, (addr,), MODEL.name, 0, start, end, Capacity(0, 0), virtual_now(), ttl,
+                               UNNAMED_RUN)
+
+        async with trio.open_nursery() as nursery:
+            stage_map = StageMap(index, MODEL, nursery, clock=virtual_now)
+            crowd = [record(f"crowd{i}", f"/ip4/10.1.0.{i}/tcp/1/p2p-circuit") for i in range(6)]  # one /24
+            index.answer = [record("wanted", "/ip4/10.2.0.1/tcp/4001", ttl=30.0), *crowd]
+            await stage_map.refresh()
+            assert await stage_map.addrs_of("wanted") == ("/ip4/10.2.0.1/tcp/4001",)
+            assert "crowd5" not in stage_map.records()  # crowded out of the top ...
+            assert await stage_map.addrs_of("crowd5") == ("/ip4/10.1.0.5/tcp/1/p2p-circuit",)  # ... still found
+            index.answer = crowd  # the next lookup misses it
+            await trio.sleep(STAGE_MAP_PERIOD)
+            await stage_map.refresh()
+            assert "wanted" not in stage_map.records()
+            assert await stage_map.addrs_of("wanted") == ("/ip4/10.2.0.1/tcp/4001",)  # its record still lives
+            await trio.sleep(30.0)  # past its TTL
+            assert await stage_map.addrs_of("wanted") == ()
+            assert await stage_map.addrs_of("nobody") == ()
+            nursery.cancel_scope.cancel()
+
+    run_virtual(main)

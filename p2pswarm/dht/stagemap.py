@@ -44,6 +44,7 @@ CHECK_TIMEOUT = 3.0  # connect plus one control round trip; a peer slower than t
 MAX_CHECKS_AT_ONCE = 8  # round trips in flight while checking candidates
 API_WAIT = 1.0  # seconds /api/stages waits for a rebuild before it answers with the map it has
 CHECK_POOL = 3 * DEFAULT_K  # records kept (and checked) per stage: room for newcomers behind a crowd
+MAX_SEEN = 1024  # peers whose newest record ``addrs_of`` remembers (signed records; the expired go first)
 
 
 class StageMap:
@@ -55,6 +56,7 @@ class StageMap:
         self._index, self.model, self._nursery, self.run = index, model, nursery, run
         self.clock = clock  # wall-clock seconds, as records' timestamps are (a test passes a virtual one)
         self._pools: dict[int, list[StageRecord]] = {}  # per stage: the last lookup's CHECK_POOL best
+        self._seen: dict[str, StageRecord] = {}  # per peer: its newest record any lookup returned (addrs_of)
         self.updated_at = 0.0
         self._rebuilt: trio.Event | None = None  # while a rebuild runs: set when it ends
         self.book = CandidateBook()  # who answered us; only they are candidates
@@ -126,6 +128,7 @@ class StageMap:
         missed stay until they expire: one store that answered alone (a hostile one serving only
         its identities) or a lookup cut short must not make us forget the peers we work with."""
         now = self.clock()
+        self._remember(found, now)
         got = {r.peer_id for r in found}
         kept = [r for r in self._pools.get(stage, []) if r.peer_id not in got and r.is_fresh(now)
                 and self.standing(r.peer_id, now) is not Standing.STRANGER]
@@ -146,9 +149,25 @@ class StageMap:
         return {r.peer_id: r for records in self.stages.values() for r in records}
 
     async def addrs_of(self, peer_id: str) -> tuple[str, ...]:
+        """The addresses of ``peer_id``'s newest fresh record (``/api/ping`` by peer id): from any lookup while
+        the record lives, not only from the map's top: a peer asked for by name may be a crowded stranger, or
+        missing from the last lookup's answer (a lookup cut short on a loaded machine)."""
         await self.current()
-        record = self.records().get(peer_id)
-        return record.addrs if record else ()
+        now = self.clock()
+        pooled = [r for stage in self._pools for r in self._fresh(stage, now) if r.peer_id == peer_id]
+        seen = self._seen.get(peer_id)
+        fresh = [*pooled, *([seen] if seen is not None and seen.is_fresh(now) else [])]
+        return max(fresh, key=lambda r: r.timestamp).addrs if fresh else ()
+
+    def _remember(self, found: list[StageRecord], now: float) -> None:
+        """Each found record as its peer's newest seen (bounded: expired ones, then the oldest, go first)."""
+        for record in found:
+            held = self._seen.get(record.peer_id)
+            if held is None or record.timestamp > held.timestamp:
+                self._seen[record.peer_id] = record
+        if len(self._seen) > MAX_SEEN:
+            live = sorted((r for r in self._seen.values() if r.is_fresh(now)), key=lambda r: r.timestamp)
+            self._seen = {r.peer_id: r for r in live[-MAX_SEEN:]}
 
     async def choose_stage(self, rng: random.Random) -> int:
         """``--layers auto``: the stage with the least announced throughput (else the fewest live
