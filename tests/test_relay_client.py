@@ -63,6 +63,10 @@ class PickerMachine(RuleBasedStateMachine):
         self.picker.reserved(peer, self.now, self.now + ttl)
 
     @rule(peer=st.sampled_from(RELAYS))
+    def lose_connection(self, peer):  # the relay may have ended the reservation with its last connection
+        self.picker.connection_lost(peer)
+
+    @rule(peer=st.sampled_from(RELAYS))
     def fail(self, peer):
         self.picker.failed(peer, self.now)
         self.failures[peer] = self.now
@@ -85,7 +89,13 @@ class PickerMachine(RuleBasedStateMachine):
     def refresh_is_due_before_expiry(self):
         for held in self.picker.held.values():
             assert held.refresh_at() < held.expiry
-            assert held.refresh_at() - held.granted_at >= REFRESH_AT * (held.expiry - held.granted_at) - 1e-6
+            if not held.lost:
+                assert held.refresh_at() - held.granted_at >= REFRESH_AT * (held.expiry - held.granted_at) - 1e-6
+
+    @invariant()
+    def a_lost_reservation_is_refreshed_at_once(self):
+        due = self.picker.refresh_due(self.now)
+        assert all(peer in due for peer, held in self.picker.held.items() if held.lost)
 
     @invariant()
     def nothing_held_is_expired(self):

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import trio
 
 from p2pswarm.nat.relay_service import HOP_PROTOCOL
+from p2pswarm.net.notify import watch_connections
 
 log = logging.getLogger(__name__)
 
@@ -40,9 +41,10 @@ MAX_ADDRS_PER_RELAY = 2  # circuit addresses advertised per relay
 class Held:
     granted_at: float
     expiry: float
+    lost: bool = False  # a connection to the relay closed since: the relay may have ended the reservation
 
     def refresh_at(self) -> float:
-        return self.granted_at + REFRESH_AT * (self.expiry - self.granted_at)
+        return self.granted_at if self.lost else self.granted_at + REFRESH_AT * (self.expiry - self.granted_at)
 
 
 @dataclass
@@ -91,6 +93,12 @@ class RelayPicker:
             return False
         self.held[peer] = Held(now, expiry)
         return True
+
+    def connection_lost(self, peer: str) -> None:
+        """A connection to ``peer`` closed. A relay ends a reservation with the peer's last connection
+        (``relay_service``), and other traffic may have connected us again at once: refresh it now."""
+        if peer in self.held:
+            self.held[peer].lost = True
 
     def failed(self, peer: str, now: float) -> None:
         self.held.pop(peer, None)
@@ -207,12 +215,23 @@ async def serve_relay_reservations(host, picker: RelayPicker, on_change: Callabl
             log.info("relay client: advertising %d circuit address(es) via %d relay(s)", len(addrs), len(picker.held))
             on_change(list(addrs))
 
+    lost: set[str] = set()
+    woken = trio.Event()
+
+    def on_disconnected(conn) -> None:
+        lost.add(str(conn.muxed_conn.peer_id))
+        woken.set()
+
+    watch_connections(host, on_disconnected=on_disconnected)
     try:
         async with background_trio_service(protocol):
             await protocol.event_started.wait()
             task_status.started()
             while True:
                 learn_candidates(host, picker)
+                for peer in sorted(lost):
+                    picker.connection_lost(peer)
+                lost.clear()
                 now = clock()
                 connected = {str(p) for p in host.get_connected_peers()}
                 for peer in [p for p in picker.held if p not in connected]:
@@ -231,7 +250,9 @@ async def serve_relay_reservations(host, picker: RelayPicker, on_change: Callabl
                     elif picker.reserved(peer, clock(), expiry):
                         log.info("relay client: reserved on %s for %.0f s", peer, expiry - clock())
                 publish()
-                await trio.sleep(min(tick, picker.next_wakeup(clock())) or tick)
+                with trio.move_on_after(min(tick, picker.next_wakeup(clock())) or tick):
+                    await woken.wait()  # or at once when a connection closed
+                woken = trio.Event()
     finally:
         picker.release_all()
         if advertised:
