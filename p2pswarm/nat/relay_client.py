@@ -191,6 +191,22 @@ async def _reserve(host, transport, peer: str, addrs: Sequence[str]) -> float | 
     return None
 
 
+async def _reserve_due(host, transport, picker: RelayPicker, clock) -> None:
+    """Refresh the reservations that are due, then fill the free slots (the picker says which)."""
+    for peer in picker.refresh_due(clock()):
+        expiry = await _reserve(host, transport, peer, picker.candidates.get(peer, ()))
+        if expiry is None:
+            picker.failed(peer, clock())
+        else:
+            picker.reserved(peer, clock(), expiry)
+    for peer in picker.to_reserve(clock()):
+        expiry = await _reserve(host, transport, peer, picker.candidates.get(peer, ()))
+        if expiry is None:
+            picker.failed(peer, clock())
+        elif picker.reserved(peer, clock(), expiry):
+            log.info("relay client: reserved on %s for %.0f s", peer, expiry - clock())
+
+
 async def serve_relay_reservations(host, picker: RelayPicker, on_change: Callable[[list[str]], None], *,
                                    clock=time.time, tick: float = TICK,
                                    task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -237,18 +253,7 @@ async def serve_relay_reservations(host, picker: RelayPicker, on_change: Callabl
                 for peer in [p for p in picker.held if p not in connected]:
                     log.info("relay client: lost the connection to relay %s", peer)
                     picker.failed(peer, now)
-                for peer in picker.refresh_due(now):
-                    expiry = await _reserve(host, transport, peer, picker.candidates.get(peer, ()))
-                    if expiry is None:
-                        picker.failed(peer, clock())
-                    else:
-                        picker.reserved(peer, clock(), expiry)
-                for peer in picker.to_reserve(clock()):
-                    expiry = await _reserve(host, transport, peer, picker.candidates.get(peer, ()))
-                    if expiry is None:
-                        picker.failed(peer, clock())
-                    elif picker.reserved(peer, clock(), expiry):
-                        log.info("relay client: reserved on %s for %.0f s", peer, expiry - clock())
+                await _reserve_due(host, transport, picker, clock)
                 publish()
                 with trio.move_on_after(min(tick, picker.next_wakeup(clock())) or tick):
                     await woken.wait()  # or at once when a connection closed
