@@ -235,8 +235,10 @@ async def serve_relay_reservations(host, picker: RelayPicker, on_change: Callabl
     woken = trio.Event()
 
     def on_disconnected(conn) -> None:
-        lost.add(str(conn.muxed_conn.peer_id))
-        woken.set()
+        peer = str(conn.muxed_conn.peer_id)
+        if peer in picker.held:  # other peers' comings and goings are no reason to wake
+            lost.add(peer)
+            woken.set()
 
     watch_connections(host, on_disconnected=on_disconnected)
     try:
