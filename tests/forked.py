@@ -31,10 +31,13 @@ from pathlib import Path
 
 from p2pswarm import allocator
 from p2pswarm.allocator import command_of
+from p2pswarm.testing.natlab import p2pswarm_argv
 
 PRELOAD = ["torch", "p2pswarm.cli", "p2pswarm.node.running", "p2pswarm.swarm.service", "p2pswarm.diloco.service",
            "p2pswarm.diloco.backup_service", "p2pswarm.diloco.loading"]  # what a training join imports
-PROGRAM = [sys.executable, "-m", "p2pswarm"]  # a node's command line, as the NAT lab starts one
+PROGRAM = p2pswarm_argv()  # a node's command line, as the NAT lab starts one
+FORKED_COMMANDS = {"join"}  # a bootstrap or relay never imports torch: forked with it, its every GC would walk
+#                             torch's objects too (the churn test's bootstrap took 99 s instead of 75)
 LINE_DEADLINE = 120.0  # seconds readline waits for a node's first line (its address): a guard only
 POLL_S = 0.05
 NETNS_DIR = "/var/run/netns"  # where ``ip netns add`` binds a namespace
@@ -153,7 +156,7 @@ def spawn_in_namespace(namespace: str, argv: list[str], log_path: str | Path | N
     """``NamespaceLab``'s hook for ``python -m p2pswarm join ...`` (``argv`` as the lab would start it): forked
     into ``namespace``, its stderr to ``log_path``, ended after ``timeout`` s; None for any other command."""
     args = argv[len(PROGRAM):]
-    if argv[:len(PROGRAM)] != PROGRAM or command_of(args) != "join" or log_path is None:
+    if argv[:len(PROGRAM)] != PROGRAM or command_of(args) not in FORKED_COMMANDS or log_path is None:
         return None
     log_path = Path(log_path)
     log_path.write_text("")

@@ -14,7 +14,7 @@ from pathlib import Path
 from p2pswarm.allocator import command_of
 from p2pswarm.demo import free_port
 from p2pswarm.run import diloco as dls
-from tests.forked import ForkedNode
+from tests.forked import FORKED_COMMANDS, ForkedNode
 
 TEST_ROWS = 2  # sequences per micro-batch in small_batch_run: a quarter of tiny-lm's 8, so that a test's peers,
 #                sharing 2 cores, pay a quarter of the compute and the bytes per micro-batch; no mechanism tested
@@ -32,8 +32,6 @@ def small_batch_run(workdir: Path, model: str, inner_steps: int = dls.INNER_STEP
 
 
 P2PSWARM = ("-m", "p2pswarm")
-FORKED_COMMANDS = {"join"}  # a bootstrap or relay never imports torch: forked with it, its every GC would walk
-#                             torch's objects too (the churn test's bootstrap took 99 s instead of 75)
 
 
 class Swarm:

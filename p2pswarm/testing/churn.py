@@ -10,7 +10,7 @@ handshake is timed: TCP, Noise, Yamux), does one piece of work over the control 
 ``churn_in_processes`` runs the lifetimes from fresh client processes
 (``python -m p2pswarm.testing.churn``, one JSON line per block): a client's CPU per lifetime
 (~40 ms, py-libp2p's handshake, identify and Yamux) exceeds the node's (~26 ms), so one client is
-the bottleneck, and a test runner's big heap (torch imported) slows it by a further quarter.
+the bottleneck, and a test runner's big heap (torch imported) slowed it by a further ~60 %.
 """
 
 from __future__ import annotations
