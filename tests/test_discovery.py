@@ -8,6 +8,7 @@ import time
 import trio
 
 import p2pswarm.dht.discovery as discovery
+import p2pswarm.dht.holds as holds
 import p2pswarm.dht.records as records_module
 from p2pswarm.dht.record_codec import sign_record
 from p2pswarm.dht.records import Capacity, StageRecord, stage_key
@@ -160,7 +161,8 @@ def test_announced_records_carry_the_stage_and_live_capacity():
 def test_a_peer_that_failed_a_request_is_not_asked_again_for_a_while():
     """DHT traffic dials directly; a peer that could not be reached (e.g. behind a symmetric NAT,
     offered by another server's answer) must not be picked again at once: each try costs a
-    lookup its whole timeout (seen in the NAT lab: a stage map that never caught up)."""
+    lookup its whole timeout (seen in the NAT lab: a stage map that never caught up). The hold
+    doubles with each failure in a row (``dht.holds``)."""
     from p2pswarm.errors import DialError
 
     async def main():
@@ -173,7 +175,12 @@ def test_a_peer_that_failed_a_request_is_not_asked_again_for_a_while():
             index._forget(peer, DialError("unreachable"))
             assert not index._may_hold_records(peer)
             assert peer not in await index.closest_peers(b"k" * 32, 5)
-            now[0] += discovery.UNREACHABLE_MEMORY
+            now[0] += holds.FIRST_FAILURE_HOLD
+            assert index._may_hold_records(peer)
+            index._forget(peer, DialError("unreachable again"))  # a second failure in a row: held twice as long
+            now[0] += holds.FIRST_FAILURE_HOLD
+            assert not index._may_hold_records(peer)
+            now[0] += holds.FIRST_FAILURE_HOLD
             assert index._may_hold_records(peer)
             nursery.cancel_scope.cancel()
 

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from p2pswarm.dht.closest import ClosestPeersCache
+from p2pswarm.dht.holds import RequestHolds
 from p2pswarm.dht.protocol import FetchRecords, FetchReply, StoreRecord, StoreReply, handle_fetch, handle_store
 from p2pswarm.dht.ranking import Standing, pool
 from p2pswarm.dht.record_codec import verify_record
@@ -43,9 +44,6 @@ REPLICATION = 3  # closest peers that hold each stage key; survives two of them 
 READ_WIDTH = 5  # closest peers a reader asks: wider than REPLICATION, as views of "closest" differ
 LOOKUP_WIDTH = 8  # closest peers asked of Kademlia, so enough servers remain after filtering
 KADEMLIA_PROTOCOL = "/ipfs/kad/1.0.0"
-NOT_A_SERVER_MEMORY = 600.0  # a DHT client may turn server when its reachability changes
-UNREACHABLE_MEMORY = 60.0  # a peer that failed a stage-record request is not asked again this long
-MAX_REMEMBERED_CLIENTS = 4096  # bound on that memory; forgetting only costs one more request
 LOOKUP_TIMEOUT = 3.0  # per closest-peer fetch; hivemind's DHT timeout is 3 s
 DEFAULT_K = 8  # records a lookup returns; the router needs a few live candidates per stage
 RECORD_TTL = 15.0  # a SIGKILLed peer vanishes from the stage map within this long
@@ -124,6 +122,14 @@ async def serve_routing_upkeep(host, kad, bootstrap_infos) -> None:
                 log.warning("re-join failed, will retry: %s", exc)
 
 
+def advertises_kademlia(host, peer_id) -> bool:
+    """Whether identify (or its push) lists the Kademlia protocol for ``peer_id`` now: a DHT server."""
+    try:
+        return KADEMLIA_PROTOCOL in host.get_peerstore().get_protocols(peer_id)
+    except Exception:  # unknown peer: no identify yet
+        return False
+
+
 def known_client(host, peer_id) -> bool:
     """A peer that cannot hold records: identify lists no Kademlia, or it advertises relay
     circuits (only an unreachable peer does, and it runs as a DHT client)."""
@@ -168,8 +174,7 @@ class StageIndex:
         self.server = server  # may change with reachability (see set_server)
         self._clock = clock
         self.stats = DiscoveryStats()
-        self._not_servers: dict = {}  # peer → when it answered "unsupported" to a stage-record request
-        self._failed: dict = {}  # peer → when a stage-record request to it failed (DHT traffic dials directly)
+        self._holds = RequestHolds()  # peers left out of requests for a while (failed, or DHT clients)
         self._closest = ClosestPeersCache(want=REPLICATION)  # writers only: readers always search
         control.handle(StoreRecord, self._on_store)
         control.handle(FetchRecords, self._on_fetch)
@@ -235,29 +240,31 @@ class StageIndex:
     def _may_hold_records(self, peer_id) -> bool:
         """False for peers known to be DHT clients: their identify lists no Kademlia, they said so,
         or they advertise relay circuits (only an unreachable peer does, and it is a client)."""
-        now = self._clock()
-        said_at, failed_at = self._not_servers.get(peer_id), self._failed.get(peer_id)
-        if said_at is not None and now - said_at < NOT_A_SERVER_MEMORY:
-            return False
-        if failed_at is not None and now - failed_at < UNREACHABLE_MEMORY:
-            return False  # other servers' answers would otherwise offer it again at once
+        if self._holds.held(peer_id, self._clock(), advertises_kademlia(self._host, peer_id)):
+            return False  # other servers' answers would otherwise offer it again at once (dht.holds)
         return not known_client(self._host, peer_id)
 
     def _forget(self, peer_id, exc: Exception) -> None:
+        """A stage-record request to ``peer_id`` failed: out of the routing table, held out of requests."""
         log.debug("peer %s failed a stage-record request, removing it from the routing table: %s", peer_id, exc)
+        self._drop(peer_id)
+        self._holds.failed(peer_id, self._clock())
+
+    def _drop(self, peer_id) -> None:
         self._kad.routing_table.remove_peer(peer_id)
         self._closest.forget_peer(peer_id)
-        if len(self._failed) >= MAX_REMEMBERED_CLIENTS:
-            self._failed.clear()
-        self._failed[peer_id] = self._clock()
 
-    def _forget_if_not_a_server(self, peer_id, reply) -> None:
-        """py-libp2p lets client-mode peers into servers' routing tables; they hold no records."""
+    def _heard(self, peer_id, reply: Message) -> None:
+        """``peer_id`` answered a stage-record request: reachable. An "unsupported" answer is a DHT client's
+        (py-libp2p lets client-mode peers into servers' routing tables): it holds no records."""
+        if peer_id == self._host.get_id():
+            return
         if isinstance(reply, ErrorReply) and reply.code == "unsupported":
-            if len(self._not_servers) >= MAX_REMEMBERED_CLIENTS:
-                self._not_servers.clear()
-            self._not_servers[peer_id] = self._clock()
-            self._forget(peer_id, DialError("peer does not serve stage records (DHT client)"))
+            log.debug("peer %s is a DHT client, removing it from the routing table", peer_id)
+            self._drop(peer_id)
+            self._holds.said_not_server(peer_id, self._clock())
+        else:
+            self._holds.answered(peer_id)
 
     async def announce(self, record: StageRecord, signed: bytes) -> int:
         """Store our signed record on the closest peers of its stage key; count acceptances."""
@@ -277,11 +284,11 @@ class StageIndex:
             except DialError as exc:
                 self.stats.stores_failed += 1
                 return self._forget(peer_id, exc)
+            self._heard(peer_id, reply)
             if isinstance(reply, StoreReply) and reply.accepted:
                 accepted += 1
                 self.stats.stores_accepted += 1
             else:
-                self._forget_if_not_a_server(peer_id, reply)
                 self.stats.stores_failed += 1
                 log.debug("peer %s did not keep our record for stage %d: %s", peer_id, record.stage, reply)
 
@@ -309,7 +316,7 @@ class StageIndex:
                     reply = await self._control.request(peer_id, request, LOOKUP_TIMEOUT, via_relay=False)
                 except DialError as exc:
                     return self._forget(peer_id, exc)
-            self._forget_if_not_a_server(peer_id, reply)
+            self._heard(peer_id, reply)
             for raw in reply.records if isinstance(reply, FetchReply) else ():
                 self._merge(newest, raw, (run, model, stage))
 
