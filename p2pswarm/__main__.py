@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import sys
 
-from p2pswarm.allocator import NODE_COMMANDS, command_of, exit_at_once, use_system_malloc
+from p2pswarm.allocator import NODE_COMMANDS, command_of, exit_at_once, imports_without_collections, use_system_malloc
 
 
 def run() -> int:
     use_system_malloc(sys.argv[1:])  # returns at once but for a node command that needs the re-exec
-    from p2pswarm.cli import main  # lazy: after the re-exec, so that libp2p and torch are imported once
+    with imports_without_collections(keep=False):  # a node's own imports are kept by cli.main
+        from p2pswarm.cli import main  # lazy: after the re-exec, so that libp2p and torch are imported once
 
     code = main()
     if command_of(sys.argv[1:]) in NODE_COMMANDS:

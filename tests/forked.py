@@ -34,7 +34,8 @@ from p2pswarm.allocator import command_of
 from p2pswarm.testing.natlab import p2pswarm_argv
 
 PRELOAD = ["torch", "p2pswarm.cli", "p2pswarm.node.running", "p2pswarm.swarm.service", "p2pswarm.diloco.service",
-           "p2pswarm.diloco.backup_service", "p2pswarm.diloco.loading"]  # what a training join imports
+           "p2pswarm.diloco.backup_service", "p2pswarm.diloco.loading",  # what a training join imports
+           "tests.forked_freeze"]  # then what a node does once its imports are done, once for all
 PROGRAM = p2pswarm_argv()  # a node's command line, as the NAT lab starts one
 FORKED_COMMANDS = {"join"}  # a bootstrap or relay never imports torch: forked with it, its every GC would walk
 #                             torch's objects too (the churn test's bootstrap took 99 s instead of 75)

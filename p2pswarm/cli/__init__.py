@@ -13,6 +13,7 @@ import sys
 
 import trio
 
+from p2pswarm.allocator import imports_without_collections
 from p2pswarm.api.client import cmd_generate
 from p2pswarm.cli.node_config import config_from_args
 from p2pswarm.cli.parser import build_parser
@@ -38,11 +39,7 @@ def _print_addrs(addrs: list[str]) -> None:
     sys.stdout.flush()
 
 
-async def _run_until_signalled(config: NodeConfig) -> None:
-    # lazy: the node's services import libp2p and torch (2 s here), which --help, keygen, status and
-    # every one-line error need not wait for
-    from p2pswarm.node.running import run_node
-
+async def _run_until_signalled(config: NodeConfig, run_node) -> None:
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(lambda: run_node(config, on_listening=_print_addrs))
@@ -94,8 +91,12 @@ def main(argv: list[str] | None = None) -> int:
                             inner_steps=args.inner_steps, run=args.run, summary=args.summary,
                             rounds=args.rounds, tune=tuple(args.tune))
         config = config_from_args(args)
-        quiet_libp2p(args.log_level)
-        trio.run(_run_until_signalled, config)
+        with imports_without_collections():  # libp2p's objects live as long as the node (allocator)
+            quiet_libp2p(args.log_level)
+            # lazy: the node's services import libp2p (and a training peer torch), which --help, keygen,
+            # status and every one-line error need not wait for
+            from p2pswarm.node.running import run_node
+        trio.run(_run_until_signalled, config, run_node)
         return 0
     except BaseException as exc:
         error = first_error(exc)

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from p2pswarm import __version__, wire
+from p2pswarm.allocator import imports_without_collections
 from p2pswarm.api.serve import open_api_listeners, serve_api
 from p2pswarm.dht.announce import capacity_flags, stage_record
 from p2pswarm.dht.discovery import (
@@ -319,8 +320,9 @@ async def _announce_now(state: NodeState) -> None:
 
 async def _train(state: NodeState, rng: random.Random, task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Train our stage, with DiLoCo between its replicas (imports torch: only a training peer does)."""
-    from p2pswarm.diloco.service import DilocoService  # lazy: imports torch, which only a training peer loads
-    from p2pswarm.swarm.service import SwarmService  # lazy: imports torch
+    with imports_without_collections():  # torch's objects live as long as the node (allocator)
+        from p2pswarm.diloco.service import DilocoService  # lazy: imports torch, which only a training peer loads
+        from p2pswarm.swarm.service import SwarmService  # lazy: imports torch
 
     config, me, run, training = state.config, state.identity.peer_id_text, state.run, state.config.training
     assert run is not None and state.stage is not None, "set by run_node and _join_dht before training starts"
