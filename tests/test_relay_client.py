@@ -167,6 +167,7 @@ def test_client_reserves_on_two_relays_survives_a_dead_one_and_is_dialled_throug
                     changes.append(addrs)
                     set_extra_addrs(client, addrs)
 
+                notifees = len(client.get_network().notifees)
                 async with trio.open_nursery() as inner:
                     started = trio.current_time()
                     await inner.start(lambda task_status: serve_relay_reservations(
@@ -195,6 +196,7 @@ def test_client_reserves_on_two_relays_survives_a_dead_one_and_is_dialled_throug
                     await _ping_through(dialer, circuits()[0], client.get_id())
                     inner.cancel_scope.cancel()
                 assert changes[-1] == [] and not any("/p2p-circuit" in str(a) for a in client.get_addrs())
+                assert len(client.get_network().notifees) == notifees  # its connection watch ended with it
             nursery.cancel_scope.cancel()
 
     trio.run(main)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import trio
 
 from p2pswarm.nat.relay_service import HOP_PROTOCOL
-from p2pswarm.net.notify import watch_connections
+from p2pswarm.net.notify import stop_watching, watch_connections
 
 log = logging.getLogger(__name__)
 
@@ -240,7 +240,7 @@ async def serve_relay_reservations(host, picker: RelayPicker, on_change: Callabl
             lost.add(peer)
             woken.set()
 
-    watch_connections(host, on_disconnected=on_disconnected)
+    watching = watch_connections(host, on_disconnected=on_disconnected)  # the node may start us again and again
     try:
         async with background_trio_service(protocol):
             await protocol.event_started.wait()
@@ -261,6 +261,7 @@ async def serve_relay_reservations(host, picker: RelayPicker, on_change: Callabl
                     await woken.wait()  # or at once when a connection closed
                 woken = trio.Event()
     finally:
+        stop_watching(host, watching)
         picker.release_all()
         if advertised:
             on_change([])

@@ -42,6 +42,14 @@ class ConnectionEvents:
         pass
 
 
-def watch_connections(host, on_connected: Callback = _ignore, on_disconnected: Callback = _ignore) -> None:
-    """Call back on every connection of ``host`` opening and closing, from now on."""
-    host.get_network().register_notifee(ConnectionEvents(on_connected, on_disconnected))
+def watch_connections(host, on_connected: Callback = _ignore, on_disconnected: Callback = _ignore) -> ConnectionEvents:
+    """Call back on every connection of ``host`` opening and closing, from now on (``stop_watching`` ends it)."""
+    events = ConnectionEvents(on_connected, on_disconnected)
+    host.get_network().register_notifee(events)
+    return events
+
+
+def stop_watching(host, events: ConnectionEvents) -> None:
+    """No more callbacks from ``events``: for a watcher that ends before its host (one started again and
+    again would otherwise leave a notifee behind each time, each called on every connection)."""
+    host.get_network().remove_notifee(events)
