@@ -76,14 +76,17 @@ def imports_without_collections(keep: bool = True) -> Iterator[None]:
     before, ~0 after), and a fork server's children do not copy their pages to write the collector's
     marks. The one collection first frees the ~10,000 cyclic objects the imports left as garbage.
     What is frozen is never collected: only objects alive once the imports are done, nearly all of
-    them modules, classes and functions.
+    them modules, classes and functions. When the block imported nothing new (a node that moves to
+    another stage trains again; a forked node's server imported everything already), nothing is
+    collected or frozen: the node's own objects of that moment are not made permanent.
     """
     was_enabled = gc.isenabled()
+    modules_before = len(sys.modules)
     gc.disable()
     try:
         yield
     finally:
-        if keep:
+        if keep and len(sys.modules) > modules_before:
             gc.collect()
             gc.freeze()
         if was_enabled:

@@ -84,3 +84,25 @@ def test_exit_at_once_still_stops_worker_threads_runs_exit_handlers_and_keeps_th
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 3, result.stderr
     assert result.stderr.strip().endswith("the last line"), result.stderr
+
+
+def test_imports_are_frozen_once_and_a_block_that_imports_nothing_freezes_nothing(tmp_path, monkeypatch):
+    """``allocator.imports_without_collections``: the collector is off inside the block and on again after it;
+    what a block imported is frozen, and a block that imported nothing new (a node moving to another stage,
+    a forked node) makes none of the process's own objects permanent."""
+    import gc
+
+    (tmp_path / "freshly_imported_module.py").write_text("TABLE = [[i] for i in range(1000)]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    frozen = gc.get_freeze_count()
+    try:
+        with allocator.imports_without_collections():
+            assert not gc.isenabled()
+            import freshly_imported_module  # noqa: F401
+        assert gc.isenabled() and gc.get_freeze_count() > frozen
+        frozen = gc.get_freeze_count()
+        with allocator.imports_without_collections():
+            kept_alive = [[n] for n in range(1000)]  # the process's own objects, nothing imported
+        assert gc.isenabled() and gc.get_freeze_count() == frozen and kept_alive
+    finally:
+        gc.unfreeze()
