@@ -19,14 +19,18 @@ from tests.forked import FORKED_COMMANDS, ForkedNode
 TEST_ROWS = 2  # sequences per micro-batch in small_batch_run: a quarter of tiny-lm's 8, so that a test's peers,
 #                sharing 2 cores, pay a quarter of the compute and the bytes per micro-batch; no mechanism tested
 #                with it depends on the batch's size (the heal test compares losses: it keeps tiny-lm's batch)
+TEST_EVAL_BATCHES = 2  # held-out micro-batches per evaluation round in small_batch_run: a quarter of the run's 8
+#                        (8 KiB of text): a figure per round to compare, which no test needs to 0.01 bits/byte
 
 
 def small_batch_run(workdir: Path, model: str, inner_steps: int = dls.INNER_STEPS, outer_lr: float = dls.OUTER_LR,
                     momentum: float = dls.OUTER_MOMENTUM) -> tuple[str, str]:
     """``--run FILE`` for a run file written in ``workdir``: the tiny-lm run's seed, optimizer, codec and
-    aggregator on ``model``, with ``TEST_ROWS`` rows per micro-batch and these DiLoCo values."""
+    aggregator on ``model``, with ``TEST_ROWS`` rows per micro-batch, ``TEST_EVAL_BATCHES`` held-out micro-batches
+    per evaluation round and these DiLoCo values."""
     path = workdir / f"run-{model.replace('/', '-')}-h{inner_steps}.toml"
-    path.write_text(f'name = "test"\nmodel = "{model}"\n\n[batch]\nrows = {TEST_ROWS}\n\n'
+    path.write_text(f'name = "test"\nmodel = "{model}"\n\n'
+                    f"[batch]\nrows = {TEST_ROWS}\neval_batches = {TEST_EVAL_BATCHES}\n\n"
                     f"[diloco]\ninner_steps = {inner_steps}\nouter_lr = {outer_lr!r}\nmomentum = {momentum!r}\n")
     return "--run", str(path)
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.procs import Swarm, get_json, wait_until
+from tests.procs import TEST_EVAL_BATCHES, Swarm, get_json, wait_until
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers", reason="the loader of the export (dev extra)")
@@ -34,12 +34,14 @@ from p2pswarm.model.catalog import get_model  # noqa: E402
 from p2pswarm.model.transformer import build_model, run_stages  # noqa: E402
 from p2pswarm.run import plan  # noqa: E402
 from p2pswarm.swarm.engine import ids_tensor  # noqa: E402
-from p2pswarm.swarm.evaluation import EVAL_BATCHES, EVAL_ROWS  # noqa: E402
+from p2pswarm.swarm.evaluation import EVAL_ROWS  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]  # the deadlines below add up to ~700 s at worst
 
 SPEC = get_model("tiny-lm/2")
-FLAGS = ("--model", "tiny-lm/2", "--inner-steps", "16", "--gather", "1", "--snapshot-period", "5")
+RUN = (f'name = "export-test"\nmodel = "tiny-lm/2"\n\n[batch]\neval_batches = {TEST_EVAL_BATCHES}\n\n'
+       "[diloco]\ninner_steps = 16\n")  # tiny-lm's run with H = 16 and the tests' smaller held-out set
+FLAGS = ("--gather", "1", "--snapshot-period", "5")
 EVERY_ROUND = ("--tune", "eval_share=1")  # the held-out figure of every outer round: an export's round has one
 TRAIN_DEADLINE = 200.0  # seconds until the last stage measured an outer round >= 1 (2 shared cores)
 EXPORT_DEADLINE = 400.0  # seconds of exports until one finds both stages on one round (loaded, they drift apart)
@@ -68,7 +70,7 @@ def exported_rounds(stderr: str) -> list[int]:
 def heldout_batches():
     corpus = corpora.load_corpus(None)
     rows = plan.fitting_rows(SPEC, EVAL_ROWS, SPEC.context, "float32")
-    return [ids_tensor(b.rows) for b in corpora.heldout_batches(corpus, SPEC.context, rows, EVAL_BATCHES * rows)]
+    return [ids_tensor(b.rows) for b in corpora.heldout_batches(corpus, SPEC.context, rows, TEST_EVAL_BATCHES * rows)]
 
 
 def bits_per_byte(logits_of, batches) -> float:
@@ -118,8 +120,10 @@ def test_export_round_trip_through_a_training_swarm(tmp_path):
     swarm = Swarm(tmp_path)
     try:
         boot = swarm.bootstrap()
-        _, first = swarm.join(boot, "0:4", "p0", *FLAGS, *EVERY_ROUND)
-        _, last = swarm.join(boot, "4:8", "p1", *FLAGS, *EVERY_ROUND)
+        run = tmp_path / "run.toml"
+        run.write_text(RUN)
+        _, first = swarm.join(boot, "0:4", "p0", "--run", str(run), *FLAGS, *EVERY_ROUND)
+        _, last = swarm.join(boot, "4:8", "p1", "--run", str(run), *FLAGS, *EVERY_ROUND)
         assert wait_until(lambda: any(e["outer_round"] >= 1 for e in
                                       (get_json(last, "/api/swarm") or {}).get("heldout_by_round", [])),
                           TRAIN_DEADLINE), (get_json(last, "/api/swarm"), get_json(first, "/api/diloco"))

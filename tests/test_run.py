@@ -41,6 +41,7 @@ min_lr_ratio = 0.1
 rows = 4
 context = 64
 dtype = "bfloat16"
+eval_batches = 4
 
 [diloco]
 inner_steps = 50
@@ -66,6 +67,7 @@ inner_steps = 50
 
 [batch]
 dtype = "bfloat16"
+eval_batches = 4  # the held-out set
 context = 64
 rows = 4
 
@@ -109,6 +111,7 @@ def test_the_default_run_is_todays_tiny_lm_behaviour():
     assert (run.betas, run.weight_decay, run.grad_clip) == (TrainConfig().betas, TrainConfig().weight_decay,
                                                             TrainConfig().grad_clip)
     assert (run.rows, run.context, run.dtype) == (8, 128, "float32") and run.warmup_steps == run.decay_steps == 0
+    assert run.eval_batches == 8 == train_config(run).eval_batches  # the held-out set as it always was
     assert run.diloco() == DilocoSettings()
     assert train_config(run).lr == run.lr
     assert NodeConfig(role=Role.JOIN).run.identity == run.identity
@@ -150,6 +153,7 @@ CHANGES = [("seed = 3", "seed = 4"), ('model = "tiny-lm/2"', 'model = "tiny-lm/4
            ("accumulate = 2", "accumulate = 1"), ("warmup_steps = 10", "warmup_steps = 11"),
            ("decay_steps = 100", "decay_steps = 0"), ("min_lr_ratio = 0.1", "min_lr_ratio = 0.0"),
            ("rows = 4", "rows = 5"), ("context = 64", "context = 65"), ('dtype = "bfloat16"', 'dtype = "float32"'),
+           ("eval_batches = 4", "eval_batches = 3"),
            ("inner_steps = 50", "inner_steps = 51"), ("outer_lr = 0.7", "outer_lr = 0.8"),
            ("momentum = 0.9", "momentum = 0.8"), ('codec = "int8"', 'codec = "float16"'),
            ('aggregator = "mean"', 'aggregator = "median"')]
@@ -195,6 +199,8 @@ BAD = [
     (FULL.replace("rows = 4", "rows = 0"), "batch.rows: must be within"),
     (FULL.replace("context = 64", "context = 129"), "batch.context: must be within [1, 128]"),
     (FULL.replace('dtype = "bfloat16"', 'dtype = "int8"'), "batch.dtype: must be one of"),
+    (FULL.replace("eval_batches = 4", "eval_batches = 0"), "batch.eval_batches: must be within [1, 8]"),
+    (FULL.replace("eval_batches = 4", "eval_batches = 9"), "batch.eval_batches: must be within [1, 8]"),
     (FULL.replace("warmup_steps = 10", "warmup_steps = -1"), "optimizer.warmup_steps"),
     (FULL.replace("min_lr_ratio = 0.1", "min_lr_ratio = 1.5"), "optimizer.min_lr_ratio"),
     (FULL.replace("inner_steps = 50", "inner_steps = 0"), "diloco.inner_steps"),
@@ -278,6 +284,23 @@ def test_cli_models_lists_the_packaged_runs_and_resolves_one():
         assert load_run(name).identity in result.stdout
     one = cli("models", "--run", "nano")
     assert one.returncode == 0 and load_run("nano").identity in one.stdout and "bfloat16" in one.stdout
+
+
+def test_a_last_stage_closes_held_out_rounds_at_its_runs_size():
+    """A run's ``[batch] eval_batches`` is what the last stage waits for before a held-out round is complete."""
+    pytest.importorskip("torch")
+    import trio
+
+    from p2pswarm.swarm.service import SwarmService
+
+    run = load_run("tiny-lm").with_values(model="tiny-lm/2", eval_batches=3)
+
+    async def main():
+        svc = SwarmService(spec=run.spec(), stage=1, me="peer-1", pool=None, stage_map=None, host=None,
+                           config=train_config(run), run=run)
+        assert svc.evals.expected == 3 == svc.config.eval_batches
+
+    trio.run(main)
 
 
 def test_a_peer_of_another_run_has_its_tensors_refused_once_logged(caplog):

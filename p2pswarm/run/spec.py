@@ -24,6 +24,7 @@ is that file. Layout (every key but ``name`` and ``model`` has the default shown
     rows = 8                      # sequences per micro-batch
     context = 128                 # tokens per sequence, at most the model's context (default: it)
     dtype = "float32"             # activations and their gradients on the wire: float32, bfloat16, float16
+    eval_batches = 8              # held-out micro-batches per evaluation round (32 rows each), 1 to 8
 
     [diloco]                      # the outer-round settings that must match between replicas
     inner_steps = 500             # H
@@ -89,6 +90,8 @@ DEFAULT_MIN_LR_RATIO = 0.1  # the usual floor of a cosine schedule (Chinchilla, 
 DEFAULT_ROWS = 8  # 8 x 128 tokens of tiny-lm: ~0.5 MiB of float32 activations
 DEFAULT_DTYPE = "float32"  # exact on CPU; GPU runs choose bfloat16
 MAX_ROWS = 256  # rows a peer accepts in one micro-batch (swarm/codec.py bounds frames by it)
+DEFAULT_EVAL_BATCHES = 8  # 8 x 32 rows x 128 bytes of tiny-lm: 32 KiB of held-out text per evaluation round
+MAX_EVAL_BATCHES = 8  # a round's micro-batches at most: a stage holds a few rounds' worth (swarm/stage_core.py)
 MAX_STEPS = 10**9  # warm-up and decay lengths: beyond any run
 MAX_SEED = 2**63 - 1  # seeds are u63 like every counter on the wire
 MAX_LR = 1.0  # beyond it AdamW diverges at once: a typo, not a choice
@@ -117,6 +120,7 @@ class RunSpec:
     rows: int = DEFAULT_ROWS
     context: int = 0  # tokens per sequence (0 only before resolution: the model's context)
     dtype: str = DEFAULT_DTYPE
+    eval_batches: int = DEFAULT_EVAL_BATCHES  # the held-out set's size (tests that need no precise figure: fewer)
     inner_steps: int = dls.INNER_STEPS
     outer_lr: float = dls.OUTER_LR
     momentum: float = dls.OUTER_MOMENTUM
@@ -217,7 +221,7 @@ _TOP = {"name": str, "model": str, "seed": int, "tokenizer": str}
 _TABLES = {
     "optimizer": {"lr": float, "betas": list, "eps": float, "weight_decay": float, "grad_clip": float,
                   "accumulate": int, "warmup_steps": int, "decay_steps": int, "min_lr_ratio": float},
-    "batch": {"rows": int, "context": int, "dtype": str},
+    "batch": {"rows": int, "context": int, "dtype": str, "eval_batches": int},
     "diloco": {"inner_steps": int, "outer_lr": float, "momentum": float, "codec": str, "aggregator": str},
 }
 _REQUIRED = ("name", "model")
@@ -318,6 +322,7 @@ def _problem(run: RunSpec, model: ModelSpec) -> tuple[str, str] | None:
         ("batch.context", 1 <= run.context <= model.context, f"must be within [1, {model.context}] (the context "
                                                              f"of {model.name})"),
         ("batch.dtype", run.dtype in DTYPES, f"must be one of {', '.join(DTYPES)}"),
+        ("batch.eval_batches", 1 <= run.eval_batches <= MAX_EVAL_BATCHES, f"must be within [1, {MAX_EVAL_BATCHES}]"),
     ]
     for key, ok, why in checks:
         if not ok:

@@ -23,6 +23,7 @@ from p2pswarm.run.spec import (
     DEFAULT_DECAY,
     DEFAULT_DTYPE,
     DEFAULT_EPS,
+    DEFAULT_EVAL_BATCHES,
     DEFAULT_GRAD_CLIP,
     DEFAULT_LR,
     DEFAULT_MIN_LR_RATIO,
@@ -55,6 +56,7 @@ class TrainConfig:
     rows: int = DEFAULT_ROWS  # sequences per training micro-batch
     seq: int | None = None  # tokens per sequence; None: the model's context
     activation_dtype: str = DEFAULT_DTYPE  # what hidden states and their gradients travel as
+    eval_batches: int = DEFAULT_EVAL_BATCHES  # held-out micro-batches per evaluation round (the run's held-out set)
     predict_weights: bool = PREDICT_WEIGHTS  # forwards run on the weights predicted for when their gradient lands
 
 
@@ -63,7 +65,7 @@ def train_config(run: RunSpec) -> TrainConfig:
     return TrainConfig(lr=run.lr, weight_decay=run.weight_decay, accumulate=run.accumulate, grad_clip=run.grad_clip,
                        seed=run.seed, betas=run.betas, eps=run.eps, warmup_steps=run.warmup_steps,
                        decay_steps=run.decay_steps, min_lr_ratio=run.min_lr_ratio, rows=run.rows, seq=run.context,
-                       activation_dtype=run.dtype)
+                       activation_dtype=run.dtype, eval_batches=run.eval_batches)
 
 
 @dataclass(frozen=True)

@@ -24,9 +24,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from p2pswarm.run.spec import DEFAULT_EVAL_BATCHES
 from p2pswarm.swarm.activation import NO_ROUND
 
-EVAL_BATCHES = 8  # micro-batches per round: 8 x 32 rows x 128 bytes = 32 KiB of held-out text
+EVAL_BATCHES = DEFAULT_EVAL_BATCHES  # micro-batches per round (a run's [batch] eval_batches): 32 KiB of text
 EVAL_ROWS = 32  # rows per evaluation micro-batch
 MAX_OPEN_ROUNDS = 64  # rounds being gathered at once (a few per stage-0 peer)
 HISTORY = 256  # completed rounds kept for /api/swarm and the demo's curve

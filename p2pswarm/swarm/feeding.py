@@ -30,7 +30,7 @@ from p2pswarm.run import plan
 from p2pswarm.swarm import engine as eng
 from p2pswarm.swarm.activation import NO_ROUND, SESSION_BYTES
 from p2pswarm.swarm.buffers import Priority
-from p2pswarm.swarm.evaluation import EVAL_BATCHES, EVAL_ROWS
+from p2pswarm.swarm.evaluation import EVAL_ROWS
 from p2pswarm.swarm.stage_core import Job
 from p2pswarm.swarm.upkeep import UPKEEP_PERIOD
 
@@ -109,9 +109,9 @@ class Feeder:
     async def evaluate(self, corpus) -> None:
         svc = self.service
         seq = svc.config.seq or svc.spec.context
-        rows = self._eval_rows(seq)  # EVAL_BATCHES micro-batches a round, each within one frame
+        rows, batches = self._eval_rows(seq), svc.config.eval_batches  # the run's micro-batches a round, each one frame
         held = await trio.to_thread.run_sync(
-            lambda: list(corpora.heldout_batches(corpus, seq, rows, EVAL_BATCHES * rows)))
+            lambda: list(corpora.heldout_batches(corpus, seq, rows, batches * rows)))
         if not held:
             log.warning("the corpus has no held-out part: no evaluation")
             return

@@ -101,7 +101,7 @@ class SwarmService:
         self.bans = admission.Bans()
         self._banned = self.bans.until  # peer -> until when it is refused
         self.router = Router(self.rng)
-        self.evals = EvalBook()
+        self.evals = EvalBook(config.eval_batches)  # the run's held-out micro-batches per round
         self.engine: eng.StageEngine | None = None
         self.inference: InferenceServer | None = None  # inference sessions (swarm/inference.py), once running
         self.engine_lock = trio.Lock()  # one user of the engine's tensors at a time: the worker, or DiLoCo

@@ -26,6 +26,7 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Any
 
+from p2pswarm.run.spec import MAX_EVAL_BATCHES
 from p2pswarm.swarm.activation import (
     MAX_RETRY_AFTER_MS,
     NO_ROUND,
@@ -42,13 +43,12 @@ from p2pswarm.swarm.buffers import (
     inbound_buffer,
     outbound_queue,
 )
-from p2pswarm.swarm.evaluation import EVAL_BATCHES
 from p2pswarm.swarm.inflight import InFlight, RecentKeys
 
 Key = tuple[bytes, int]  # (session, micro-batch id)
 
 EVAL_HOLD = 30.0  # seconds an evaluation waits for our outer round to reach stage 0's (a round's gather + reduce)
-MAX_HELD_EVALS = 4 * EVAL_BATCHES  # evaluations held at once: a few rounds' worth, never unbounded
+MAX_HELD_EVALS = 4 * MAX_EVAL_BATCHES  # evaluations held at once: a few rounds' worth, never unbounded
 COMPUTE_S = 0.05  # first guess of one job's compute time, before any is measured: Busy's retry-after hint
 COMPUTE_EMA = 0.1  # weight of a new job's compute time in its average
 
