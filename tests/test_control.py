@@ -24,14 +24,16 @@ async def pong(peer: str, message: wire.Ping) -> wire.Pong:
     return wire.Pong(nonce=message.nonce + 1)
 
 
-def with_pair(test):
-    """Run ``test(client_host, client_control, server_host, server_control)`` on two connected hosts."""
+def with_pair(test, handler_timeout: float = HANDLER_TIMEOUT):
+    """Run ``test(client_host, client_control, server_host, server_control)`` on two connected hosts; the
+    server cuts its handlers at ``handler_timeout``."""
 
     async def main():
         async with (open_host(generate_identity(), LOOPBACK) as server,
                     open_host(generate_identity(), LOOPBACK) as client):
             async with trio.open_nursery() as nursery:
-                server_control, client_control = ControlService(server, nursery), ControlService(client, nursery)
+                server_control = ControlService(server, nursery, handler_timeout=handler_timeout)
+                client_control = ControlService(client, nursery)
                 await connect(client, peer_info_from_multiaddr(str(server.get_addrs()[0])))
                 await test(client, client_control, server, server_control)
                 nursery.cancel_scope.cancel()
@@ -110,9 +112,12 @@ async def never(peer, message):
     await trio.sleep_forever()
 
 
+SHORT_HANDLER_TIMEOUT = 1.0  # the server's handler deadline where a test waits one out: a quarter of HANDLER_TIMEOUT
+
+
 def test_a_handler_past_its_deadline_gets_a_timeout_reply_and_the_stream_goes_on():
     """Issue 7, item 1 (server side): a stalled handler no longer stalls the peer's FIFO channel."""
-    assert HANDLER_TIMEOUT < REQUEST_TIMEOUT
+    assert HANDLER_TIMEOUT < REQUEST_TIMEOUT and SHORT_HANDLER_TIMEOUT < REQUEST_TIMEOUT
 
     async def test(client, control, server, server_control):
         server_control.handle(wire.Pong, never)
@@ -124,7 +129,7 @@ def test_a_handler_past_its_deadline_gets_a_timeout_reply_and_the_stream_goes_on
         assert control._channels[str(server.get_id())] is channel and not channel.closed
         assert server_control.stats.handler_timeouts == 1
 
-    with_pair(test)
+    with_pair(test, SHORT_HANDLER_TIMEOUT)
 
 
 def test_a_request_timeout_retires_the_channel_so_the_next_request_is_answered():
@@ -171,11 +176,11 @@ def test_requests_succeed_again_after_a_peers_handlers_stalled():
         for n in range(20):
             assert await control.request(server.get_id(), wire.Ping(nonce=n), timeout=1.0) == wire.Pong(nonce=n + 1)
         assert control.stats.requests_failed == 8  # no longer rising
-        with trio.fail_after(HANDLER_TIMEOUT + 5):
+        with trio.fail_after(SHORT_HANDLER_TIMEOUT + 5):
             while running[0]:
                 await trio.sleep(0.05)
 
-    with_pair(test)
+    with_pair(test, SHORT_HANDLER_TIMEOUT)
 
 
 async def _expect_failure(control, peer_id, nonce):
