@@ -2,7 +2,8 @@
 
 The handler of a real ``SwarmService`` (no network: frames are handed to it as the stream pool
 would) must ack what it will compute, answer ``Busy`` when its buffer is full, and refuse with
-``RemoteProtocolError`` (the pool then resets the stream) anything else, barring the sender.
+``RemoteProtocolError`` (the pool then resets the stream) anything else, barring the sender. A tensor
+for a stage it does not serve is no lie (the sender's map is behind a move): refused, never barred.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 import trio  # noqa: E402
 
+from p2pswarm import wire  # noqa: E402
 from p2pswarm.errors import RemoteProtocolError  # noqa: E402
 from p2pswarm.model.catalog import get_model  # noqa: E402
 from p2pswarm.swarm.activation import SESSION_BYTES, Ack, Backward, Busy, Forward  # noqa: E402
@@ -83,7 +85,6 @@ def test_a_flood_is_answered_busy_not_queued_without_bound():
 
 
 LIES = {
-    "wrong stage": forward(stage=0),
     "wrong width": forward(shape=(ROWS, SEQ, SPEC.width + 1)),
     "longer than the context": forward(shape=(1, SPEC.context + 1, SPEC.width), targets=SPEC.context + 1),
     "too many rows": forward(shape=(257, 1, SPEC.width), targets=257),
@@ -106,6 +107,22 @@ def test_every_lie_is_refused_and_its_sender_barred(lie):
         with pytest.raises(RemoteProtocolError):  # barred: even a good frame is refused now
             await svc._on_frame("liar", *forward())
         assert await svc._on_frame("honest", *forward()) == Ack(0, 1)  # others are served
+    run(main)
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_a_tensor_for_a_stage_we_moved_from_is_refused_and_its_sender_still_served(stage):
+    """Issue 25: after a move, neighbours whose map still shows our old stage send us its tensors for up
+    to a record's TTL. Each gets ``wrong-stage`` (the sender routes it elsewhere), counted; nobody is barred."""
+    async def main():
+        svc = service()
+        gradient = Backward(SESSION, 0, stage, int(Priority.TRAINING_BACKWARD), 0, "float32", (ROWS, SEQ, SPEC.width),
+                            0), b"\0" * ROWS * SEQ * SPEC.width * 4
+        for frame in (forward(stage=stage), gradient):
+            reply = await svc._on_frame("behind", *frame)
+            assert isinstance(reply, wire.ErrorReply) and reply.code == "wrong-stage", reply
+        assert svc.counts["wrong_stage_frames"] == 2 and svc.counts["garbage_frames"] == 0 and len(svc.inbound) == 0
+        assert await svc._on_frame("behind", *forward()) == Ack(0, 1)  # not barred
     run(main)
 
 

@@ -172,6 +172,8 @@ class SwarmService:
             raise RemoteProtocolError(f"{peer} is refused for sending garbage")
         if isinstance(message, (Forward, Backward)) and message.run != self.run_id:
             return self._refuse_other_run(peer, message.run)
+        if isinstance(message, (Forward, Backward)) and message.stage != self.stage:
+            return self._refuse_wrong_stage(peer, message.stage)
         try:
             job, priority = self._job_from(peer, message, payload)
         except RemoteProtocolError as exc:
@@ -194,6 +196,13 @@ class SwarmService:
             self._other_runs.add(peer)
             log.warning("peer %s is training run %s, we train %s: refusing its tensors", peer, run.hex(), ours)
         return wire.ErrorReply("other-run", f"this peer trains {ours}, not run {run.hex()}")
+
+    def _refuse_wrong_stage(self, peer: str, stage: int) -> wire.ErrorReply:
+        """A tensor for a stage we do not serve: its sender's map still shows where we were before a move
+        (records live RECORD_TTL). Refused, not barred: it is no garbage, and the sender routes elsewhere."""
+        self.counts[Count.WRONG_STAGE_FRAMES] += 1
+        log.debug("peer %s sent a tensor for stage %d; we serve stage %d", peer, stage, self.stage)
+        return wire.ErrorReply("wrong-stage", f"this peer serves stage {self.stage}, not stage {stage}")
 
     def _job_from(self, peer: str, message, payload: bytes) -> tuple[Job | None, Priority]:
         """The job a frame asks for (None: a late gradient); RemoteProtocolError for anything we would

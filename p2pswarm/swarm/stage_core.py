@@ -58,6 +58,7 @@ class Count(enum.StrEnum):
 
     GARBAGE_FRAMES = "garbage_frames"  # frames that broke the protocol: the sender is barred
     OTHER_RUN_FRAMES = "other_run_frames"  # tensors of another run, refused
+    WRONG_STAGE_FRAMES = "wrong_stage_frames"  # tensors for a stage we do not serve (we moved), refused
     LATE_GRADIENTS = "late_gradients"  # gradients of micro-batches given up already
     DUPLICATES_DROPPED = "duplicates_dropped"  # re-sends of what we hold or did
     BUSY_REPLIES = "busy_replies"  # frames refused because the inbound buffer was full
