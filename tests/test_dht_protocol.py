@@ -154,5 +154,21 @@ def test_a_lookup_drops_a_record_of_another_run_that_comes_back_anyway():
     newest: dict = {}
     for identity, run in ((ALICE, ours), (BOB, theirs)):
         raw = sign_record(dataclasses.replace(record(identity), run=run), identity)
-        StageIndex._merge(index, newest, raw, (ours, "tiny-lm", 0))
+        StageIndex._merge(index, newest, raw, (ours, "tiny-lm", 0), NOW)
     assert list(newest) == [ALICE.peer_id_text] and index.stats.invalid_records == 1
+
+
+def test_a_lookup_drops_a_record_dated_past_the_clock_skew_that_a_store_serves_anyway():
+    """A store checks timestamps, but a hostile one could serve a record its author dated far ahead: fresh
+    for good, and the newest of its author forever. The reader bounds it as a store does (issue 25)."""
+    from types import SimpleNamespace
+
+    from p2pswarm.dht.discovery import StageIndex
+    from p2pswarm.dht.store import MAX_CLOCK_SKEW
+
+    index = SimpleNamespace(stats=SimpleNamespace(invalid_records=0))
+    newest: dict = {}
+    for identity, ahead in ((ALICE, MAX_CLOCK_SKEW - 1), (BOB, MAX_CLOCK_SKEW + 1), (BOB, 2.0**40 - NOW)):
+        raw = sign_record(record(identity, ts=NOW + ahead), identity)
+        StageIndex._merge(index, newest, raw, (record(ALICE).run, "tiny-lm", 0), NOW)
+    assert list(newest) == [ALICE.peer_id_text] and index.stats.invalid_records == 2

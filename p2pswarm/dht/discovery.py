@@ -28,7 +28,7 @@ from p2pswarm.dht.protocol import FetchRecords, FetchReply, StoreRecord, StoreRe
 from p2pswarm.dht.ranking import Standing, pool
 from p2pswarm.dht.record_codec import verify_record
 from p2pswarm.dht.records import UNNAMED_RUN, StageRecord, stage_key
-from p2pswarm.dht.store import RecordStore
+from p2pswarm.dht.store import MAX_CLOCK_SKEW, RecordStore
 from p2pswarm.errors import DialError, ProtocolError, StartupError
 from p2pswarm.net.connect import as_peer_id, remote_ip
 from p2pswarm.net.control import ControlService
@@ -318,7 +318,7 @@ class StageIndex:
                     return self._forget(peer_id, exc)
             self._heard(peer_id, reply)
             for raw in reply.records if isinstance(reply, FetchReply) else ():
-                self._merge(newest, raw, (run, model, stage))
+                self._merge(newest, raw, (run, model, stage), self._clock())
 
         async with trio.open_nursery() as nursery:
             for peer_id in await self.closest_peers(stage_key(model, stage, run), READ_WIDTH):
@@ -328,15 +328,17 @@ class StageIndex:
         self.stats.lookup_seconds = [*self.stats.lookup_seconds, time.perf_counter() - started][-100:]
         return pool(fresh, standing or self.own_first, k)
 
-    def _merge(self, newest: dict[str, StageRecord], raw: bytes, asked: tuple[str, str, int]) -> None:
-        """Keep a fetched record if it is valid, of the (run, model, stage) ``asked``, and the newest of its peer."""
+    def _merge(self, newest: dict[str, StageRecord], raw: bytes, asked: tuple[str, str, int], now: float) -> None:
+        """Keep a fetched record if it is valid, of the (run, model, stage) ``asked``, dated at most
+        MAX_CLOCK_SKEW past ``now`` (as a store checks: a hostile store could serve a record its author
+        dated years ahead, fresh for good and the newest of its peer forever), and the newest of its peer."""
         try:
             record = verify_record(raw)
         except ProtocolError:
             self.stats.invalid_records += 1
             return
-        if (record.run, record.model, record.stage) != asked:  # another run's (or stage's) record: not ours
-            self.stats.invalid_records += 1
+        if (record.run, record.model, record.stage) != asked or record.timestamp > now + MAX_CLOCK_SKEW:
+            self.stats.invalid_records += 1  # another run's (or stage's) record, or one from the future
             return
         held = newest.get(record.peer_id)
         if held is None or record.timestamp > held.timestamp:

@@ -109,7 +109,7 @@ class StageRecord:
         return self.start <= layer < self.end
 
     def is_fresh(self, now: float) -> bool:
-        """Not yet expired; whether the timestamp is too far ahead is the store's business."""
+        """Not yet expired; a timestamp too far ahead is refused by stores and readers (``MAX_CLOCK_SKEW``)."""
         return now < self.expires_at
 
 
