@@ -50,8 +50,8 @@ RULE = (f"The stages must be every stage of one model of one run, with outer rou
         "export stops with one line and exit 1.")
 
 
-def add_parser(sub) -> None:
-    """The ``export`` subcommand's arguments (registered by ``cli.build_parser``)."""
+def add_parser(sub, token_option) -> None:
+    """The ``export`` subcommand's arguments (registered by ``cli.build_parser``, which gives ``--api-token``)."""
     parser = sub.add_parser(
         "export", help="write the swarm's model as a Hugging Face directory (transformers loads it)",
         description="Collect every stage's agreed weights (DiLoCo's, of the latest outer round) from the swarm "
@@ -67,6 +67,7 @@ def add_parser(sub) -> None:
     parser.add_argument("--force", action="store_true", help="replace DIR if it exists and is not empty")
     parser.add_argument("--run", metavar="NAME|PATH.toml",
                         help="the run file, for its tokenizer (needed for a BPE run that is not packaged)")
+    token_option(parser)  # --api-token: a node whose API demands one (bound beyond loopback)
 
 
 def progress(text: str) -> None:
@@ -209,10 +210,11 @@ async def _fetch_all(model: str, plan: dict, run: str) -> list[StageSnapshot]:
     return snapshots
 
 
-def fetch_from_api(api: str) -> tuple[list[StageSnapshot], dict, dict | None]:
-    """(the stages' snapshots, /api/stats, /api/swarm or None) from the swarm behind ``api``."""
-    stats, stages = get_json(api, "/api/stats"), get_json(api, "/api/stages")
-    swarm = get_json(api, "/api/swarm") if stats.get("role") == "join" else None
+def fetch_from_api(api: str, token: str | None = None) -> tuple[list[StageSnapshot], dict, dict | None]:
+    """(the stages' snapshots, /api/stats, /api/swarm or None) from the swarm behind ``api`` (``token``: its
+    API token, when it demands one)."""
+    stats, stages = get_json(api, "/api/stats", token=token), get_json(api, "/api/stages", token=token)
+    swarm = get_json(api, "/api/swarm", token=token) if stats.get("role") == "join" else None
     run = stages.get("run") or (stats.get("run") or {}).get("identity")
     if not isinstance(run, str) or not re.fullmatch(r"[0-9a-f]{16}", run):
         raise ConfigError(f"{api}: the node names no run identity")
@@ -270,7 +272,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     swarm: dict | None
     stats, swarm = {}, None
     if args.api:
-        snapshots, stats, swarm = fetch_from_api(args.api)
+        snapshots, stats, swarm = fetch_from_api(args.api, args.api_token)
         source = f"the swarm, through the API at {args.api}"
     else:
         snapshots = load_file_snapshots(args.snapshots)

@@ -252,6 +252,28 @@ def test_a_stage_no_peer_serves_exits_1(tmp_path, capsys):
     assert list(stage_peers({**stages, "stages": {**stages["stages"], "1": {"peers": [peer]}}}, "api")) == [0, 1]
 
 
+def test_export_sends_the_token_a_nodes_api_demands(tmp_path, capsys, monkeypatch):
+    """A node whose API is bound beyond loopback demands a token: ``export --api-token`` sends it (issue 25)."""
+    from tests.test_api import running_api
+
+    peer = {"peer_id": "12D3KooWA", "addrs": ["/ip4/127.0.0.1/tcp/1"], "flags": 16, "outer_round": 2}
+    stages = {"model": "tiny-lm/2", "run": "0123456789abcdef", "n_stages": 2, "stages": {"0": {"peers": [peer]}}}
+
+    async def stats_doc(params: dict) -> dict:
+        return {"role": "bootstrap", "run": None}
+
+    async def stages_doc(params: dict) -> dict:
+        return stages
+
+    monkeypatch.delenv("P2PSWARM_API_TOKEN", raising=False)
+    with running_api({"/api/stats": stats_doc, "/api/stages": stages_doc}, token="s3cret") as address:
+        out = str(tmp_path / "hf")
+        assert export("--api", address, "--out", out) == 1
+        assert "--api-token" in one_error_line(capsys)  # the node's 401, in one line
+        assert export("--api", address, "--out", out, "--api-token", "s3cret") == 1
+        assert "stage 1 of tiny-lm/2: no peer serves it" in one_error_line(capsys)  # past the token
+
+
 def test_the_heldout_figure_is_the_exported_rounds():
     swarm = {"heldout_by_round": [{"outer_round": 3, "bpb": 2.5, "chains": 2}],
              "heldout": [{"rounds": [3, 4], "bpb": 2.0, "complete": True},

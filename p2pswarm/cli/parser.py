@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_demo(sub)
     _tokenizer_parser(sub)
-    add_export_parser(sub)
+    add_export_parser(sub, api_token_option)
     _add_models(sub)
     return parser
 
