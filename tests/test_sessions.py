@@ -76,6 +76,25 @@ def test_limits_must_be_positive():
         Limits(bytes_per_token=0)
 
 
+def test_one_peer_holds_its_share_and_no_other_peer_can_use_or_close_its_sessions():
+    """Issue 25: a peer that floods a replica with sessions gets its share; others still open theirs, and a
+    peer that learnt a session's id can neither step nor close it."""
+    table = _table(max_sessions=3, max_per_peer=2, total_bytes=1000)
+    table.begin(A, 0, 1, 0.0, "flood"), table.finish(A, None, 0.0)
+    table.begin(B, 0, 1, 0.0, "flood"), table.finish(B, None, 0.0)
+    with pytest.raises(SessionOverloaded, match="share"):
+        table.begin(C, 0, 1, 0.0, "flood")
+    table.begin(C, 0, 1, 0.0, "honest"), table.finish(C, None, 0.0)
+    with pytest.raises(UnknownSession):
+        table.begin(A, 1, 1, 0.0, "honest")
+    with pytest.raises(SessionBusy):
+        table.begin(A, 0, 1, 0.0, "honest")
+    assert not table.close(A, "honest") and table.sessions[A].length == 1
+    assert table.close(A, "flood")
+    with pytest.raises(ConfigError):
+        Limits(bytes_per_token=1, max_per_peer=0)
+
+
 @given(st.lists(st.tuples(st.sampled_from([A, B, C]), st.integers(0, 12), st.integers(1, 4),
                           st.floats(0, 200)), max_size=40))
 def test_the_accounting_never_passes_the_limits(steps):
@@ -93,38 +112,48 @@ def test_the_accounting_never_passes_the_limits(steps):
 
 
 class SessionModel(RuleBasedStateMachine):
-    """The table against a dict of session -> length, with the limits written out again."""
+    """The table against a dict of session -> length, with the limits written out again; two peers, one
+    session each at most (``max_per_peer`` = 1), each session its opener's."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.table, self.model, self.now = _table(), {}, 0.0
+        self.table, self.model, self.now = _table(max_per_peer=1), {}, 0.0
         self.last_used: dict[bytes, float] = {}
+        self.owner: dict[bytes, str] = {}
 
     def _expire_model(self) -> None:
         for s in [s for s, t in self.last_used.items() if self.now - t >= 60.0]:
-            del self.model[s], self.last_used[s]
+            del self.model[s], self.last_used[s], self.owner[s]
+
+    def _drop(self, session: bytes) -> None:
+        self.model.pop(session, None), self.last_used.pop(session, None), self.owner.pop(session, None)
 
     @rule(dt=st.floats(0, 40))
     def wait(self, dt):
         self.now += dt
 
-    @rule(session=st.sampled_from([A, B, C]), n=st.integers(1, 4), fresh=st.booleans())
-    def step(self, session, n, fresh):
+    @rule(session=st.sampled_from([A, B, C]), n=st.integers(1, 4), fresh=st.booleans(), peer=st.sampled_from("pq"))
+    def step(self, session, n, fresh, peer):
         self._expire_model()
         position = 0 if fresh or session not in self.model else self.model[session]
+        if session in self.model and self.owner[session] != peer:  # another peer's session: nothing changes
+            with pytest.raises(SessionBusy if position == 0 else UnknownSession):
+                self.table.begin(session, position, n, self.now, peer)
+            return
         others = {s: v for s, v in self.model.items() if s != session}
-        ok = len(others) < 2 and (position + n) * 10 <= 100 if position == 0 else (position + n) * 10 <= 100
+        share = sum(self.owner[s] == peer for s in others) < 1
+        ok = len(others) < 2 and share and (position + n) * 10 <= 100 if position == 0 else (position + n) * 10 <= 100
         ok = ok and (sum(others.values()) + position + n) * 10 <= 150
         try:
-            self.table.begin(session, position, n, self.now)
+            self.table.begin(session, position, n, self.now, peer)
         except SessionOverloaded:
             assert not ok
             if position == 0:  # a refused restart still dropped the old session
-                self.model.pop(session, None), self.last_used.pop(session, None)
+                self._drop(session)
             return
         assert ok
         self.table.finish(session, None, self.now)
-        self.model[session], self.last_used[session] = position + n, self.now
+        self.model[session], self.last_used[session], self.owner[session] = position + n, self.now, peer
 
     @rule(session=st.sampled_from([A, B, C]), position=st.integers(1, 12))
     def wrong_step(self, session, position):
@@ -132,14 +161,16 @@ class SessionModel(RuleBasedStateMachine):
         if self.model.get(session) == position:
             return
         with pytest.raises(UnknownSession if session not in self.model else WrongPosition):
-            self.table.begin(session, position, 1, self.now)
+            self.table.begin(session, position, 1, self.now, self.owner.get(session, "p"))
 
-    @rule(session=st.sampled_from([A, B, C]))
-    def close(self, session):
+    @rule(session=st.sampled_from([A, B, C]), peer=st.sampled_from("pq"))
+    def close(self, session, peer):
         self.table.expire(self.now)
         self._expire_model()
-        assert self.table.close(session) == (session in self.model)
-        self.model.pop(session, None), self.last_used.pop(session, None)
+        mine = session in self.model and self.owner[session] == peer
+        assert self.table.close(session, peer) == mine
+        if mine:
+            self._drop(session)
 
     @invariant()
     def same_accounting(self):

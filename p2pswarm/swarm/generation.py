@@ -220,7 +220,7 @@ class SwarmCompleter:
         async def close(peer: str) -> None:
             server = self._local() if self._local is not None and peer == self.me else None
             if server is not None:
-                server.table.close(session)
+                server.table.close(session, self.me)  # our own steps went in as ours
                 return
             with trio.move_on_after(CLOSE_TIMEOUT):
                 try:

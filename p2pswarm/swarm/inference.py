@@ -152,7 +152,7 @@ class InferenceServer:
 
     async def on_frame(self, peer: str, message, payload: bytes):
         if isinstance(message, InferClose):
-            self.table.close(message.session)
+            self.table.close(message.session, peer)
             return None
         if not isinstance(message, InferStep):
             raise RemoteProtocolError(f"{message.TYPE} is not an inference request")
@@ -162,7 +162,7 @@ class InferenceServer:
             return error
         now = trio.current_time()
         try:
-            entry = self.table.begin(message.session, message.position, message.shape[1], now)
+            entry = self.table.begin(message.session, message.position, message.shape[1], now, peer)
         except SessionRefused as exc:
             self.refused += 1
             return wire.ErrorReply(exc.code, str(exc))

@@ -5,7 +5,9 @@ A generation client opens a session at a replica of each stage by sending its fi
 session's KV cache between steps; this module is the pure table that decides whether a step may
 run and accounts for the memory it takes:
 
-- at most ``max_sessions`` sessions at once, else ``Overloaded``;
+- at most ``max_sessions`` sessions at once, and at most ``max_per_peer`` of one peer (a peer that
+  floods a replica leaves the rest to everyone else), else ``Overloaded``;
+- a session is its opener's: a step or close from another peer is refused as if it were not here;
 - a session's cache within ``session_bytes`` (``bytes_per_token`` x positions, the figure
   ``model.transformer.kv_bytes`` gives for the stage), else ``Overloaded``; all sessions' caches
   within ``total_bytes``, else ``Overloaded``;
@@ -28,6 +30,7 @@ from typing import Any
 from p2pswarm.errors import ConfigError, P2PSwarmError
 
 MAX_SESSIONS = 16  # concurrent generations a replica serves: each step is a small job; more would queue
+MAX_SESSIONS_PER_PEER = MAX_SESSIONS // 2  # one peer's share: a flooding peer leaves the other half to the rest
 SESSION_KV_BYTES = 64 * 1024 * 1024  # one session's cache: the xl tier's stage at its full context takes 4 MiB
 TOTAL_KV_BYTES = 512 * 1024 * 1024  # every session's cache together: small beside a stage's training memory
 IDLE_S = 60.0  # a session whose client went quiet this long is dropped (a client steps every few ms)
@@ -61,12 +64,13 @@ class SessionOverloaded(SessionRefused):
 class Limits:
     bytes_per_token: int  # KV bytes one position takes at this stage
     max_sessions: int = MAX_SESSIONS
+    max_per_peer: int = MAX_SESSIONS_PER_PEER
     session_bytes: int = SESSION_KV_BYTES
     total_bytes: int = TOTAL_KV_BYTES
     idle_s: float = IDLE_S
 
     def __post_init__(self) -> None:
-        if min(self.bytes_per_token, self.max_sessions, self.session_bytes, self.total_bytes) < 1 \
+        if min(self.bytes_per_token, self.max_sessions, self.max_per_peer, self.session_bytes, self.total_bytes) < 1 \
                 or not self.idle_s > 0:
             raise ConfigError(f"session limits must be positive: {self}")
 
@@ -80,6 +84,7 @@ class Session:
     cache: Any = None
     last_used: float = 0.0
     pending: int = 0  # positions of the step under way (0: none)
+    peer: str = ""  # the peer that opened it: only it may step or close it
 
 
 @dataclass
@@ -88,17 +93,23 @@ class SessionTable:
     sessions: dict[bytes, Session] = field(default_factory=dict)
     expired: int = 0  # sessions dropped for idleness, for the status page
 
-    def begin(self, session: bytes, position: int, n: int, now: float) -> Session:
-        """Reserve a step of ``n`` positions at ``position``; raises a ``SessionRefused``."""
+    def begin(self, session: bytes, position: int, n: int, now: float, peer: str = "") -> Session:
+        """Reserve a step of ``n`` positions at ``position`` for ``peer``; raises a ``SessionRefused``."""
         self.expire(now)
         entry = self.sessions.get(session)
+        if entry is not None and entry.peer != peer:  # another peer's: it learnt the id, it gets nothing of it
+            raise SessionBusy("this session is another peer's") if position == 0 else \
+                UnknownSession("no such session of yours here: replay it")
         if position == 0:
             if entry is not None and entry.pending:
                 raise SessionBusy("a step of this session is under way")
             self.sessions.pop(session, None)  # a replay starts over
             if len(self.sessions) >= self.limits.max_sessions:
                 raise SessionOverloaded(f"this replica serves {self.limits.max_sessions} sessions already")
-            entry = Session(last_used=now)
+            if sum(e.peer == peer for e in self.sessions.values()) >= self.limits.max_per_peer:
+                raise SessionOverloaded(f"this replica serves {self.limits.max_per_peer} sessions of this peer "
+                                        f"already, its share")
+            entry = Session(last_used=now, peer=peer)
         elif entry is None:
             raise UnknownSession("no such session here (expired, closed or never opened): replay it")
         elif entry.pending:
@@ -126,10 +137,10 @@ class SessionTable:
         """The step failed: the session is dropped (its cache may be half-extended)."""
         self.sessions.pop(session, None)
 
-    def close(self, session: bytes) -> bool:
-        """Drop a session (no step may be under way); True if it was here."""
+    def close(self, session: bytes, peer: str = "") -> bool:
+        """Drop ``peer``'s session (no step may be under way); True if it was here."""
         entry = self.sessions.get(session)
-        if entry is None or entry.pending:
+        if entry is None or entry.pending or entry.peer != peer:
             return False
         del self.sessions[session]
         return True
