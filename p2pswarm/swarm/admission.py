@@ -1,11 +1,13 @@
 """Which activation frames a stage computes: the pure checks of a request, and the peers it bars.
 
 A frame that passed the wire's own checks (``activation.Forward.check``) must still be meant for
-us: a request (a forward or a gradient, not a reply), for our stage, with a priority that fits
-its kind and our place in the pipeline, with targets where the last stage needs them, and (an
-evaluation) one outer round per stage before us. ``classify`` says which job it asks for, or
-raises ``RemoteProtocolError``; the driver bars a peer that sent such a frame for ``BAN_PERIOD``
-(``Bans``). The tensor's dtype and shape are ``codec.check_header``'s. Pure: no trio, no torch.
+us: a request (a forward or a gradient, not a reply), with a priority that fits its kind and
+our place in the pipeline, with targets where the last stage needs them, and (an evaluation) one
+outer round per stage before us. ``classify`` says which job it asks for, or raises
+``RemoteProtocolError``; the driver bars a peer that sent such a frame for ``BAN_PERIOD``
+(``Bans``). A request of another run or for another stage is no garbage (a peer of another swarm,
+or a map behind a move): the driver refuses it without a ban, before these checks. The tensor's
+dtype and shape are ``codec.check_header``'s. Pure: no trio, no torch.
 """
 
 from __future__ import annotations
@@ -26,12 +28,10 @@ class Waiting(Protocol):
     def __contains__(self, key: tuple[bytes, int], /) -> bool: ...
 
 
-def check_addressed(message: Message, stage: int) -> None:
-    """RemoteProtocolError unless ``message`` is a tensor request for ``stage``."""
+def check_request(message: Message) -> None:
+    """RemoteProtocolError unless ``message`` is a tensor request (a forward or a gradient)."""
     if not isinstance(message, (Forward, Backward)):
         raise RemoteProtocolError(f"{message.TYPE} is not a request")
-    if message.stage != stage:
-        raise RemoteProtocolError(f"a {message.TYPE} for stage {message.stage}; we serve {stage}")
 
 
 def classify(message: Forward | Backward, *, stage: int, is_last: bool, waiting: Waiting) -> str | None:

@@ -172,7 +172,7 @@ class SwarmService:
             raise RemoteProtocolError(f"{peer} is refused for sending garbage")
         if isinstance(message, (Forward, Backward)) and message.run != self.run_id:
             return self._refuse_other_run(peer, message.run)
-        if isinstance(message, (Forward, Backward)) and message.stage != self.stage:
+        if isinstance(message, (Forward, Backward)) and message.stage != self.stage:  # no garbage: no ban
             return self._refuse_wrong_stage(peer, message.stage)
         try:
             job, priority = self._job_from(peer, message, payload)
@@ -207,7 +207,7 @@ class SwarmService:
     def _job_from(self, peer: str, message, payload: bytes) -> tuple[Job | None, Priority]:
         """The job a frame asks for (None: a late gradient); RemoteProtocolError for anything we would
         not compute."""
-        admission.check_addressed(message, self.stage)
+        admission.check_request(message)
         codec.check_header(message, self.layout)
         kind = admission.classify(message, stage=self.stage, is_last=self.is_last, waiting=self.inflight)
         if kind is None:
