@@ -287,7 +287,8 @@ def test_cli_models_lists_the_packaged_runs_and_resolves_one():
 
 
 def test_a_last_stage_closes_held_out_rounds_at_its_runs_size():
-    """A run's ``[batch] eval_batches`` is what the last stage waits for before a held-out round is complete."""
+    """A run's ``[batch] eval_batches`` is what stage 0 sends each round and what the last stage waits for
+    before a held-out round is complete."""
     pytest.importorskip("torch")
     import trio
 
@@ -299,6 +300,10 @@ def test_a_last_stage_closes_held_out_rounds_at_its_runs_size():
         svc = SwarmService(spec=run.spec(), stage=1, me="peer-1", pool=None, stage_map=None, host=None,
                            config=train_config(run), run=run)
         assert svc.evals.expected == 3 == svc.config.eval_batches
+        feeder = SwarmService(spec=run.spec(), stage=0, me="peer-0", pool=None, stage_map=None, host=None,
+                              config=train_config(run), run=run).feeder
+        held = feeder.held_out_set(feeder.load_corpus())  # what stage 0 sends each round: as many
+        assert len(held) == 3 and all(len(batch.rows) == 32 for batch in held)
 
     trio.run(main)
 

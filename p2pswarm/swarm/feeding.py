@@ -106,12 +106,15 @@ class Feeder:
 
     # --- held-out rounds ------------------------------------------------------------------------------
 
+    def held_out_set(self, corpus) -> list:
+        """The held-out micro-batches of every round: the run's ``eval_batches``, each within one frame."""
+        seq = self.service.config.seq or self.service.spec.context
+        rows = self._eval_rows(seq)
+        return list(corpora.heldout_batches(corpus, seq, rows, self.service.config.eval_batches * rows))
+
     async def evaluate(self, corpus) -> None:
         svc = self.service
-        seq = svc.config.seq or svc.spec.context
-        rows, batches = self._eval_rows(seq), svc.config.eval_batches  # the run's micro-batches a round, each one frame
-        held = await trio.to_thread.run_sync(
-            lambda: list(corpora.heldout_batches(corpus, seq, rows, batches * rows)))
+        held = await trio.to_thread.run_sync(self.held_out_set, corpus)
         if not held:
             log.warning("the corpus has no held-out part: no evaluation")
             return
