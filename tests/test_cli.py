@@ -341,6 +341,8 @@ def test_status_shows_each_stages_health_its_backups_and_what_blocks_training():
         async with trio.open_nursery() as nursery:
             stage_map = StageMap(Index(), model, nursery)
             await stage_map.current()
+            for peer, stage in (("12D3KooWbbbbbbbb", 0), ("12D3KooWcccccccc", 1)):  # seen working: replicas
+                stage_map.saw(peer, stage)
             stages = stage_map.doc()
             nursery.cancel_scope.cancel()
         service = SwarmService(spec=model, stage=0, me="me", pool=None, stage_map=Map(), host=None)

@@ -83,8 +83,17 @@ class Pool:
 
 
 class StageMap:
+    """Every replica seen working (``StageMap.workers``)."""
+
     def __init__(self, ids) -> None:
         self.stages = {STAGE: [SimpleNamespace(peer_id=p, capacity=SimpleNamespace(outer_round=0)) for p in ids]}
+        self.ids = set(ids)
+
+    def workers(self) -> dict[int, set[str]]:
+        return {STAGE: set(self.ids)}
+
+    def saw(self, peer: str, stage: int, weight: float = 1.0) -> None:
+        pass
 
     async def refresh_stages(self, stages) -> None:
         pass

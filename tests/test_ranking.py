@@ -1,4 +1,5 @@
-"""The pure ranking of a stage's records: standing first, bounded claims, a few strangers per address."""
+"""The pure ranking of a stage's records: standing first, bounded claims, a few per address of the
+peers that did no work we know of (vouched peers and strangers)."""
 
 from __future__ import annotations
 
@@ -39,17 +40,20 @@ records_st = st.lists(
     max_size=24,
 ).map(lambda rows: [rec(f"p{i:02d}", addr, mem, queue) for i, (addr, mem, queue) in enumerate(rows)])
 standings_st = st.dictionaries(st.sampled_from([f"p{i:02d}" for i in range(24)]),
-                               st.sampled_from([Standing.VOUCHED, Standing.OWN]), max_size=6)
+                               st.sampled_from([Standing.VOUCHED, Standing.WORKING, Standing.OWN]), max_size=12)
 
 
 def standing_of(known: dict):
-    """Peers of ``known`` vouched for, the first one marked OWN our own record; the rest strangers."""
+    """Peers of ``known`` as marked, the first one marked OWN our own record (any other OWN: working);
+    the rest strangers."""
     own = min((p for p, s in known.items() if s is Standing.OWN), default=None)
 
     def standing(peer: str) -> Standing:
         if peer == own:
             return Standing.OWN
-        return Standing.VOUCHED if peer in known else Standing.STRANGER
+        if peer in known:
+            return Standing.VOUCHED if known[peer] is Standing.VOUCHED else Standing.WORKING
+        return Standing.STRANGER
 
     return standing
 
@@ -65,38 +69,57 @@ def test_ranking_is_a_permutation_and_ignores_input_order(records, known, rng):
 
 
 @given(records_st, standings_st)
-def test_no_stranger_outranks_our_own_record_or_a_vouched_peer(records, known):
+def test_no_claim_outranks_our_own_record_or_a_working_peer(records, known):
     standing = standing_of(known)
     for view in (top(records, standing, K), pool(records, standing, K)):
-        levels = [standing(r.peer_id) for r in view]
-        assert levels == sorted(levels)
-        kept = {r.peer_id for r in view}
-        vouched = [r.peer_id for r in records if standing(r.peer_id) is not Standing.STRANGER]
-        if len(vouched) <= K:
-            assert set(vouched) <= kept  # never displaced, whatever strangers claim
+        levels = [min(standing(r.peer_id), Standing.VOUCHED) for r in view]
+        assert levels == sorted(levels)  # own, then working, then the rest (claims rank only within each)
+        proven = [r.peer_id for r in records if standing(r.peer_id) <= Standing.WORKING]
+        if len(proven) <= K:
+            assert set(proven) <= {r.peer_id for r in view}  # never displaced, whatever the others claim
 
 
 @given(records_st, standings_st)
-def test_the_top_holds_a_few_strangers_per_address_and_subnet(records, known):
+def test_the_top_holds_a_few_peers_per_address_and_subnet_of_those_that_did_no_work(records, known):
+    """A ping costs nothing: vouched peers are capped per address as strangers are; working peers are not."""
     standing = standing_of(known)
-    strangers = [r for r in top(records, standing, K) if standing(r.peer_id) is Standing.STRANGER]
-    assert max(Counter(record_network(r)[0] for r in strangers).values(), default=0) <= MAX_PER_IP
-    assert max(Counter(record_network(r)[1] for r in strangers).values(), default=0) <= MAX_PER_SUBNET
+    view = top(records, standing, K)
+    capped = [r for r in view if standing(r.peer_id) >= Standing.VOUCHED]
+    assert max(Counter(record_network(r)[0] for r in capped).values(), default=0) <= MAX_PER_IP
+    assert max(Counter(record_network(r)[1] for r in capped).values(), default=0) <= MAX_PER_SUBNET
+    uncrowded = [standing(r.peer_id) for r in view if standing(r.peer_id) >= Standing.VOUCHED]
+    assert uncrowded == sorted(uncrowded)  # of those, vouched peers take an address's places first
 
 
 @given(records_st, standings_st)
-def test_crowded_strangers_stay_in_the_pool_after_every_uncrowded_one(records, known):
+def test_the_crowded_stay_in_the_pool_after_every_uncrowded_one(records, known):
     standing = standing_of(known)
     both = ranked(records, standing)
-    strangers = [crowded for r, crowded in both if standing(r.peer_id) is Standing.STRANGER]
-    assert strangers == sorted(strangers)
+    flags = [crowded for _, crowded in both]
+    assert flags == sorted(flags)
+    assert not any(crowded for r, crowded in both if standing(r.peer_id) <= Standing.WORKING)
     assert [r for r, crowded in both if not crowded] == top(records, standing, len(records))
+
+
+def test_working_peers_behind_one_address_all_count_and_pinging_ones_do_not():
+    """A CGNAT: five honest peers that work share one public address with 20 identities that answer
+    pings. Every working peer is in the top; the pinging ones get MAX_PER_IP places."""
+    cgnat = "/ip4/100.64.0.1/tcp/4001"
+    honest = [rec(f"honest{i}", cgnat, 100) for i in range(5)]
+    pingers = [rec(f"pinger{i:02d}", cgnat, MAX_FREE_MEMORY_MB, 0, MAX_THROUGHPUT) for i in range(20)]
+
+    def standing(peer):
+        return Standing.WORKING if peer.startswith("honest") else Standing.VOUCHED
+
+    view = [r.peer_id for r in top(pingers + honest, standing, K)]
+    assert view[:5] == sorted(r.peer_id for r in honest)
+    assert sum(p.startswith("pinger") for p in view) == MAX_PER_IP
 
 
 @given(records_st, st.sampled_from(ADDRS), st.integers(0, 2**20))
 def test_a_stranger_alone_on_its_subnet_is_behind_few_places(records, addr, mem):
     """However many records each address claims, a stranger whose subnet nobody else uses has at
-    most MAX_PER_SUBNET strangers of each other subnet ahead of it (and the vouched peers)."""
+    most MAX_PER_SUBNET strangers of each other subnet ahead of it (and the working peers)."""
     honest = rec("honest", addr, mem)
     others = [r for r in records if record_network(r)[1] != record_network(honest)[1]]
     order = top([*others, honest], lambda peer: Standing.STRANGER, len(others) + 1)

@@ -217,6 +217,8 @@ def test_the_map_shows_each_stages_health_replicas_and_the_backups_other_stages_
         async with trio.open_nursery() as nursery:
             stage_map = StageMap(index, three, nursery)
             await stage_map.current()
+            for peer, stage in (("a", 0), ("b", 0), ("c", 1)):  # only peers seen working count as replicas
+                stage_map.saw(peer, stage)
             doc = stage_map.doc()
             nursery.cancel_scope.cancel()
         stages = doc["stages"]
@@ -293,3 +295,62 @@ def test_a_peer_asked_for_by_id_is_found_while_its_record_lives_even_when_a_look
             nursery.cancel_scope.cancel()
 
     run_virtual(main)
+
+
+def _fake_records(model, stage: int, n: int, addrs: int, worked=()) -> list[StageRecord]:
+    """``n`` identities claiming ``stage`` of ``model`` with everything plausible maxed, from ``addrs`` addresses."""
+    start, end = model.stage_range(stage)
+    return [StageRecord(f"fake{i:02d}", (f"/ip4/203.0.{113 + i % addrs}.7/tcp/{4001 + i}",), model.name, stage,
+                        start, end, Capacity(2**31, 0, 0, 1e7, 99), time.time(), 60.0,
+                        worked=tuple((f"fake{(i + j) % n:02d}", stage) for j in (1, 2))) for i in range(n)]
+
+
+def test_sixteen_fake_records_claiming_stage_1_send_an_honest_joiner_to_stage_1():
+    """The probe of issue 25, on the map's core: an honest peer serves stage 0 of tiny-lm/2 and answers
+    us; 16 identities of one address claim stage 1. The joiner knows no work yet: stage 1 has no working
+    peer and nobody there answers, so it takes stage 1; and both stages are down in its map until it sees work."""
+    import random
+
+    two = get_model("tiny-lm/2")
+    honest = StageRecord("a", ("/ip4/198.51.100.1/tcp/4001",), two.name, 0, *two.stage_range(0), Capacity(100, 0),
+                         time.time(), 60.0)
+    index = MapIndex({0: [honest], 1: _fake_records(two, 1, 16, 1)})
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            stage_map = StageMap(index, two, nursery)
+            stage_map.book.answered("a", stage_map.clock())
+            chosen = {await stage_map.choose_stage(random.Random(seed)) for seed in range(8)}
+            assert chosen == {1} and stage_map.counts() == {0: 0, 1: 0}
+            assert not stage_map.workers()
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_64_answering_fakes_from_4_addresses_are_neither_chosen_by_nor_invited_by_an_honest_joiner():
+    """64 identities from 4 addresses claim stage 1, answer every ping and attest each other. The joiner's
+    bootstrap peer ``a`` (stage 0) attests ``b`` (stage 1), which attests ``a``: the working peers are
+    a and b alone, a stage with a working peer is chosen like any other, and no fake is counted."""
+    import random
+
+    two = get_model("tiny-lm/2")
+
+    def honest(peer: str, stage: int, other: str) -> StageRecord:
+        return StageRecord(peer, (f"/ip4/198.51.100.{stage + 1}/tcp/4001",), two.name, stage, *two.stage_range(stage),
+                           Capacity(100, 0), time.time(), 60.0, worked=((other, 1 - stage),))
+
+    fakes = _fake_records(two, 1, 64, 4)
+    index = MapIndex({0: [honest("a", 0, "b")], 1: [honest("b", 1, "a"), *fakes]})
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            stage_map = StageMap(index, two, nursery, roots=["a"])
+            for fake in fakes:
+                stage_map.book.answered(fake.peer_id, stage_map.clock())
+            assert {await stage_map.choose_stage(random.Random(seed)) for seed in range(16)} == {0, 1}
+            assert stage_map.workers() == {0: {"a"}, 1: {"b"}}  # what health, moves and DiLoCo's invitations read
+            assert stage_map.counts() == {0: 1, 1: 1}
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)

@@ -30,11 +30,14 @@ def capacity_flags(*, training: bool, private: bool) -> int:
 
 def stage_record(peer_id: str, addrs: list[str], public: tuple[str, ...], model: ModelSpec, stage: int,
                  capacity: Capacity, now: float, ttl: float, run: str = UNNAMED_RUN,
-                 agreed: tuple[int, bytes] | None = None, backups: tuple[BackupClaim, ...] = ()) -> StageRecord:
+                 agreed: tuple[int, bytes] | None = None, backups: tuple[BackupClaim, ...] = (),
+                 worked: tuple[tuple[str, int], ...] = ()) -> StageRecord:
     """Our record for ``stage`` of ``model`` in run ``run``: its exact layer range, our best addresses first,
     the (round, digest) of our stage's agreed backup and the other stages' backups we hold (a held copy of
-    ``stage`` itself is left out: right after a move into a stage we may still hold its backup)."""
+    ``stage`` itself is left out: right after a move into a stage we may still hold its backup) and the peers
+    we saw work (``dht.work``; never ourselves)."""
     start, end = model.stage_range(stage)
     return StageRecord(peer_id=peer_id, addrs=record_addrs(addrs, public=public), model=model.name, stage=stage,
                        start=start, end=end, capacity=capacity, timestamp=now, ttl=ttl, run=run,
-                       agreed=agreed, backups=tuple(claim for claim in backups if claim.stage != stage))
+                       agreed=agreed, backups=tuple(claim for claim in backups if claim.stage != stage),
+                       worked=tuple(pair for pair in worked if pair[0] != peer_id))

@@ -5,21 +5,24 @@ its addresses, even that it is one machine rather than one of 64 identities made
 by claims alone let such identities, each claiming 4 PB free, take every place of a stage's top
 k (issue 13). So a stage's records are ranked, best first:
 
-1. by **standing**, what we know first-hand: our own record, then peers that *vouched* for
-   themselves by answering our round trip recently (``dht.candidates``; a peer the router works
-   with keeps answering), then strangers. No stranger ever displaces our own record or a
-   vouched peer, whatever it claims;
+1. by **standing**, what we know: our own record, then peers counted as *working* (``dht.work``:
+   work we saw, or that peers we trust attest), then peers that *vouched* for themselves by
+   answering our round trip recently (``dht.candidates``), then strangers. No stranger ever
+   displaces our own record, a working or a vouched peer, whatever it claims;
 2. within a standing, by the record's claims bounded to plausible values (``records.best_first``);
-3. and strangers only **a few per address**: at most MAX_PER_IP of one IP address and
-   MAX_PER_SUBNET of one /24 (IPv4) or /48 (IPv6) among a stage's top k. The address is the IP of
-   a record's first multiaddr (its best one; for a relayed peer, its relay's); a record with none
-   shares one group with every other such record. Crowded strangers are not dropped: they stay at
-   the end of the pool a node checks, and one that answers becomes vouched and needs no place.
+3. and peers that did no work we know of (vouched and strangers) only **a few per address**: at
+   most MAX_PER_IP of one IP address and MAX_PER_SUBNET of one /24 (IPv4) or /48 (IPv6) among a
+   stage's top k, vouched peers taking their address's places first. A ping costs nothing, so
+   answering one buys no more places than a record does. The address is the IP of a record's first
+   multiaddr (its best one; for a relayed peer, its relay's); a record with none shares one group
+   with every other such record. Crowded peers are not dropped: they stay at the end of the pool a
+   node checks (and routes to), and one that works needs no place: working peers are never capped,
+   so a CGNAT's honest peers all count once they work.
 
 No address class is exempt: a loopback or private address in a record is as easy to claim as any
 other. A swarm on one machine (the demo, the tests: every peer on 127.0.0.1) is unaffected as long
-as a stage has at most MAX_PER_IP unvouched peers in a view, and its peers vouch for each other
-within a check period. Pure functions: no I/O, no clock.
+as a stage has at most MAX_PER_IP peers in a view that did no work yet, and its peers see each
+other work within a few micro-batches. Pure functions: no I/O, no clock.
 """
 
 from __future__ import annotations
@@ -45,8 +48,9 @@ class Standing(IntEnum):
     """What we know first-hand of a record's peer; lower ranks first."""
 
     OWN = 0  # our own record
-    VOUCHED = 1  # answered our round trip recently (or pinged us): it is alive and reachable
-    STRANGER = 2  # only its record speaks for it
+    WORKING = 1  # did work we saw or a peer we trust attests (dht.work): never capped per address
+    VOUCHED = 2  # answered our round trip recently (or pinged us): alive and reachable, nothing more
+    STRANGER = 3  # only its record speaks for it
 
 
 def network_of(addr: str) -> tuple[str, str]:
@@ -108,21 +112,24 @@ def spread(items: Sequence[_T], network: Callable[[_T], tuple[str, str] | None])
 
 
 def ranked(records: Iterable[StageRecord], standing: Callable[[str], Standing]) -> list[tuple[StageRecord, bool]]:
-    """Every record with whether it is a crowded stranger, best first: by standing, uncrowded
-    before crowded strangers, then by bounded claims. A total order: input order never matters."""
+    """Every record with whether it is crowded, best first: own and working, then uncrowded
+    vouched peers and strangers (by standing), then the crowded; within each, by bounded claims.
+    A total order: input order never matters."""
     order = sorted(records, key=lambda r: (standing(r.peer_id), routing_rank(r)))
     stands = [standing(r.peer_id) for r in order]
-    flags = iter(spread([r for r, s in zip(order, stands) if s is Standing.STRANGER], record_network))
-    crowded = [next(flags) if s is Standing.STRANGER else False for s in stands]
-    best = sorted(range(len(order)), key=lambda i: (stands[i], crowded[i], i))
+    capped = [s >= Standing.VOUCHED for s in stands]
+    flags = iter(spread([r for r, c in zip(order, capped) if c], record_network))
+    crowded = [next(flags) if c else False for c in capped]
+    best = sorted(range(len(order)), key=lambda i: (crowded[i], stands[i], i))
     return [(order[i], crowded[i]) for i in best]
 
 
 def pool(records: Iterable[StageRecord], standing: Callable[[str], Standing], limit: int) -> list[StageRecord]:
-    """The ``limit`` records a node keeps and checks for a stage, best first, crowded strangers last."""
+    """The ``limit`` records a node keeps and checks for a stage, best first, the crowded last."""
     return [r for r, _ in ranked(records, standing)][:limit]
 
 
 def top(records: Iterable[StageRecord], standing: Callable[[str], Standing], k: int) -> list[StageRecord]:
-    """A stage's top ``k``: our own record, every vouched peer, then strangers a few per address."""
+    """A stage's top ``k``: our own record, every working peer, then vouched peers and strangers a few
+    per address."""
     return [r for r, crowded in ranked(records, standing) if not crowded][:k]

@@ -13,7 +13,8 @@ keys it coincides with the core deterministic order of 4.2.1)::
     {"v": 3, "r": body, "s": signature}
     body = {"peer": str, "addrs": [str, ...], "run": str, "model": str, "stage": int, "start": int, "end": int,
             "cap": {"mem": int, "queue": int, "flags": int, ?"tput": float, ?"round": int},
-            "ts": float, "ttl": float, ?"agreed": [int, bytes], ?"backups": [int, int, bytes, ...]}
+            "ts": float, "ttl": float, ?"agreed": [int, bytes], ?"backups": [int, int, bytes, ...],
+            ?"worked": [str, int, ...]}
     signature = Ed25519(SIGNATURE_DOMAIN + canonical CBOR of body), by the key in body["peer"]
 
 The format can gain fields without breaking older peers: a reader ignores body and capacity
@@ -30,7 +31,8 @@ Rules ``verify_record`` enforces beyond the field checks of ``records.record_pro
   ints stay compatible) but never booleans; they are returned as Python floats.
   ``sign_record`` always writes floats.
 * ``agreed`` is ``[round, digest]``; ``backups`` is a FLAT list of ``stage, round, digest``
-  triples. Both are left out when empty, so older readers see the record they always saw.
+  triples; ``worked`` a FLAT list of ``peer, stage`` pairs. Each is left out when empty, so older
+  readers see the record they always saw.
 * ``peer`` must be the canonical base58 text of an identity-multihash Ed25519 peer id:
   re-deriving the id from the embedded key must give the same bytes, so one key cannot
   sign under several spellings of its id.
@@ -44,14 +46,22 @@ from typing import Any
 
 import cbor2
 
-from p2pswarm.dht.records import MAX_BACKUP_CLAIMS, BackupClaim, Capacity, StageRecord, record_problem, shown
+from p2pswarm.dht.records import (
+    MAX_BACKUP_CLAIMS,
+    MAX_WORK_CLAIMS,
+    BackupClaim,
+    Capacity,
+    StageRecord,
+    record_problem,
+    shown,
+)
 from p2pswarm.errors import LocalProtocolError, RemoteProtocolError
 
 RECORD_VERSION = 3  # bumped on any change an older reader must not ignore (v2: stage-keyed, v3: run-keyed)
 SIGNATURE_DOMAIN = b"p2pswarm/stage-record/v3\n"  # a record signature can't pass as another kind
 MAX_RECORD_BYTES = 4096  # a record is a few hundred bytes; bound the work done on hostile input
 MAX_CBOR_DEPTH = 3  # message map > body map > capacity map or addrs list; nothing deeper is legal
-MAX_BODY_KEYS = 24  # the 12 known body keys plus room for fields added later; bounds the work
+MAX_BODY_KEYS = 24  # the 13 known body keys plus room for fields added later; bounds the work
 MAX_CAPACITY_KEYS = 12  # the 5 known capacity keys plus room for fields added later
 MAX_EXTRA_KEY_CHARS = 32  # names of fields this version does not know
 ED25519_SIGNATURE_BYTES = 64  # fixed size of an Ed25519 signature
@@ -163,7 +173,8 @@ def _record_from_body(body: Any) -> StageRecord:
     capacity = Capacity(cap["mem"], cap["queue"], cap["flags"], throughput, cap.get("round", 0))
     agreed, backups = _agreed_from_body(body.get("agreed", _ABSENT)), _claims_from_body(body.get("backups", []))
     record = StageRecord(body["peer"], tuple(addrs), body["model"], body["stage"], body["start"], body["end"],
-                         capacity, body["ts"], body["ttl"], body["run"], agreed, backups)
+                         capacity, body["ts"], body["ttl"], body["run"], agreed, backups,
+                         _worked_from_body(body.get("worked", [])))
     problem = record_problem(record)
     if problem is not None:
         raise RemoteProtocolError(f"invalid stage record: {problem}")
@@ -188,6 +199,14 @@ def _claims_from_body(value: object) -> tuple[BackupClaim, ...]:
     return tuple(BackupClaim(*value[i:i + 3]) for i in range(0, len(value), 3))
 
 
+def _worked_from_body(value: object) -> tuple[tuple[str, int], ...]:
+    """The ``worked`` flat list as pairs; their bounds are checked with the other fields."""
+    if type(value) is not list or len(value) % 2 or len(value) > 2 * MAX_WORK_CLAIMS:
+        raise RemoteProtocolError(f"stage record worked must be a flat array of at most {MAX_WORK_CLAIMS} "
+                                  "peer, stage pairs")
+    return tuple((value[i], value[i + 1]) for i in range(0, len(value), 2))
+
+
 def _check_keys(value: object, required: frozenset, limit: int, what: str) -> None:
     """A map holding every ``required`` key, at most ``limit`` keys, unknown ones short text."""
     if type(value) is not dict or not required <= value.keys():
@@ -206,7 +225,8 @@ def _body(record: StageRecord) -> dict:
                     "tput": float(cap.throughput), **({"round": cap.outer_round} if cap.outer_round else {})},
             "ts": float(record.timestamp), "ttl": float(record.ttl),
             **({"agreed": list(record.agreed)} if record.agreed is not None else {}),
-            **({"backups": _flat_claims(record.backups)} if record.backups else {})}
+            **({"backups": _flat_claims(record.backups)} if record.backups else {}),
+            **({"worked": [v for pair in record.worked for v in pair]} if record.worked else {})}
 
 
 def _flat_claims(claims: tuple[BackupClaim, ...]) -> list:

@@ -15,6 +15,8 @@ Field rules ``record_problem`` enforces beyond the limits below:
   (``heal.backups``) at that outer round. ``backups`` (optional) holds at most MAX_BACKUP_CLAIMS
   claims to the other stages' backups we hold. A claim's stage is never the record's own stage
   and no stage is claimed twice.
+* ``worked`` (optional) holds at most MAX_WORK_CLAIMS ``(peer id, stage)`` pairs: peers the record's
+  author saw do work for that stage first-hand (``dht.work``), none twice, never the author itself.
 * ``timestamp`` and ``ttl`` are numbers (never booleans) within their bounds.
 """
 
@@ -60,6 +62,7 @@ FLAG_SNAPSHOT = 16  # serves hot snapshots of its stage (/p2pswarm/snapshot/1.0.
 FLAG_PINNED = 32  # never moves to another stage (rebalancing leaves it where its operator put it)
 MAX_BACKUP_CLAIMS = 8  # backups one record announces; a peer holds a couple (BACKUP_COPIES per stage)
 DIGEST_BYTES = 32  # a backup digest is a sha256
+MAX_WORK_CLAIMS = 8  # peers one record attests it saw work (``dht.work.MAX_ATTESTED``)
 
 
 
@@ -100,6 +103,7 @@ class StageRecord:
     run: str = UNNAMED_RUN  # the identity of the run trained; the DHT key is stage_key(model, stage, run)
     agreed: tuple[int, bytes] | None = None  # (outer round, sha256) of our stage's agreed backup; None: none yet
     backups: tuple[BackupClaim, ...] = ()  # other stages' agreed backups we hold
+    worked: tuple[tuple[str, int], ...] = ()  # (peer id, stage) of peers we saw work first-hand (dht.work)
 
     @property
     def expires_at(self) -> float:
@@ -137,7 +141,7 @@ def routing_rank(record: StageRecord) -> tuple:
             -min(cap.throughput, PLAUSIBLE_THROUGHPUT), -record.timestamp, record.peer_id, record.run, record.model,
             record.stage, record.start, record.end, record.addrs, record.ttl, cap.flags, cap.queue_depth,
             cap.free_memory_mb, cap.throughput, cap.outer_round, record.agreed or (),
-            tuple((c.stage, c.round, c.digest) for c in record.backups))
+            tuple((c.stage, c.round, c.digest) for c in record.backups), record.worked)
 
 
 def best_first(records: Iterable[StageRecord]) -> list[StageRecord]:
@@ -200,6 +204,20 @@ def _backup_problem(record: StageRecord) -> str | None:
             return f"backup claim for the record's own stage {record.stage}"
     if len({claim.stage for claim in claims}) != len(claims):
         return "backup claims name a stage twice"
+    return _work_problem(record)
+
+
+def _work_problem(record: StageRecord) -> str | None:
+    """What is wrong with the record's ``worked`` attestations, or None."""
+    worked = record.worked
+    if type(worked) is not tuple or len(worked) > MAX_WORK_CLAIMS:
+        return f"worked must be a tuple of at most {MAX_WORK_CLAIMS} (peer, stage) pairs"
+    for pair in worked:
+        if not (type(pair) is tuple and len(pair) == 2 and type(pair[0]) is str
+                and 0 < len(pair[0]) <= MAX_PEER_ID_CHARS and _is_int(pair[1], 0, MAX_STAGES - 1)):
+            return f"worked pair {shown(pair)} is not (peer id, stage)"
+    if len({peer for peer, _ in worked}) != len(worked) or any(peer == record.peer_id for peer, _ in worked):
+        return "worked names a peer twice, or the record's own peer"
     return None
 
 

@@ -23,12 +23,12 @@ import logging
 import math
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 
 import trio
 
 from p2pswarm import wire
-from p2pswarm.dht import health, ranking
+from p2pswarm.dht import health, ranking, work
 from p2pswarm.dht.candidates import CHECK_PERIOD, CandidateBook, asks_first
 from p2pswarm.dht.discovery import ANNOUNCE_PERIOD, DEFAULT_K, LOOKUP_TIMEOUT, STAGE_MAP_PERIOD, StageIndex
 from p2pswarm.dht.ranking import Standing
@@ -52,7 +52,7 @@ class StageMap:
     other runs live under other keys, and any that come back anyway are dropped by the lookup."""
 
     def __init__(self, index: StageIndex, model: ModelSpec, nursery: trio.Nursery, run: str = UNNAMED_RUN,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, roots: Iterable[str] = ()) -> None:
         self._index, self.model, self._nursery, self.run = index, model, nursery, run
         self.clock = clock  # wall-clock seconds, as records' timestamps are (a test passes a virtual one)
         self._pools: dict[int, list[StageRecord]] = {}  # per stage: the last lookup's CHECK_POOL best
@@ -61,13 +61,37 @@ class StageMap:
         self._rebuilt: trio.Event | None = None  # while a rebuild runs: set when it ends
         self.book = CandidateBook()  # who answered us; only they are candidates
         self.agreed = health.AgreedRounds()  # when each stage's agreed rounds were first seen: backups' age
+        self.work = work.WorkBook()  # the work we saw peers do first-hand (``saw``)
+        self.roots = frozenset(roots)  # whose attestations we take before we saw any work: our bootstrap peers
+
+    def saw(self, peer: str, stage: int, weight: float = 1.0) -> None:
+        """``peer`` did verifiable work for ``stage``, seen by us (``dht.work``)."""
+        self.work.saw(peer, stage, self.clock(), weight)
+
+    def workers(self, now: float | None = None) -> dict[int, set[str]]:
+        """Per stage, the peers counted as working (``dht.work.workers``): us, those we saw work, and those
+        attested by peers we trust. Stage choice, health, rebalancing and DiLoCo's invitations count these."""
+        now = self.clock() if now is None else now
+        fresh = {stage: self._fresh(stage, now) for stage in self._pools}
+        return work.workers(fresh, self.work.working(now), me=self._index.me, roots=self.roots,
+                            network=ranking.record_network)
 
     def standing(self, peer: str, now: float | None = None) -> Standing:
-        """Our own record, a peer that answered us recently, or a stranger."""
-        if peer == self._index.me:
-            return Standing.OWN
-        return Standing.VOUCHED if self.book.has_answered(peer, self.clock() if now is None else now) \
-            else Standing.STRANGER
+        """Our own record, a working peer, a peer that answered us recently, or a stranger."""
+        now = self.clock() if now is None else now
+        return self._standings(now)(peer)
+
+    def _standings(self, now: float) -> Callable[[str], Standing]:
+        """``standing`` with the working peers worked out once, for ranking many records."""
+        working = {peer for peers in self.workers(now).values() for peer in peers}
+
+        def standing(peer: str) -> Standing:
+            if peer == self._index.me:
+                return Standing.OWN
+            if peer in working:
+                return Standing.WORKING
+            return Standing.VOUCHED if self.book.has_answered(peer, now) else Standing.STRANGER
+        return standing
 
     def _fresh(self, stage: int, now: float) -> list[StageRecord]:
         """The kept records of ``stage`` not yet expired: a record past its TTL is never shown,
@@ -77,14 +101,14 @@ class StageMap:
     def pool(self, stage: int) -> list[StageRecord]:
         """Every fresh record kept for ``stage``, best first, crowded strangers last: the peers we check."""
         now = self.clock()
-        return ranking.pool(self._fresh(stage, now), lambda peer: self.standing(peer, now), CHECK_POOL)
+        return ranking.pool(self._fresh(stage, now), self._standings(now), CHECK_POOL)
 
     @property
     def stages(self) -> dict[int, list[StageRecord]]:
         """Per stage looked up, its top DEFAULT_K fresh records as we rank them now."""
         now = self.clock()
-        return {stage: ranking.top(self._fresh(stage, now), lambda peer: self.standing(peer, now), DEFAULT_K)
-                for stage in self._pools}
+        standing = self._standings(now)
+        return {stage: ranking.top(self._fresh(stage, now), standing, DEFAULT_K) for stage in self._pools}
 
     async def refresh(self) -> dict[int, list[StageRecord]]:
         """Look every stage up again (each stage's answer kept as soon as it is in)."""
@@ -129,10 +153,10 @@ class StageMap:
         its identities) or a lookup cut short must not make us forget the peers we work with."""
         now = self.clock()
         self._remember(found, now)
-        got = {r.peer_id for r in found}
+        got, standing = {r.peer_id for r in found}, self._standings(now)
         kept = [r for r in self._pools.get(stage, []) if r.peer_id not in got and r.is_fresh(now)
-                and self.standing(r.peer_id, now) is not Standing.STRANGER]
-        self._pools[stage] = ranking.pool(found + kept, lambda peer: self.standing(peer, now), CHECK_POOL)
+                and standing(r.peer_id) is not Standing.STRANGER]
+        self._pools[stage] = ranking.pool(found + kept, standing, CHECK_POOL)
         self.agreed.note(stage, [r.agreed[0] for r in self._pools[stage] if r.agreed is not None], now)
 
     async def answer_ping(self, peer: str, message: wire.Ping) -> wire.Pong:
@@ -170,22 +194,36 @@ class StageMap:
             self._seen = {r.peer_id: r for r in live[-MAX_SEEN:]}
 
     async def choose_stage(self, rng: random.Random) -> int:
-        """``--layers auto``: the stage with the least announced throughput (else the fewest live
-        replicas), ties broken at random (``catalog.least_served_stage``)."""
-        stages = await self.refresh()
-        chosen = least_served_stage(self.model, {s: len(records) for s, records in stages.items()}, rng,
-                                    {s: [min(r.capacity.throughput, PLAUSIBLE_THROUGHPUT) for r in records]
-                                     for s, records in stages.items()})
-        log.info("--layers auto: chose stage %d, layers [%d, %d): the least served", chosen,
-                 *self.model.stage_range(chosen))
+        """``--layers auto``: the stage served least by working peers (``workers``: their announced
+        throughput, else their number); ties broken at random (``catalog.least_served_stage``). Claims
+        alone never count: records of identities that did no work weigh nothing. Only a joiner that knows
+        of no work at all (no root of its own saw any) breaks ties by the peers that answered it, a few per
+        address: then an answer is all the evidence there is."""
+        await self.refresh()
+        now = self.clock()
+        workers, standing = self.workers(now), self._standings(now)
+        fresh = {stage: self._fresh(stage, now) for stage in range(self.model.n_stages)}
+        answered = {stage: len(ranking.top([r for r in records if standing(r.peer_id) is Standing.VOUCHED],
+                                           standing, DEFAULT_K)) for stage, records in fresh.items()}
+        throughputs = {stage: [min(r.capacity.throughput, PLAUSIBLE_THROUGHPUT) for r in records
+                               if r.peer_id in workers.get(stage, ())] for stage, records in fresh.items()}
+        chosen = least_served_stage(self.model, {s: len(workers.get(s, ())) for s in fresh}, rng, throughputs,
+                                    tie_break=None if any(workers.values()) else answered)
+        log.info("--layers auto: chose stage %d, layers [%d, %d): the least served (%s working, %s answering)",
+                 chosen, *self.model.stage_range(chosen), _per_stage({s: len(workers.get(s, ())) for s in fresh}),
+                 _per_stage(answered))
         return chosen
 
     def counts(self) -> dict[int, int]:
-        """Live replicas per stage (``health.known_counts``): every stage once a whole map was built."""
-        return health.known_counts(self.stages, self.model.n_stages, complete=self.updated_at > 0)
+        """Working replicas per stage (``workers``; ``health.known_counts``): every stage once a whole map
+        was built. A stage whose peers only claim it is down."""
+        now = self.clock()
+        workers = self.workers(now)
+        looked_up = {stage: sorted(workers.get(stage, ())) for stage in self._pools}
+        return health.known_counts(looked_up, self.model.n_stages, complete=self.updated_at > 0)
 
     def doc(self) -> dict:
-        now, stages, counts = self.clock(), self.stages, self.counts()
+        now, stages, counts, workers = self.clock(), self.stages, self.counts(), self.workers()
         return {
             "model": self.model.name,
             "run": self.run,
@@ -198,7 +236,8 @@ class StageMap:
                     "end": self.model.stage_range(stage)[1],
                     "health": health.level_of(counts[stage]).value,
                     "replicas": counts[stage],
-                    "peers": [{**_record_doc(r, now), "answered": self.book.has_answered(r.peer_id, now)}
+                    "peers": [{**_record_doc(r, now), "answered": self.book.has_answered(r.peer_id, now),
+                               "working": r.peer_id in workers.get(stage, ())}
                               for r in stages.get(stage, [])],
                     "backups": health.backups_doc(stage, stages, self.agreed, now),
                 }
@@ -213,6 +252,10 @@ class StageMap:
 
     def routes(self) -> dict:
         return {"/api/stages": self.stages_json}
+
+
+def _per_stage(values: dict[int, int]) -> str:
+    return ", ".join(f"stage {stage}: {value}" for stage, value in sorted(values.items()))
 
 
 def _record_doc(record: StageRecord, now: float) -> dict:
@@ -280,6 +323,18 @@ async def serve_candidate_checks(stage_map: StageMap, stages: list[int], me: str
     """Keep ``stages`` of the map fresh and ask their peers for a round trip, so that
     ``StageMap.candidates`` offers only peers that answer us. Peers with a smaller id than ours
     ask us instead (``StageMap.answer_ping`` counts their pings)."""
+    while True:
+        await stage_map.refresh_stages(stages)
+        records = {r.peer_id: r for s in stages for r in stage_map.pool(s) if asks_first(me, r.peer_id)}
+        await check_peers(stage_map, [records[p] for p in stage_map.book.to_ask(records, stage_map.clock())],
+                          round_trip)
+        await trio.sleep(CHECK_PERIOD / 2)
+
+
+async def check_peers(stage_map: StageMap, records: list[StageRecord],
+                      round_trip: Callable[[str, tuple[str, ...]], Awaitable[object]]) -> None:
+    """Ask each of ``records``' peers for a round trip (MAX_CHECKS_AT_ONCE at a time, each bounded by
+    CHECK_TIMEOUT); those that answer are vouched (``StageMap.book``)."""
     limiter = trio.CapacityLimiter(MAX_CHECKS_AT_ONCE)
 
     async def check(record: StageRecord) -> None:
@@ -292,13 +347,18 @@ async def serve_candidate_checks(stage_map: StageMap, stages: list[int], me: str
                     return
                 stage_map.book.answered(record.peer_id, stage_map.clock())
 
-    while True:
-        await stage_map.refresh_stages(stages)
-        records = {r.peer_id: r for s in stages for r in stage_map.pool(s) if asks_first(me, r.peer_id)}
-        async with trio.open_nursery() as nursery:
-            for peer in stage_map.book.to_ask(records, stage_map.clock()):
-                nursery.start_soon(check, records[peer])
-        await trio.sleep(CHECK_PERIOD / 2)
+    async with trio.open_nursery() as nursery:
+        for record in records:
+            nursery.start_soon(check, record)
+
+
+async def check_every_stage(stage_map: StageMap, me: str,
+                            round_trip: Callable[[str, tuple[str, ...]], Awaitable[object]]) -> None:
+    """Before ``--layers auto`` chooses: every stage looked up and each pooled peer asked once, so that
+    where no work is known to us yet, peers that answer weigh more than records alone."""
+    await stage_map.refresh()
+    records = {r.peer_id: r for s in range(stage_map.model.n_stages) for r in stage_map.pool(s) if r.peer_id != me}
+    await check_peers(stage_map, list(records.values()), round_trip)
 
 
 async def control_round_trip(connector, control, peer: str, addrs: tuple[str, ...]) -> None:

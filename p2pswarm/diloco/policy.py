@@ -105,6 +105,10 @@ class Strikes:
             rounds.append(round_)
         log.warning("outer round %d: refused %s: %s", round_, peer, reason)
 
+    def refused_in(self, peer: str, round_: int) -> bool:
+        """Whether we refused a contribution of ``peer`` in outer round ``round_``."""
+        return round_ in self._rounds.get(peer, ())
+
     def barred(self, peer: str, round_: int) -> bool:
         """Refused in STRIKES of the last STRIKE_ROUNDS rounds before ``round_``: left out of our groups."""
         recent = [r for r in self._rounds.get(peer, ()) if r > round_ - STRIKE_ROUNDS]

@@ -29,6 +29,7 @@ import trio
 
 from p2pswarm import wire
 from p2pswarm.dht.records import UNNAMED_RUN_BYTES
+from p2pswarm.dht.work import CONTRIBUTION_WEIGHT
 from p2pswarm.diloco import checkpoint, contribution, offload, policy, snapshots, status
 from p2pswarm.diloco import messages as msgs
 from p2pswarm.diloco import round as rnd
@@ -147,11 +148,16 @@ class DilocoService:
             self._do(self.round, self.round.start(now))
 
     def _replicas(self) -> frozenset[str]:
-        """The other replicas of our stage in the stage map, but those we refuse to meet."""
+        """The other replicas of our stage we meet: those counted as working (``StageMap.workers``: seen or
+        attested by the neighbour stages' peers), but those we refuse to meet. A one-stage model has no
+        neighbours to see its replicas work, so there every replica that answers us is met too, and outer
+        rounds are its evidence."""
         assert self.outer is not None  # prepare() made it
         rounds = self.outer.rounds
-        return frozenset(r.peer_id for r in self._stage_map.stages.get(self.stage, [])
-                         if r.peer_id != self.me and not self.strikes.barred(r.peer_id, rounds))
+        met = set(self._stage_map.workers().get(self.stage, ()))
+        if self.spec.n_stages == 1:
+            met |= {r.peer_id for r in self._stage_map.candidates(self.stage)}
+        return frozenset(peer for peer in met if peer != self.me and not self.strikes.barred(peer, rounds))
 
     # --- rounds --------------------------------------------------------------------------------------
 
@@ -286,6 +292,9 @@ class DilocoService:
         self.history.append(status.round_record(round_.round, outcome.group, times, sent, received, done,
                                                 step=swarm.engine.step, tokens=swarm.engine.tokens))
         self.counts["rounds"] += 1
+        for peer in outcome.group:  # a contribution taken into a finished round: work we saw (dht.work)
+            if peer != self.me and not self.strikes.refused_in(peer, round_.round):
+                self._stage_map.saw(peer, self.stage, CONTRIBUTION_WEIGHT)
         log.info("outer round %d done: %d member(s), %.1f s, %.2f MB sent, %d shard(s) missing", round_.round,
                  len(outcome.group), times.now - times.started, sent / 1e6, len(done.missing))
         self.round, self._pending = None, None

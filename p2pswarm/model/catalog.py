@@ -180,7 +180,8 @@ def parse_layers(text: str, model: ModelSpec) -> tuple[int, int] | None:
 
 
 def least_served_stage(model: ModelSpec, replicas_per_stage: dict[int, int], rng: random.Random,
-                       throughputs: dict[int, list[float]] | None = None) -> int:
+                       throughputs: dict[int, list[float]] | None = None,
+                       tie_break: dict[int, int] | None = None) -> int:
     """The stage with the least served throughput, else the fewest live replicas.
 
     ``throughputs`` are the tokens/s each stage's replicas announce (0: not measured yet). Where
@@ -188,7 +189,8 @@ def least_served_stage(model: ModelSpec, replicas_per_stage: dict[int, int], rng
     counting as the mean of the known ones (a peer that has not measured yet is taken as a
     typical one): a fast GPU replica serves a stage as much as several CPU ones, and the stage
     that bounds the pipeline gets the newcomer. Where none is known, the stage with the fewest
-    replicas. Ties are broken at random so that peers joining at the same moment spread out.
+    replicas. Among the stages tied, those with the least ``tie_break`` (weaker evidence: peers that
+    only answered a ping); ties left are broken at random so that peers joining at once spread out.
     """
     known = [t for values in (throughputs or {}).values() for t in values if t > 0]
     served: list[float]
@@ -199,7 +201,9 @@ def least_served_stage(model: ModelSpec, replicas_per_stage: dict[int, int], rng
     else:
         served = [replicas_per_stage.get(stage, 0) for stage in range(model.n_stages)]
     least = min(served)
-    return rng.choice([stage for stage, amount in enumerate(served) if amount == least])
+    tied = [stage for stage, amount in enumerate(served) if amount == least]
+    fewest = min((tie_break or {}).get(stage, 0) for stage in tied)
+    return rng.choice([stage for stage in tied if (tie_break or {}).get(stage, 0) == fewest])
 
 
 def block_param_count(spec: ModelSpec) -> int:

@@ -43,6 +43,7 @@ from p2pswarm.dht.record_codec import sign_record
 from p2pswarm.dht.records import FLAG_GPU, FLAG_PINNED, FLAG_SNAPSHOT, Capacity, StageRecord
 from p2pswarm.dht.stagemap import (
     StageMap,
+    check_every_stage,
     control_round_trip,
     meet_peers,
     neighbour_stages,
@@ -167,7 +168,8 @@ class NodeState:
         record = stage_record(self.identity.peer_id_text, self.addrs(), tuple(self.nat.public_addrs), self.model,
                               self.stage, self.capacity(), now, RECORD_TTL, run=self.run.identity,
                               agreed=self.diloco.agreed_claim() if self.diloco else None,
-                              backups=self.backups.claims() if self.backups else ())
+                              backups=self.backups.claims() if self.backups else (),
+                              worked=self.stage_map.work.attested(now) if self.stage_map else ())
         return record, sign_record(record, self.identity)
 
 
@@ -193,7 +195,8 @@ async def _join_dht(state: NodeState, nursery: trio.Nursery, rng: random.Random,
     bootstrap_infos = [peer_info_from_multiaddr(a) for a in config.bootstrap]
     state.index = StageIndex(host, state.kad, state.control, RecordStore(), server=config.dht_server)
     state.nat.set_dht_server = state.index.set_server
-    state.stage_map = StageMap(state.index, state.model, nursery, run=state.run.identity)
+    state.stage_map = StageMap(state.index, state.model, nursery, run=state.run.identity,
+                               roots=[str(info.peer_id) for info in bootstrap_infos])  # whom we trust first
     state.completer = SwarmCompleter(state.pool, state.stage_map, state.model, state.run,
                                      load_tokenizer(state.run.tokenizer), me=state.identity.peer_id_text,
                                      local=lambda: getattr(state.swarm, "inference", None))  # any node with a map
@@ -214,6 +217,9 @@ async def _join_dht(state: NodeState, nursery: trio.Nursery, rng: random.Random,
         nursery.start_soon(serve_health_watch, state.stage_map)  # a log line when a stage's health changes: only
         #                                          a trainer knows the model (a bootstrap's map is the default one)
         stage = state.model.stage_of(*config.layers) if config.layers else None
+        if stage is None:  # --layers auto: ask the peers of every stage first (an answer outweighs a bare record)
+            await check_every_stage(state.stage_map, state.identity.peer_id_text,
+                                    functools.partial(control_round_trip, state.connector, state.control))
         state.stage = stage if stage is not None else await state.stage_map.choose_stage(rng)
         state.backups = _backup_service(state)
         state.backups.register()  # one snapshot handler: our stage's server, and the backups we hold

@@ -36,8 +36,8 @@ def check_request(message: Message) -> None:
 
 def classify(message: Forward | Backward, *, stage: int, is_last: bool, waiting: Waiting) -> str | None:
     """The kind of job an addressed frame asks for ("forward", "eval" or "backward"); None for a
-    gradient of a micro-batch no longer ``waiting`` (given up already); RemoteProtocolError for a
-    frame we would not compute."""
+    gradient of a micro-batch not ``waiting`` from its sender (given up already, or acked by another
+    peer: ``InFlight.awaiting``); RemoteProtocolError for a frame we would not compute."""
     if isinstance(message, Backward):
         if message.priority != Priority.TRAINING_BACKWARD:
             raise RemoteProtocolError(f"a gradient with priority {message.priority}")

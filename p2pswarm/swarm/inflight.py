@@ -37,6 +37,17 @@ class Pending:
     sent_to: str | None = None  # the downstream peer that acked its activations
 
 
+@dataclass(frozen=True)
+class _From:
+    """``InFlight.awaiting``: a container of the keys one peer may send the gradient of."""
+
+    book: InFlight
+    peer: str
+
+    def __contains__(self, key: Key) -> bool:
+        return self.book.awaits(key, self.peer)
+
+
 class InFlight:
     """The micro-batches of one stage that wait for a gradient (module docstring)."""
 
@@ -64,6 +75,16 @@ class InFlight:
             return False
         self._entries[key] = Pending(upstream, now)
         return True
+
+    def awaits(self, key: Key, peer: str) -> bool:
+        """Whether a gradient of ``key`` from ``peer`` is one we wait for: only the peer that acked its
+        activations may answer them (before its ack is in, any peer may: the ack and the gradient race)."""
+        entry = self._entries.get(key)
+        return entry is not None and entry.sent_to in (None, peer)
+
+    def awaiting(self, peer: str) -> _From:
+        """The keys whose gradient we would take from ``peer`` (``admission.Waiting``)."""
+        return _From(self, peer)
 
     def sent_to(self, key: Key, peer: str) -> None:
         """``peer`` acked ``key``'s activations: its death now means this gradient will not come."""

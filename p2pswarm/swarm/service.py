@@ -158,6 +158,9 @@ class SwarmService:
                 self.engine.forget(key)
         for peer in effects.blame:
             self.router.observe_failure(peer, time.time())
+        for peer, offset in effects.worked:
+            if self._stage_map is not None:  # work we saw: counts the peer as serving its stage (dht.work)
+                self._stage_map.saw(peer, self.stage + offset)
         if effects.work:
             self.work_ready.notify()
         if effects.sends:
@@ -209,7 +212,7 @@ class SwarmService:
         not compute."""
         admission.check_request(message)
         codec.check_header(message, self.layout)
-        kind = admission.classify(message, stage=self.stage, is_last=self.is_last, waiting=self.inflight)
+        kind = admission.classify(message, stage=self.stage, is_last=self.is_last, waiting=self.inflight.awaiting(peer))
         if kind is None:
             self.counts[Count.LATE_GRADIENTS] += 1
             return None, Priority.TRAINING_BACKWARD

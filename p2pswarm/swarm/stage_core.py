@@ -43,7 +43,7 @@ from p2pswarm.swarm.buffers import (
     inbound_buffer,
     outbound_queue,
 )
-from p2pswarm.swarm.inflight import InFlight, RecentKeys
+from p2pswarm.swarm.inflight import InFlight, Pending, RecentKeys
 
 Key = tuple[bytes, int]  # (session, micro-batch id)
 
@@ -101,10 +101,12 @@ class Effects:
     work: bool = False  # new work in the inbound buffer: wake the compute worker
     sends: bool = False  # new frames in the outbound queue: wake the senders
     progress: bool = False  # a job done or a micro-batch given up: wake stage 0's feeders
+    worked: tuple[tuple[str, int], ...] = ()  # (peer, stage offset): the upstream peer whose forward we computed
+    #   (-1), the downstream peer that sent back the gradient of what we sent it (+1): work we saw (dht.work)
 
     def __or__(self, other: Effects) -> Effects:
         return Effects(self.forget + other.forget, self.blame + other.blame, self.work or other.work,
-                       self.sends or other.sends, self.progress or other.progress)
+                       self.sends or other.sends, self.progress or other.progress, self.worked + other.worked)
 
 
 NOTHING = Effects()
@@ -218,19 +220,23 @@ class StageCore:
     def done(self, job: Job, sends: list[Send], seconds: float, now: float) -> Effects:
         """The job was computed in ``seconds``; ``sends`` are its frames, their gradients' destinations unset."""
         self.compute_s += COMPUTE_EMA * (seconds - self.compute_s)
+        worked: tuple[tuple[str, int], ...] = ()
         if job.upstream is not None and job.work.kind == "forward":
             self.counts[Count.FORWARDS_TRAINED] += 1  # at most once per micro-batch: ``taken``
-        outcome, effects = self._hand_on(job, self._route(job, sends), now)
+            worked = ((job.upstream, -1),)
+        entry = self.inflight.finish(job.work.key) if job.work.kind == "backward" else None
+        if entry is not None and job.upstream is not None and entry.sent_to == job.upstream:
+            worked = ((job.upstream, +1),)  # the peer we sent the forward to computed it and its backward
+        outcome, effects = self._hand_on(job, self._route(job, sends, entry), now)
         self.ledger.finish(now, outcome)
-        return effects | Effects(progress=True)
+        return effects | Effects(progress=True, worked=worked)
 
-    def _route(self, job: Job, sends: list[Send]) -> list[Send]:
+    def _route(self, job: Job, sends: list[Send], entry: Pending | None) -> list[Send]:
         """The one place a gradient's destination is set: the peer its micro-batch's forward came from
-        (for a backward job, the in-flight entry's upstream; else the job's own upstream). A gradient
+        (for a backward job, the in-flight ``entry``'s upstream; else the job's own upstream). A gradient
         whose micro-batch was given up while it was computed goes nowhere."""
         work = job.work
         if work.kind == "backward":
-            entry = self.inflight.finish(work.key)
             if entry is None:
                 return []
             self.counts[Count.MICRO_BATCHES_DONE if self.is_first else Count.GRADIENTS_PASSED] += 1
