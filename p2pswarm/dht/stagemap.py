@@ -79,19 +79,7 @@ class StageMap:
     def standing(self, peer: str, now: float | None = None) -> Standing:
         """Our own record, a working peer, a peer that answered us recently, or a stranger."""
         now = self.clock() if now is None else now
-        return self._standings(now)(peer)
-
-    def _standings(self, now: float) -> Callable[[str], Standing]:
-        """``standing`` with the working peers worked out once, for ranking many records."""
-        working = {peer for peers in self.workers(now).values() for peer in peers}
-
-        def standing(peer: str) -> Standing:
-            if peer == self._index.me:
-                return Standing.OWN
-            if peer in working:
-                return Standing.WORKING
-            return Standing.VOUCHED if self.book.has_answered(peer, now) else Standing.STRANGER
-        return standing
+        return _standings(self, now)(peer)
 
     def _fresh(self, stage: int, now: float) -> list[StageRecord]:
         """The kept records of ``stage`` not yet expired: a record past its TTL is never shown,
@@ -101,13 +89,13 @@ class StageMap:
     def pool(self, stage: int) -> list[StageRecord]:
         """Every fresh record kept for ``stage``, best first, crowded strangers last: the peers we check."""
         now = self.clock()
-        return ranking.pool(self._fresh(stage, now), self._standings(now), CHECK_POOL)
+        return ranking.pool(self._fresh(stage, now), _standings(self, now), CHECK_POOL)
 
     @property
     def stages(self) -> dict[int, list[StageRecord]]:
         """Per stage looked up, its top DEFAULT_K fresh records as we rank them now."""
         now = self.clock()
-        standing = self._standings(now)
+        standing = _standings(self, now)
         return {stage: ranking.top(self._fresh(stage, now), standing, DEFAULT_K) for stage in self._pools}
 
     async def refresh(self) -> dict[int, list[StageRecord]]:
@@ -152,8 +140,8 @@ class StageMap:
         missed stay until they expire: one store that answered alone (a hostile one serving only
         its identities) or a lookup cut short must not make us forget the peers we work with."""
         now = self.clock()
-        self._remember(found, now)
-        got, standing = {r.peer_id for r in found}, self._standings(now)
+        self._seen = _remember(self._seen, found, now)
+        got, standing = {r.peer_id for r in found}, _standings(self, now)
         kept = [r for r in self._pools.get(stage, []) if r.peer_id not in got and r.is_fresh(now)
                 and standing(r.peer_id) is not Standing.STRANGER]
         self._pools[stage] = ranking.pool(found + kept, standing, CHECK_POOL)
@@ -182,37 +170,6 @@ class StageMap:
         seen = self._seen.get(peer_id)
         fresh = [*pooled, *([seen] if seen is not None and seen.is_fresh(now) else [])]
         return max(fresh, key=lambda r: r.timestamp).addrs if fresh else ()
-
-    def _remember(self, found: list[StageRecord], now: float) -> None:
-        """Each found record as its peer's newest seen (bounded: expired ones, then the oldest, go first)."""
-        for record in found:
-            held = self._seen.get(record.peer_id)
-            if held is None or record.timestamp > held.timestamp:
-                self._seen[record.peer_id] = record
-        if len(self._seen) > MAX_SEEN:
-            live = sorted((r for r in self._seen.values() if r.is_fresh(now)), key=lambda r: r.timestamp)
-            self._seen = {r.peer_id: r for r in live[-MAX_SEEN:]}
-
-    async def choose_stage(self, rng: random.Random) -> int:
-        """``--layers auto``: the stage served least by working peers (``workers``: their announced
-        throughput, else their number); ties broken at random (``catalog.least_served_stage``). Claims
-        alone never count: records of identities that did no work weigh nothing. Only a joiner that knows
-        of no work at all (no root of its own saw any) breaks ties by the peers that answered it, a few per
-        address: then an answer is all the evidence there is."""
-        await self.refresh()
-        now = self.clock()
-        workers, standing = self.workers(now), self._standings(now)
-        fresh = {stage: self._fresh(stage, now) for stage in range(self.model.n_stages)}
-        answered = {stage: len(ranking.top([r for r in records if standing(r.peer_id) is Standing.VOUCHED],
-                                           standing, DEFAULT_K)) for stage, records in fresh.items()}
-        throughputs = {stage: [min(r.capacity.throughput, PLAUSIBLE_THROUGHPUT) for r in records
-                               if r.peer_id in workers.get(stage, ())] for stage, records in fresh.items()}
-        chosen = least_served_stage(self.model, {s: len(workers.get(s, ())) for s in fresh}, rng, throughputs,
-                                    tie_break=None if any(workers.values()) else answered)
-        log.info("--layers auto: chose stage %d, layers [%d, %d): the least served (%s working, %s answering)",
-                 chosen, *self.model.stage_range(chosen), _per_stage({s: len(workers.get(s, ())) for s in fresh}),
-                 _per_stage(answered))
-        return chosen
 
     def counts(self) -> dict[int, int]:
         """Working replicas per stage (``workers``; ``health.known_counts``): every stage once a whole map
@@ -252,6 +209,54 @@ class StageMap:
 
     def routes(self) -> dict:
         return {"/api/stages": self.stages_json}
+
+
+def _standings(stage_map: StageMap, now: float) -> Callable[[str], Standing]:
+    """``StageMap.standing`` with the working peers worked out once, for ranking many records."""
+    working = {peer for peers in stage_map.workers(now).values() for peer in peers}
+    me = stage_map._index.me
+
+    def standing(peer: str) -> Standing:
+        if peer == me:
+            return Standing.OWN
+        if peer in working:
+            return Standing.WORKING
+        return Standing.VOUCHED if stage_map.book.has_answered(peer, now) else Standing.STRANGER
+    return standing
+
+
+async def choose_stage(stage_map: StageMap, rng: random.Random) -> int:
+    """``--layers auto``: the stage served least by working peers (``workers``: their announced
+    throughput, else their number); ties broken at random (``catalog.least_served_stage``). Claims
+    alone never count: records of identities that did no work weigh nothing. Only a joiner that knows
+    of no work at all (no root of its own saw any) breaks ties by the peers that answered it, a few per
+    address: then an answer is all the evidence there is."""
+    await stage_map.refresh()
+    now = stage_map.clock()
+    workers, standing = stage_map.workers(now), _standings(stage_map, now)
+    fresh = {stage: stage_map._fresh(stage, now) for stage in range(stage_map.model.n_stages)}
+    answered = {stage: len(ranking.top([r for r in records if standing(r.peer_id) is Standing.VOUCHED],
+                                       standing, DEFAULT_K)) for stage, records in fresh.items()}
+    throughputs = {stage: [min(r.capacity.throughput, PLAUSIBLE_THROUGHPUT) for r in records
+                           if r.peer_id in workers.get(stage, ())] for stage, records in fresh.items()}
+    chosen = least_served_stage(stage_map.model, {s: len(workers.get(s, ())) for s in fresh}, rng, throughputs,
+                                tie_break=None if any(workers.values()) else answered)
+    log.info("--layers auto: chose stage %d, layers [%d, %d): the least served (%s working, %s answering)",
+             chosen, *stage_map.model.stage_range(chosen), _per_stage({s: len(workers.get(s, ())) for s in fresh}),
+             _per_stage(answered))
+    return chosen
+
+
+def _remember(seen: dict[str, StageRecord], found: list[StageRecord], now: float) -> dict[str, StageRecord]:
+    """Each found record as its peer's newest seen (bounded: expired ones, then the oldest, go first)."""
+    for record in found:
+        held = seen.get(record.peer_id)
+        if held is None or record.timestamp > held.timestamp:
+            seen[record.peer_id] = record
+    if len(seen) > MAX_SEEN:
+        live = sorted((r for r in seen.values() if r.is_fresh(now)), key=lambda r: r.timestamp)
+        return {r.peer_id: r for r in live[-MAX_SEEN:]}
+    return seen
 
 
 def _per_stage(values: dict[int, int]) -> str:

@@ -44,6 +44,7 @@ from p2pswarm.dht.records import FLAG_GPU, FLAG_PINNED, FLAG_SNAPSHOT, Capacity,
 from p2pswarm.dht.stagemap import (
     StageMap,
     check_every_stage,
+    choose_stage,
     control_round_trip,
     meet_peers,
     neighbour_stages,
@@ -220,7 +221,7 @@ async def _join_dht(state: NodeState, nursery: trio.Nursery, rng: random.Random,
         if stage is None:  # --layers auto: ask the peers of every stage first (an answer outweighs a bare record)
             await check_every_stage(state.stage_map, state.identity.peer_id_text,
                                     functools.partial(control_round_trip, state.connector, state.control))
-        state.stage = stage if stage is not None else await state.stage_map.choose_stage(rng)
+        state.stage = stage if stage is not None else await choose_stage(state.stage_map, rng)
         state.backups = _backup_service(state)
         state.backups.register()  # one snapshot handler: our stage's server, and the backups we hold
         nursery.start_soon(state.backups.run)
