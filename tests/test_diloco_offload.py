@@ -95,6 +95,11 @@ class StageMap:
     def saw(self, peer: str, stage: int, weight: float = 1.0) -> None:
         pass
 
+    def standing(self, peer: str):
+        from p2pswarm.dht.ranking import Standing
+
+        return Standing.WORKING
+
     async def refresh_stages(self, stages) -> None:
         pass
 

@@ -8,6 +8,7 @@ import pytest
 
 pytest.importorskip("torch")
 
+from p2pswarm.dht.ranking import Standing
 from p2pswarm.diloco.policy import STRIKE_ROUNDS, STRIKES, result_check
 from p2pswarm.diloco.service import DilocoService
 from p2pswarm.model.catalog import get_model
@@ -18,7 +19,8 @@ ME, AHEAD, STRANGER = "12D3KooWme", "12D3KooWahead", "12D3KooWstranger"
 
 def service(record_round: int = 5) -> DilocoService:
     record = SimpleNamespace(peer_id=AHEAD, capacity=SimpleNamespace(outer_round=record_round))
-    stage_map = SimpleNamespace(stages={1: [record]}, workers=lambda: {1: {AHEAD}})  # AHEAD seen working
+    stage_map = SimpleNamespace(stages={1: [record]}, workers=lambda: {1: {AHEAD}},  # AHEAD seen working
+                                standing=lambda peer: Standing.WORKING)
     s = DilocoService(settings=DilocoSettings(), spec=get_model("tiny-lm/2"), stage=1, me=ME, pool=None,
                       stage_map=stage_map)
     s.outer = SimpleNamespace(rounds=3)

@@ -97,3 +97,33 @@ def test_a_failing_handler_ends_its_stream_not_the_connection():
             assert await control.request(node.get_id(), wire.Ping(nonce=1)) == wire.Pong(nonce=2)
 
     run_node(body)
+
+
+def test_the_resource_managers_denials_are_counted_by_what_it_returns():
+    """A node whose resource manager allows a few streams: streams are opened until one is denied, and
+    ``inbound_stats`` counts that one denial (by the manager's answer, not by the text of the library's error)."""
+    from libp2p.custom_types import TProtocol
+
+    from p2pswarm.net.control import CONTROL_PROTOCOL
+
+    async def main():
+        async with open_host(generate_identity(), LOOPBACK, HostLimits(max_streams=4)) as node, \
+                open_host(generate_identity(), LOOPBACK) as other, trio.open_nursery() as nursery:
+            ControlService(other, nursery).handle(wire.Ping, pong)
+            await connect(node, peer_info_from_multiaddr(f"{other.get_addrs()[0]}"))
+            held = []
+            for _ in range(8):
+                assert inbound_stats(node)["resource_manager_denied_streams"] == 0
+                try:
+                    held.append(await node.new_stream(other.get_id(), [TProtocol(CONTROL_PROTOCOL)]))
+                except Exception as exc:  # the library's SwarmException, whatever its text
+                    print(f"stream {len(held) + 1} refused: {exc!r}")
+                    break
+            else:
+                raise AssertionError("8 streams opened past a manager's limit of 4")
+            assert inbound_stats(node)["resource_manager_denied_streams"] == 1
+            for stream in held:
+                await stream.reset()
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)

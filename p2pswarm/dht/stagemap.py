@@ -42,6 +42,7 @@ STAGE_MAP_BUILD_TIMEOUT = 2 * LOOKUP_TIMEOUT + 1.0  # a closest-peer search and 
 #                                                   bounded, with room to finish rather than be cut
 CHECK_TIMEOUT = 3.0  # connect plus one control round trip; a peer slower than this is no candidate
 MAX_CHECKS_AT_ONCE = 8  # round trips in flight while checking candidates
+ANNOUNCE_MIN_GAP = 1.0  # seconds between two announcements' starts when news comes sooner than the period
 API_WAIT = 1.0  # seconds /api/stages waits for a rebuild before it answers with the map it has
 CHECK_POOL = 3 * DEFAULT_K  # records kept (and checked) per stage: room for newcomers behind a crowd
 MAX_SEEN = 1024  # peers whose newest record ``addrs_of`` remembers (signed records; the expired go first)
@@ -63,10 +64,13 @@ class StageMap:
         self.agreed = health.AgreedRounds()  # when each stage's agreed rounds were first seen: backups' age
         self.work = work.WorkBook()  # the work we saw peers do first-hand (``saw``)
         self.roots = frozenset(roots)  # whose attestations we take before we saw any work: our bootstrap peers
+        self.news = trio.Event()  # set when a peer starts working in our book (``serve_announcements``)
 
     def saw(self, peer: str, stage: int, weight: float = 1.0) -> None:
-        """``peer`` did verifiable work for ``stage``, seen by us (``dht.work``)."""
-        self.work.saw(peer, stage, self.clock(), weight)
+        """``peer`` did verifiable work for ``stage``, seen by us (``dht.work``). A peer new to our book is
+        news our record should carry soon: its replicas count it only once some peer attests it."""
+        if self.work.saw(peer, stage, self.clock(), weight):
+            self.news.set()
 
     def workers(self, now: float | None = None) -> dict[int, set[str]]:
         """Per stage, the peers counted as working (``dht.work.workers``): us, those we saw work, and those
@@ -271,8 +275,11 @@ def _record_doc(record: StageRecord, now: float) -> dict:
             "expires_in_s": round(record.expires_at - now, 1)}
 
 
-async def serve_announcements(index: StageIndex, signed_record: Callable[[float], tuple[StageRecord, bytes]]) -> None:
-    """Announce our stage record every ANNOUNCE_PERIOD, start to start, well before its TTL runs out.
+async def serve_announcements(index: StageIndex, signed_record: Callable[[float], tuple[StageRecord, bytes]],
+                              stage_map: StageMap | None = None) -> None:
+    """Announce our stage record every ANNOUNCE_PERIOD, start to start, well before its TTL runs out;
+    and sooner (ANNOUNCE_MIN_GAP after the last start at the earliest) when ``stage_map`` has news: a peer
+    started working in our book, which our record attests and its replicas are waiting to read.
 
     A slow announcement (lookups of up to LOOKUP_TIMEOUT each on a loaded machine) never stretches the
     period: it is cut at ANNOUNCE_PERIOD, and the next one starts on time with a fresh timestamp. Were the
@@ -280,7 +287,10 @@ async def serve_announcements(index: StageIndex, signed_record: Callable[[float]
     of a live peer (5 s + 6 s + 5 s + 6 s > RECORD_TTL) and the peer would drop out of every stage map."""
     level = logging.INFO  # the first announcement is news; the periodic ones go to the debug log
     while True:
-        next_at = trio.current_time() + ANNOUNCE_PERIOD
+        started = trio.current_time()
+        next_at = started + ANNOUNCE_PERIOD
+        if stage_map is not None:
+            stage_map.news = trio.Event()  # what happens from now on is in a later announcement
         record, signed = signed_record(time.time())
         with trio.move_on_after(ANNOUNCE_PERIOD) as scope:
             try:
@@ -293,6 +303,11 @@ async def serve_announcements(index: StageIndex, signed_record: Callable[[float]
                 level = logging.DEBUG
         if scope.cancelled_caught:
             log.warning("announcing stage %d took over %.0f s; announcing again now", record.stage, ANNOUNCE_PERIOD)
+        with trio.move_on_at(next_at):
+            if stage_map is not None:
+                await stage_map.news.wait()
+                await trio.sleep_until(started + ANNOUNCE_MIN_GAP)
+                continue
         await trio.sleep_until(next_at)
 
 

@@ -52,14 +52,16 @@ class WorkBook:
         self._scores: dict[str, _Score] = {}
         self._max = max_workers
 
-    def saw(self, peer: str, stage: int, now: float, weight: float = 1.0) -> None:
-        """``peer`` did ``weight`` units of work for ``stage`` (a peer that moved starts again there)."""
+    def saw(self, peer: str, stage: int, now: float, weight: float = 1.0) -> bool:
+        """``peer`` did ``weight`` units of work for ``stage`` (a peer that moved starts again there);
+        True when that is news: the peer was not counted as working for ``stage`` before."""
         held = self._scores.get(peer)
         before = held.now(now) if held is not None and held.stage == stage else 0.0
         self._scores[peer] = _Score(stage, before + weight, max(now, held.at if held else now))
         if len(self._scores) > self._max:
             others = (p for p in self._scores if p != peer)  # never the peer just seen
             del self._scores[min(others, key=lambda p: (self._scores[p].now(now), p))]
+        return before < MIN_WORK
 
     def score(self, peer: str, now: float) -> float:
         held = self._scores.get(peer)

@@ -28,7 +28,9 @@ import torch
 import trio
 
 from p2pswarm import wire
+from p2pswarm.dht.ranking import Standing
 from p2pswarm.dht.records import UNNAMED_RUN_BYTES
+from p2pswarm.dht.stagemap import neighbour_stages
 from p2pswarm.dht.work import CONTRIBUTION_WEIGHT
 from p2pswarm.diloco import checkpoint, contribution, offload, policy, snapshots, status
 from p2pswarm.diloco import messages as msgs
@@ -134,9 +136,9 @@ class DilocoService:
             assert self.round is not None  # a round is open
             self._do(self.round, self.round.tick(now))
         elif move is Move.START:
-            if not self._replicas():  # none known yet (a swarm starting up): look again before going alone
-                with trio.move_on_after(HELLO_TIMEOUT):
-                    await self._stage_map.refresh_stages([self.stage])
+            with trio.move_on_after(HELLO_TIMEOUT):  # the records of our stage and its neighbours as they are
+                await self._stage_map.refresh_stages(neighbour_stages(self.spec, self.stage))  # now: the
+                #   neighbours' records attest which of our replicas work (a replica that just joined included)
             now, expected = trio.current_time(), self._replicas()
             timing = RoundTiming(gather_s=self.settings.gather_s, agree_s=AGREE_S, reduce_s=REDUCE_S)
             self.round = OuterRound(me=self.me, stage=self.stage, round=outer.rounds, numel=outer.numel,
@@ -148,16 +150,18 @@ class DilocoService:
             self._do(self.round, self.round.start(now))
 
     def _replicas(self) -> frozenset[str]:
-        """The other replicas of our stage we meet: those counted as working (``StageMap.workers``: seen or
-        attested by the neighbour stages' peers), but those we refuse to meet. A one-stage model has no
-        neighbours to see its replicas work, so there every replica that answers us is met too, and outer
-        rounds are its evidence."""
+        """The other replicas of our stage we meet, but those we refuse to meet: those counted as working
+        (``StageMap.workers``: seen, or attested by peers we trust), and on probation those that only
+        answered us, a few per address (the vouched peers of the stage's top; ``dht.ranking``). Affinity
+        pairs each replica with one peer of each neighbour stage, so replicas rarely see each other's work
+        but through outer rounds: a contribution taken into one makes its replica a worker (``_finish``)."""
         assert self.outer is not None  # prepare() made it
         rounds = self.outer.rounds
-        met = set(self._stage_map.workers().get(self.stage, ()))
-        if self.spec.n_stages == 1:
-            met |= {r.peer_id for r in self._stage_map.candidates(self.stage)}
-        return frozenset(peer for peer in met if peer != self.me and not self.strikes.barred(peer, rounds))
+        working = self._stage_map.workers().get(self.stage, set())
+        on_probation = {r.peer_id for r in self._stage_map.stages.get(self.stage, [])
+                        if self._stage_map.standing(r.peer_id) is Standing.VOUCHED}
+        return frozenset(peer for peer in working | on_probation
+                         if peer != self.me and not self.strikes.barred(peer, rounds))
 
     # --- rounds --------------------------------------------------------------------------------------
 

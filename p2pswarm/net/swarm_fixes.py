@@ -41,6 +41,7 @@ def install(swarm, max_inbound: int) -> None:
     hold at most ``max_inbound`` inbound connections (the library's own count is one more)."""
     swarm.p2pswarm_inbound = InboundStats()
     swarm._inbound_limiter.total_tokens = max_inbound
+    _count_resource_denials(swarm)
 
     async def handle_inbound_connection(read_write_closer, maddr) -> None:
         await serve_inbound(swarm, read_write_closer, maddr)
@@ -51,12 +52,56 @@ def install(swarm, max_inbound: int) -> None:
     swarm.auto_connector.record_disconnect = _forget_disconnect
 
 
+def _count_resource_denials(swarm) -> None:
+    """Count each connection scope and stream libp2p's resource manager denies, by its return value
+    (None, False) rather than by the text of whatever the library then raises or logs."""
+    manager, stats = swarm._resource_manager, swarm.p2pswarm_inbound
+    if manager is None:
+        return
+    open_connection, acquire_stream = manager.open_connection, manager.acquire_stream
+
+    def counted_open_connection(*args, **kwargs):
+        scope = open_connection(*args, **kwargs)
+        if scope is None:
+            stats.resource_manager_connections += 1
+        return scope
+
+    def counted_acquire_stream(*args, **kwargs):
+        granted = acquire_stream(*args, **kwargs)
+        if not granted:
+            stats.resource_manager_streams += 1
+        return granted
+
+    manager.open_connection, manager.acquire_stream = counted_open_connection, counted_acquire_stream
+    lifecycle = getattr(manager, "connection_lifecycle", None)
+    if lifecycle is not None:  # its per-peer and total limits on established connections raise
+        for name in ("handle_established_inbound_connection", "handle_established_outbound_connection"):
+            setattr(lifecycle, name, _counting_limit_errors(getattr(lifecycle, name), stats))
+
+
+def _counting_limit_errors(handle, stats: InboundStats):
+    """``handle`` (a lifecycle coroutine method), counting each ResourceLimitExceeded it raises."""
+    from libp2p.rcmgr.exceptions import ResourceLimitExceeded
+
+    async def counted(*args, **kwargs):
+        try:
+            return await handle(*args, **kwargs)
+        except ResourceLimitExceeded:
+            stats.connection_limits += 1
+            raise
+    return counted
+
+
 class InboundStats:
-    """Inbound connections accepted and refused at the limit; refusals logged at most once a period."""
+    """Inbound connections accepted and refused at the limit (refusals logged at most once a period), and
+    the resource manager's denials of connections and streams."""
 
     def __init__(self) -> None:
         self.accepted = 0
         self.refused = 0
+        self.resource_manager_connections = 0  # connection scopes denied (either direction)
+        self.resource_manager_streams = 0  # outbound streams denied
+        self.connection_limits = 0  # established connections over libp2p's per-peer or total limits
         self._logged_at = -math.inf
 
     def refuse(self, remote, reason: str) -> None:
@@ -98,11 +143,8 @@ async def serve_inbound_until_closed(swarm, read_write_closer, maddr) -> None:
     raw_conn = RawConnection(read_write_closer, False)
     try:
         muxed_conn = await swarm.upgrade_inbound_raw_conn(raw_conn, maddr)
-    except Exception as exc:  # refused (limits), failed handshake, timeout: the library cleaned up
-        if "limit" in str(exc):
-            swarm.p2pswarm_inbound.refuse(remote, str(exc))
-        else:
-            log.debug("inbound connection from %s not upgraded: %s", remote, exc)
+    except Exception as exc:  # refused (counted where refused: the limiter, the resource manager), failed
+        log.debug("inbound connection from %s not upgraded: %s", remote, exc)  # handshake, timeout: cleaned up
         await close_quietly(raw_conn)
         return
     swarm.p2pswarm_inbound.accepted += 1
@@ -127,8 +169,12 @@ def held_by(swarm, muxed_conn) -> bool:
 
 
 def inbound_stats(host) -> dict:
-    """Inbound connections open now (upgrading included), accepted and refused at the limit."""
+    """Inbound connections open now (upgrading included), accepted and refused at the limit, and the
+    resource manager's denials."""
     swarm = host.get_network()
-    stats = getattr(swarm, "p2pswarm_inbound", None)
+    stats = getattr(swarm, "p2pswarm_inbound", None) or InboundStats()
     return {"open": int(swarm._inbound_limiter.borrowed_tokens), "limit": int(swarm._inbound_limiter.total_tokens),
-            "accepted": stats.accepted if stats else 0, "refused": stats.refused if stats else 0}
+            "accepted": stats.accepted, "refused": stats.refused,
+            "resource_manager_denied_connections": stats.resource_manager_connections,
+            "resource_manager_denied_streams": stats.resource_manager_streams,
+            "over_connection_limits": stats.connection_limits}

@@ -226,7 +226,7 @@ async def _join_dht(state: NodeState, nursery: trio.Nursery, rng: random.Random,
         state.backups.register()  # one snapshot handler: our stage's server, and the backups we hold
         nursery.start_soon(state.backups.run)
         routes.update(state.backups.routes())
-        nursery.start_soon(serve_announcements, state.index, state.signed_record)
+        nursery.start_soon(serve_announcements, state.index, state.signed_record, state.stage_map)
         state.control.handle(wire.Ping, state.stage_map.answer_ping)  # a peer checking us answered us
         state.load_sources.append(lambda: state.swarm.queue_depth() if state.swarm else 0)
         send_move, moves = trio.open_memory_channel(0)
