@@ -12,7 +12,8 @@ it keeps all 64 and serves them first. Over several rebuilds of both peers' stag
 * each honest peer is in the top of its stage, in its own view and in the other peer's view;
 * the top's vouched entries (peers that answered our round trip) hold no fake, and the top holds
   at most MAX_PER_IP fakes in all;
-* a router is offered, and works with, only peers that answered.
+* a router is offered, and works with, only peers that answered;
+* the peers counted as working (what health, stage choice and DiLoCo's invitations read) hold no fake.
 """
 
 from __future__ import annotations
@@ -105,6 +106,8 @@ class Watch:
                 assert len(self.fakes.intersection(top)) <= MAX_PER_IP, top
                 vouched = [p for p in top if node.stage_map.book.has_answered(p, now)]
                 assert not self.fakes.intersection(vouched)
+            counted = {peer for peers in node.stage_map.workers().values() for peer in peers}
+            assert counted <= set(self.ids) and node.identity.peer_id_text in counted  # work, never a claim
             stage_doc = node.stage_map.doc()["stages"][str(node.stage)]["peers"]
             assert node.identity.peer_id_text in {p["peer_id"] for p in stage_doc}  # /api/stages lists us
             next_stage = node.stage + 1

@@ -180,3 +180,15 @@ def test_recent_keys_stay_bounded_and_match_a_model(items, capacity):
         if item not in model:
             model = [*model, item][-capacity:]
         assert len(keys) == len(model) <= capacity and all(m in keys for m in model)
+
+
+def test_only_the_peer_that_acked_a_forward_may_answer_it():
+    """A gradient is bound to the peer the forward went to: before its ack any peer may answer (the ack and
+    the gradient race), after it only the acking peer; a key we do not wait for is answered by nobody."""
+    book = InFlight()
+    key = (b"s", 1)
+    book.add(key, upstream="up", now=0.0)
+    assert key in book.awaiting("down") and key in book.awaiting("stranger")
+    book.sent_to(key, "down")
+    assert key in book.awaiting("down") and key not in book.awaiting("stranger")
+    assert (b"s", 2) not in book.awaiting("down")

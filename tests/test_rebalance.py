@@ -322,12 +322,15 @@ def test_the_mover_moves_the_elected_peer_once_and_then_stays():
 
     me = "me"
     assert rank(me) < rank("x")  # we are the elected peer of stage 0
-    stage_of = {me: 0, "x": 0, "y": 2, "z": 2}  # both replicas of stage 1 are gone
-    moved_to = []
+    stage_of = {me: 0, "x": 0, "y": 2, "z": 2, "fake1": 1, "fake2": 1}  # both replicas of stage 1 are gone;
+    moved_to = []  # two identities that did no work claim it
 
     class Map:
         async def current(self, wait=0.0):
             return {s: [record(p, s) for p, at in stage_of.items() if at == s] for s in range(3)}
+
+        def workers(self):  # the fakes are never seen working (dht.work)
+            return {s: {p for p, at in stage_of.items() if at == s and not p.startswith("fake")} for s in range(3)}
 
         async def refresh_stages(self, stages):
             pass

@@ -220,12 +220,12 @@ def test_a_gradient_goes_back_to_where_its_forward_came_from():
     core, key = StageCore(is_first=False, is_last=False, max_in_flight=2, now=0.0), (SESSION, 3)
     core.admit(Job(Work("forward", key), "upstream-peer"), Priority.TRAINING_FORWARD, 0.0)
     job, _ = core.take(NO_ROUND, 0.0)
-    core.done(job, [forward_send(key)], 0.01, 0.0)
+    assert core.done(job, [forward_send(key)], 0.01, 0.0).worked == (("upstream-peer", -1),)  # work we saw
     core.acked(key, "downstream-peer")
     core.admit(Job(Work("backward", key), "downstream-peer"), Priority.TRAINING_BACKWARD, 1.0)
     job, _ = core.take(NO_ROUND, 1.0)
     gradient = Send(backward_message(key, stage=0), b"\0" * 16, key)
-    core.done(job, [gradient], 0.01, 1.0)
+    assert core.done(job, [gradient], 0.01, 1.0).worked == (("downstream-peer", +1),)  # it computed ours
     core.outbound.take(1.0)  # the forward
     assert core.outbound.take(1.0).item.to == "upstream-peer"
     assert core.counts[Count.GRADIENTS_PASSED] == 1 and key not in core.inflight

@@ -74,6 +74,8 @@ class Mover:
 
     async def _check(self) -> Move | None:
         stages = await self._stage_map.current(wait=MAP_WAIT)
+        working = {peer for peers in self._stage_map.workers().values() for peer in peers}  # work, not claims:
+        stages = {s: [r for r in records if r.peer_id in working] for s, records in stages.items()}  # dht.work
         stage = self._stage()
         members, movable = members_of(stages, self.me, stage)
         move = self._core.observe(members, movable, self._clock())
