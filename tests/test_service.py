@@ -113,14 +113,17 @@ def test_every_lie_is_refused_and_its_sender_barred(lie):
 @pytest.mark.parametrize("stage", [0, 2])
 def test_a_tensor_for_a_stage_we_moved_from_is_refused_and_its_sender_still_served(stage):
     """Issue 25: after a move, neighbours whose map still shows our old stage send us its tensors for up
-    to a record's TTL. Each gets ``wrong-stage`` (the sender routes it elsewhere), counted; nobody is barred."""
+    to a record's TTL. Each gets ``moved`` (a stage we never served: ``wrong-stage``), counted; the sender routes
+    it elsewhere and nobody is barred."""
     async def main():
         svc = service()
+        svc.moved_from = frozenset({0})
         gradient = Backward(SESSION, 0, stage, int(Priority.TRAINING_BACKWARD), 0, "float32", (ROWS, SEQ, SPEC.width),
                             0), b"\0" * ROWS * SEQ * SPEC.width * 4
         for frame in (forward(stage=stage), gradient):
             reply = await svc._on_frame("behind", *frame)
-            assert isinstance(reply, wire.ErrorReply) and reply.code == "wrong-stage", reply
+            expected = "moved" if stage == 0 else "wrong-stage"
+            assert isinstance(reply, wire.ErrorReply) and reply.code == expected, reply
         assert svc.counts["wrong_stage_frames"] == 2 and svc.counts["garbage_frames"] == 0 and len(svc.inbound) == 0
         assert await svc._on_frame("behind", *forward()) == Ack(0, 1)  # not barred
     run(main)

@@ -110,6 +110,7 @@ class NodeState:
     completer: SwarmCompleter | None = None  # text generation through the swarm, once joined
     backups: BackupService | None = None  # other stages' backups we hold (p2pswarm.diloco.backup_service), join only
     mover: Mover | None = None  # moves us to an under-served stage (join --rebalance)
+    moved_from: set[int] = field(default_factory=set)  # stages we served before a move: their tensors get "moved"
     started_at: float = field(default_factory=time.time)
 
     def addrs(self) -> list[str]:
@@ -274,6 +275,8 @@ async def _serve_stages(state: NodeState, rng: random.Random, routes: dict, move
             stage, done = await moves.receive()
             _stop_serving(state, routes)  # before the services end: no frame reaches a half-closed one
             stage_nursery.cancel_scope.cancel()
+        if state.stage is not None:
+            state.moved_from.add(state.stage)
         state.stage = stage
         if state.backups is not None:
             state.backups.stage = stage  # at once: our record must never claim a backup of our own stage
@@ -345,7 +348,7 @@ async def _train(state: NodeState, rng: random.Random, task_status=trio.TASK_STA
                            threads=config.threads, rng=rng, extensions=[state.diloco],
                            placement=training.placement, config=training.train, run=run,
                            tokenizer=load_tokenizer(run.tokenizer),  # resolved already: an absolute path or "bytes"
-                           tunables=training.tunables)
+                           tunables=training.tunables, moved_from=frozenset(state.moved_from - {state.stage}))
     await service.run(task_status=task_status)
 
 

@@ -78,8 +78,9 @@ class SwarmService:
                  config: TrainConfig = TrainConfig(), data: str | None = None,
                  threads: int | None = None, rng: random.Random | None = None, extensions=(),
                  placement: Placement = Placement(), run=None, tokenizer=None,
-                 tunables: Tunables = Tunables()) -> None:
+                 tunables: Tunables = Tunables(), moved_from: frozenset[int] = frozenset()) -> None:
         self.spec, self.stage, self.me, self.tunables = spec, stage, me, tunables
+        self.moved_from = moved_from  # stages this node served before a move: their tensors are answered "moved"
         self.tokenizer = tokenizer or ByteTokenizer()  # the run's (model/tokenizer.py): what stage 0 feeds
         self.training_run = run  # the RunSpec we train (p2pswarm.run.spec); None: unnamed (tests)
         self.run_id = run.run_bytes if run is not None else UNNAMED_RUN  # every frame we send carries it
@@ -205,6 +206,8 @@ class SwarmService:
         (records live RECORD_TTL). Refused, not barred: it is no garbage, and the sender routes elsewhere."""
         self.counts[Count.WRONG_STAGE_FRAMES] += 1
         log.debug("peer %s sent a tensor for stage %d; we serve stage %d", peer, stage, self.stage)
+        if stage in self.moved_from:
+            return wire.ErrorReply("moved", f"this peer moved from stage {stage} to stage {self.stage}")
         return wire.ErrorReply("wrong-stage", f"this peer serves stage {self.stage}, not stage {stage}")
 
     def _job_from(self, peer: str, message, payload: bytes) -> tuple[Job | None, Priority]:
