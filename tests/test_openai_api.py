@@ -12,6 +12,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 
 import openai
 import pytest
@@ -294,3 +295,39 @@ def test_the_cli_takes_the_token_and_refuses_public_binding_without_one():
         config_from_args(build_parser().parse_args(boot))
     config = config_from_args(build_parser().parse_args([*boot, "--api-token", "t"]))
     assert config.api_token == "t" and "'t'" not in repr(config)
+
+
+def _from(address: str, source: str) -> socket.socket:
+    """A raw connection to the API from the loopback address ``source`` (another client, as the API sees it)."""
+    host, port = address.rsplit(":", 1)
+    return socket.create_connection((host, int(port)), timeout=SERVER_DEADLINE, source_address=(source, 0))
+
+
+def test_a_flooding_client_gets_half_the_generations_and_429_the_other_client_keeps_its_share(server, completer):
+    """One client (127.0.0.1) opens twice the node's generations; it gets its share (half) and 429 for the
+    rest, at once. A second client (127.0.0.2) still gets the other half; past the node's total it gets 429
+    too; and once the flood ends its generations are given back."""
+    from p2pswarm.api.shares import MAX_COMPLETIONS, MAX_PER_CLIENT
+
+    def open_stream(source: str) -> tuple[socket.socket, bytes]:
+        sock = _from(server, source)
+        sock.sendall(_stream_request("block"))
+        head = _read_head(sock)
+        return sock, head
+
+    flood = [open_stream("127.0.0.1") for _ in range(2 * MAX_COMPLETIONS)]
+    statuses = [head.split(b" ", 2)[1] for _, head in flood]
+    assert statuses.count(b"200") == MAX_PER_CLIENT and statuses.count(b"429") == 2 * MAX_COMPLETIONS - MAX_PER_CLIENT
+    honest = [open_stream("127.0.0.2") for _ in range(MAX_COMPLETIONS - MAX_PER_CLIENT)]
+    assert all(head.split(b" ", 2)[1] == b"200" for _, head in honest)  # >= half the node's generations
+    extra, head = open_stream("127.0.0.2")
+    assert head.split(b" ", 2)[1] == b"429"  # the node's total is reached: nobody gets more
+    for sock, _ in [*flood, *honest, (extra, b"")]:
+        _reset(sock)
+
+    def status() -> int:
+        return post(server, {"prompt": "next", "max_tokens": 1})[0]
+    deadline = time.monotonic() + SERVER_DEADLINE
+    while status() != 200 and time.monotonic() < deadline:  # the resets cancel the generations, shares return
+        time.sleep(0.1)
+    assert status() == 200

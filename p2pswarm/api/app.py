@@ -13,6 +13,7 @@ import urllib.parse
 from p2pswarm.api import http
 from p2pswarm.api.http import ClientGone, HttpError, error_for, header, send_json
 from p2pswarm.api.openai_v1 import serve_v1
+from p2pswarm.api.shares import ClientShares
 
 log = logging.getLogger("p2pswarm.api.serve")
 
@@ -23,6 +24,7 @@ class ApiApp:
     def __init__(self, routes: http.Routes, completer: http.CompleterSource, token: str | None) -> None:
         self.routes, self.completer = routes, completer
         self.token = token.encode() if token else None
+        self.shares = ClientShares()  # generations per client (api/shares.py): a flood gets half at most
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "websocket":
@@ -40,6 +42,17 @@ class ApiApp:
             except Exception:
                 log.debug("could not send the error reply", exc_info=True)
 
+    async def generate(self, scope, receive, send) -> None:
+        """``/v1/completions`` within its client's share (``api/shares.py``): 429 at once past it."""
+        client = (scope.get("client") or ("unknown", 0))[0]  # the source address: a new one costs a client more
+        refused = self.shares.take(client)
+        if refused is not None:
+            raise HttpError(429, refused, "overloaded", "rate_limit_error")
+        try:
+            await serve_v1(self.completer(), scope, receive, send)
+        finally:
+            self.shares.give_back(client)
+
     def authorized(self, scope: dict) -> bool:
         """No token set, or ``Authorization: Bearer TOKEN`` (compared in constant time)."""
         scheme, _, credentials = (header(scope, b"authorization") or b"").partition(b" ")
@@ -50,6 +63,8 @@ class ApiApp:
             raise HttpError(401, "this API needs 'Authorization: Bearer TOKEN' with the node's --api-token",
                             "invalid_api_key")
         path, method = scope["path"], scope["method"]
+        if path == "/v1/completions" and method == "POST":
+            return await self.generate(scope, receive, send)
         if path.startswith("/v1/"):
             return await serve_v1(self.completer(), scope, receive, send)
         route = self.routes.get(path)
