@@ -383,9 +383,12 @@ def test_combine_never_rejects_its_own():
     contributions["me"] = -10 * base
     combined = combine(contributions, "me")
     assert combined.rejected == {} and combined.accepted == ("a", "b", "c", "me")
-    # with two there is no majority to judge by: nobody is refused, not even a peer that disagrees
+    # with two there is no majority to judge by: the other is judged by its norm and variance against
+    # ours alone (a tenth of our norm: refused), never by its direction (honest pairs are near orthogonal)
     pair = combine({"me": contributions["me"], "a": contributions["a"]}, "me", "mean")
-    assert pair.accepted == ("a", "me") and pair.rejected == {}
+    assert pair.accepted == ("me",) and "norm ratio" in pair.rejected["a"] and "round of 2" in pair.rejected["a"]
+    against = combine({"me": contributions["a"], "b": -contributions["b"]}, "me", "mean")
+    assert against.accepted == ("b", "me") and against.rejected == {}
 
 
 def test_combine_small_groups():

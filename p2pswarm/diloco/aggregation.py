@@ -160,6 +160,9 @@ def combine(contributions: dict[str, torch.Tensor], own: str, method: str = DEFA
     can tell an honest replica from a liar, and a replica's own pseudo-gradient is no reference:
     honest replicas' pseudo-gradients after a few dozen Adam steps are nearly orthogonal (cosine
     ~0 measured in the demo). The cosine bar follows the group's own agreement (``_group_bar``).
+    A pair is judged only by what our own contribution can say of the other's: finite, its norm and
+    variance within the ratios of ours (no direction: honest ones are nearly orthogonal); noise of
+    an honest norm passes, and ``status`` says such a round could not be judged.
     ``verify_config=None`` aggregates everything unchecked. ValueError on local misuse (missing
     or non-finite own, unknown method, tensors that do not match).
     """
@@ -183,6 +186,11 @@ def combine(contributions: dict[str, torch.Tensor], own: str, method: str = DEFA
                 verdict = verify(tensor, reference, config)
                 if not verdict.accepted:
                     rejected[name] = verdict.reason
+    if verify_config is not None and len(tensors) == 2:  # a pair: what one replica can judge alone
+        other = next(name for name in names if name != own)
+        verdict = verify(contributions[other], contributions[own], replace(verify_config, min_cosine=-1.0))
+        if not verdict.accepted:
+            rejected[other] = f"{verdict.reason} (judged against our own: a round of 2)"
     accepted = tuple(name for name in names if name not in rejected)
     if rejected or unrejected is None:
         unrejected = aggregate([contributions[name] for name in accepted], method)
