@@ -46,10 +46,16 @@ def record(peer: str, stage: int, agreed=None, backups=()) -> StageRecord:
 
 
 class FakeStageMap:
-    """What BackupService reads of a StageMap: ``current`` and ``stages``."""
+    """What BackupService reads of a StageMap: ``current``, ``stages`` and ``workers`` (every peer but those
+    in ``idle``: records of peers that did no work)."""
 
-    def __init__(self, records=()) -> None:
+    def __init__(self, records=(), idle=()) -> None:
+        self.idle = set(idle)
         self.set(records)
+
+    def workers(self) -> dict[int, set[str]]:
+        return {stage: {r.peer_id for r in records if r.peer_id not in self.idle}
+                for stage, records in self.stages.items()}
 
     def set(self, records) -> None:
         self.stages: dict[int, list[StageRecord]] = {}
@@ -329,3 +335,37 @@ def test_a_held_backup_is_refreshed_only_every_rounds_rounds():
         assert side.claims() == (BackupClaim(STAGE, 3, digest(held)),)  # the older copy is kept meanwhile
 
     trio.run(test)
+
+
+def test_a_replica_announcing_a_false_agreed_digest_is_struck_within_the_round_and_the_true_state_kept():
+    """A working replica of STAGE announces round 6 first, with a digest of weights nobody agreed (its
+    blob is well-formed: only the replicas can tell). The holder takes it, as it must: one announcement
+    is all there is. Once the two honest replicas announce round 6 with the agreed digest, the liar is
+    outvoted: struck, none of its announcements trusted again, and the holder holds the true state; a
+    peer that only claims the stage (no work) never makes a digest trusted at all."""
+    true, false = backup_bytes(6, fill=0.5), backup_bytes(6, fill=9.0)
+
+    async def test(pools, ids):
+        liar, honest_a, honest_b, holder = ids
+        for pool, peer, data in ((pools[0], liar, false), (pools[1], honest_a, true), (pools[2], honest_b, true)):
+            side = service(pool, peer, FakeStageMap())
+            side.stage = STAGE
+            side.attach_server(replica_server(data, 6))
+            side.register()
+        holder_map = FakeStageMap([record("claimer", STAGE, agreed=(7, digest(false))), record(holder, 0)],
+                                  idle={"claimer"})
+        held_by = service(pools[3], holder, holder_map)
+        held_by.stage = 0
+        held_by.register()
+        await held_by.check_once()
+        assert held_by.claims() == () and held_by.ledger.newest(STAGE) is None  # a bare claim: nothing trusted
+        holder_map.set([record(liar, STAGE, agreed=(6, digest(false))), record(holder, 0)])
+        await held_by.check_once()
+        assert held_by.claims() == (BackupClaim(STAGE, 6, digest(false)),)  # believed, for now
+        holder_map.set([record(liar, STAGE, agreed=(6, digest(false))), record(holder, 0),
+                        *(record(honest, STAGE, agreed=(6, digest(true))) for honest in (honest_a, honest_b))])
+        await held_by.check_once()
+        assert liar in held_by.ledger.struck and held_by.claims() == (BackupClaim(STAGE, 6, digest(true)),)
+        assert not held_by.ledger.trusted(STAGE, 6, digest(false))
+
+    swarm_of(4, test)

@@ -239,3 +239,18 @@ def test_with_outer_momentum_0_a_backup_leaves_the_momentum_out_and_passes_its_c
     assert len(data) < 0.6 * len(full)  # half the bytes: one vector, not two
     decoded = checkpoint.decode_state(data)
     assert check_backup(decoded, SPEC, 1, RUN, 3) is decoded
+
+
+def test_a_digest_outvoted_for_its_round_strikes_its_announcer_and_a_tie_strikes_nobody():
+    from p2pswarm.dht.records import Capacity, StageRecord
+    from p2pswarm.diloco.backups import AgreedLedger
+
+    def rec(peer: str, round_: int, fill: bytes) -> StageRecord:
+        return StageRecord(peer, (), "m", 1, 1, 2, Capacity(0, 0), 100.0, 60.0, agreed=(round_, fill * 32))
+
+    ledger = AgreedLedger()
+    ledger.observe([rec("a", 4, b"t"), rec("liar", 4, b"f")], 100.0)
+    assert ledger.newest(1) == (4, b"f" * 32) and not ledger.struck  # 1 against 1: nothing tells them apart
+    ledger.observe([rec("b", 4, b"t"), rec("liar", 5, b"g")], 100.0)
+    assert ledger.newest(1) == (4, b"t" * 32) and set(ledger.struck) == {"liar"}  # outvoted: its round 5 goes too
+    assert not ledger.trusted(1, 5, b"g" * 32)

@@ -151,7 +151,7 @@ class BackupService:
     async def check_once(self) -> None:
         """Observe the stage map, recompute duties, refresh the backups that are due."""
         stages = await self._stage_map.current(wait=STAGE_MAP_WAIT)
-        self.ledger.observe([r for records in stages.values() for r in records], time.time())
+        self._observe(stages)
         members = {stage: [r.peer_id for r in stages.get(stage, [])] for stage in range(self.model.n_stages)}
         self.duties = backup_duties(self.me, members, self.copies) - {self.stage}
         for stage in sorted(self.duties):
@@ -163,7 +163,10 @@ class BackupService:
     async def _refresh(self, stage: int, records) -> None:
         newest = self.ledger.newest(stage)
         held = self._held.get(stage)
-        if newest is None or (held is not None and newest[0] < held.snapshot.round + self.every_rounds):
+        outvoted = held is not None and newest is not None and newest[0] == held.snapshot.round \
+            and newest[1] != held.snapshot.digest  # we took a digest the stage's replicas outvoted: replace it
+        if newest is None or (held is not None and newest[0] < held.snapshot.round + self.every_rounds
+                              and not outvoted):
             return
         round_, digest = newest
         announcing = [r.peer_id for r in records if r.agreed == newest and r.peer_id != self.me]
@@ -222,6 +225,12 @@ class BackupService:
         if self.directory is not None:
             backup_path(self.directory, stage, held.snapshot.round).unlink(missing_ok=True)
 
+    def _observe(self, stages) -> None:
+        """The agreed digests of the working replicas' records (``StageMap.workers``): a peer that only
+        claims a stage cannot make its digest trusted."""
+        working = {peer for peers in self._stage_map.workers().values() for peer in peers}
+        self.ledger.observe([r for records in stages.values() for r in records if r.peer_id in working], time.time())
+
     def _refuse(self, peer: str, stage: int, exc: Exception) -> None:
         why = "unreachable" if isinstance(exc, DialError) else "refused"
         self.refused[why] += 1
@@ -262,7 +271,7 @@ class BackupService:
     async def fetch_freshest(self, stage: int) -> tuple[dict, dict] | None:
         """The freshest verified backup of ``stage`` and {"holder", "round", "bytes", "seconds"}; None if none."""
         stages = await self._stage_map.current(wait=STAGE_MAP_WAIT)
-        self.ledger.observe([r for records in stages.values() for r in records], time.time())
+        self._observe(stages)
         claims = [(r.peer_id, c) for records in stages.values() for r in records for c in r.backups
                   if c.stage == stage and r.peer_id != self.me]
         own = [(self.me, self._held[stage].claim)] if stage in self._held else []

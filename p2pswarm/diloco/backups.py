@@ -12,8 +12,10 @@ honest replica announces the same sha256 (``StageRecord.agreed``) for a round.
   *not* serving ``s`` with the highest ``sha256(peer | s)`` hold its backup. Every peer computes
   the same answer from the stage map, and a peer joining or leaving moves only its own duties.
 - **Trust** (``AgreedLedger``): a digest is trusted for (stage, round) when a signed record of a
-  replica of that stage announced it. The ledger remembers the last KEEP_ROUNDS announcements
-  of each replica, so it still knows a stage's digests after all its replicas are gone.
+  working replica of that stage announced it (``backup_service`` feeds it only those). The ledger
+  remembers the last KEEP_ROUNDS announcements of each replica, so it still knows a stage's
+  digests after all its replicas are gone. A replica whose digest for a round is outvoted by the
+  others' is struck: none of its announcements counts again.
 - **Choice** (``choose_backups``): trusted claims first, freshest round first.
 - **Check** (``check_backup``): the decoded state must be that stage's backup of that round, of
   this model and run, with vectors of the stage's parameter count.
@@ -75,6 +77,7 @@ class AgreedLedger:
 
     def __init__(self) -> None:
         self._stages: dict[int, dict[str, _Announced]] = {}
+        self.struck: dict[str, str] = {}  # replicas outvoted on a round's digest, and why (``newest``)
 
     def observe(self, records: Iterable[StageRecord], now: float) -> None:
         """Remember the ``agreed`` pair of each fresh record (stage map records are signed and checked)."""
@@ -90,15 +93,26 @@ class AgreedLedger:
                 del replicas[min(replicas, key=lambda peer: (replicas[peer].seen_at, peer))]
 
     def votes(self, stage: int, round_: int, digest: bytes) -> int:
-        """How many replicas of ``stage`` announced ``digest`` for ``round_``."""
-        return sum((round_, digest) in a.pairs for a in self._stages.get(stage, {}).values())
+        """How many replicas of ``stage`` announced ``digest`` for ``round_`` (struck ones never count)."""
+        return sum((round_, digest) in a.pairs for peer, a in self._stages.get(stage, {}).items()
+                   if peer not in self.struck)
 
     def trusted(self, stage: int, round_: int, digest: bytes) -> bool:
         return self.votes(stage, round_, digest) > 0
 
     def newest(self, stage: int) -> tuple[int, bytes] | None:
-        """The latest round announced for ``stage`` and its digest (most replicas, then the lowest digest)."""
-        pairs = {pair for a in self._stages.get(stage, {}).values() for pair in a.pairs}
+        """The latest round announced for ``stage`` and its digest (most replicas, then the lowest digest).
+
+        Replicas that agreed announce the same digest for a round: one whose digest for a round is outvoted
+        by others' is a liar (or broken) and is struck (``struck``): none of its announcements counts again."""
+        replicas = {peer: a for peer, a in self._stages.get(stage, {}).items() if peer not in self.struck}
+        for round_ in sorted({r for a in replicas.values() for r, _ in a.pairs}):
+            votes = {d: self.votes(stage, round_, d) for a in replicas.values() for r, d in a.pairs if r == round_}
+            most = max(votes.values())
+            for peer, a in replicas.items():
+                if any(r == round_ and votes[d] < most for r, d in a.pairs):
+                    self.struck[peer] = f"announced another digest for outer round {round_} than {most} replicas"
+        pairs = {pair for peer, a in replicas.items() if peer not in self.struck for pair in a.pairs}
         if not pairs:
             return None
         latest = max(round_ for round_, _ in pairs)
