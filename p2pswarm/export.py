@@ -164,11 +164,13 @@ def load_file_snapshots(paths: list[Path]) -> list[StageSnapshot]:
 
 
 def stage_peers(stages: dict, api: str) -> dict[int, list[tuple[str, tuple[str, ...]]]]:
-    """Per stage, the peers that serve snapshots of it, highest outer round first; ConfigError for a stage with none."""
+    """Per stage, the peers that serve snapshots of it: those the node counts as working first (its claims
+    are only claims), then the highest outer round first; ConfigError for a stage with none."""
     try:
         n_stages, by_stage = int(stages["n_stages"]), stages["stages"]
         peers = {stage: sorted((p for p in by_stage.get(str(stage), {}).get("peers", [])
-                                if p["flags"] & FLAG_SNAPSHOT), key=lambda p: -p["outer_round"])
+                                if p["flags"] & FLAG_SNAPSHOT),
+                               key=lambda p: (not p.get("working", False), -p["outer_round"]))
                  for stage in range(n_stages)}
         plan = {stage: [(p["peer_id"], tuple(p["addrs"])) for p in found] for stage, found in peers.items()}
     except (KeyError, TypeError, ValueError, AttributeError) as exc:

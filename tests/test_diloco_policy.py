@@ -68,6 +68,7 @@ def test_neighbours_are_tried_latest_round_first_and_never_ourselves():
     records = [SimpleNamespace(peer_id=p, capacity=SimpleNamespace(outer_round=r))
                for p, r in (("a", 2), ("me", 9), ("b", 5), ("c", 3))]
     assert neighbours_by_round(records, "me") == ["b", "c", "a"]
+    assert neighbours_by_round(records, "me", working={"a", "c"}) == ["c", "a", "b"]  # work before a claimed round
 
 
 def test_strikes_bar_a_peer_refused_in_enough_recent_rounds_and_age_out():

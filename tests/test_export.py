@@ -293,3 +293,15 @@ def test_the_vocabulary_comes_from_the_weights(tiny):
     one = get_model("tiny-lm/1")
     assert hf_export.check_stages([hf_export.stage_snapshot(snapshot_state(build_model(one, 0)[0], 1), "s")]).vocab \
         == 256
+
+
+def test_export_tries_the_peers_its_node_counts_as_working_before_a_higher_claimed_round():
+    from p2pswarm.dht.records import FLAG_SNAPSHOT
+
+    def peer(name: str, round_: int, working: bool) -> dict:
+        return {"peer_id": name, "addrs": [f"/ip4/127.0.0.1/tcp/{round_ + 1}"], "flags": FLAG_SNAPSHOT,
+                "outer_round": round_, "working": working}
+
+    stages = {"model": "tiny-lm/1", "n_stages": 1, "stages": {"0": {"peers": [
+        peer("claimer", 99, False), peer("old", 3, True), peer("new", 5, True)]}}}
+    assert [name for name, _ in stage_peers(stages, "api")[0]] == ["new", "old", "claimer"]

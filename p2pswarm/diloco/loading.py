@@ -91,7 +91,8 @@ class StageLoader:
         (``policy.load_sources``); where it came from (None: our initial weights are kept)."""
         with trio.move_on_after(CATCH_UP_WAIT):
             await self._stage_map.refresh_stages([self.stage])
-        neighbours = neighbours_by_round(self._stage_map.stages.get(self.stage, []), self.me)
+        neighbours = neighbours_by_round(self._stage_map.stages.get(self.stage, []), self.me,
+                                         self._stage_map.workers().get(self.stage, ()))
         for source in load_sources(neighbours=bool(neighbours), backups=self._backups is not None,
                                    disk=self.store is not None):
             if source is Source.NEIGHBOUR:

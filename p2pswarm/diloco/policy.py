@@ -17,7 +17,7 @@ from __future__ import annotations
 import enum
 import logging
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 from p2pswarm.dht.records import StageRecord
 from p2pswarm.diloco import aggregation
@@ -82,9 +82,11 @@ def load_sources(*, neighbours: bool, backups: bool, disk: bool) -> tuple[Source
     return tuple(source for source in Source if present[source])
 
 
-def neighbours_by_round(records: Iterable[StageRecord], me: str) -> list[str]:
-    """The other replicas in ``records`` (stage-map records), the one announcing the latest outer round first."""
-    return [r.peer_id for r in sorted((r for r in records if r.peer_id != me), key=lambda r: -r.capacity.outer_round)]
+def neighbours_by_round(records: Iterable[StageRecord], me: str, working: Collection[str] = ()) -> list[str]:
+    """The other replicas in ``records`` (stage-map records): those counted as ``working`` first (a claimed
+    round is only a claim), then the one announcing the latest outer round first."""
+    return [r.peer_id for r in sorted((r for r in records if r.peer_id != me),
+                                      key=lambda r: (r.peer_id not in working, -r.capacity.outer_round))]
 
 
 class Strikes:
