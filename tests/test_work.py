@@ -166,3 +166,18 @@ class WorkBookMachine(RuleBasedStateMachine):
 
 
 TestWorkBookMachine = WorkBookMachine.TestCase
+
+
+def test_a_peer_attested_a_moment_ago_still_counts_while_its_attesters_are_gone_but_attests_nobody():
+    """A far stage is known only through the stages between: when those die, its peers stay counted a
+    while (``WorkBook.keep``), so a dead middle stage does not make the far one look dead too."""
+    far = rec("far", 0, worked=[("further", 2)])
+    records = [far, rec("further", 2)]
+    assert count(records, {}) == {}
+    counted = workers(by_stage(records), {}, me="me", roots=(), network=record_network, remembered={"far": 0})
+    assert counted == {0: {"far"}}  # and "further", attested by "far" alone, is not counted
+    assert workers(by_stage([rec("far", 1)]), {}, me="me", roots=(), network=record_network,
+                   remembered={"far": 0}) == {}  # it moved: remembered for its old stage only
+    book = WorkBook()
+    book.keep("far", 0, now=0.0)
+    assert book.working(2 * WORK_HALF_LIFE - 0.1) == {"far": 0} and book.working(2 * WORK_HALF_LIFE + 0.1) == {}

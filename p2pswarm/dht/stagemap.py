@@ -63,6 +63,7 @@ class StageMap:
         self.book = CandidateBook()  # who answered us; only they are candidates
         self.agreed = health.AgreedRounds()  # when each stage's agreed rounds were first seen: backups' age
         self.work = work.WorkBook()  # the work we saw peers do first-hand (``saw``)
+        self.attested = work.WorkBook()  # peers counted on others' word lately (``workers``): never attesters
         self.roots = frozenset(roots)  # whose attestations we take before we saw any work: our bootstrap peers
         self.news = trio.Event()  # set when a peer starts working in our book (``serve_announcements``)
 
@@ -77,8 +78,13 @@ class StageMap:
         attested by peers we trust. Stage choice, health, rebalancing and DiLoCo's invitations count these."""
         now = self.clock() if now is None else now
         fresh = {stage: self._fresh(stage, now) for stage in self._pools}
-        return work.workers(fresh, self.work.working(now), me=self._index.me, roots=self.roots,
-                            network=ranking.record_network)
+        first_hand = self.work.working(now)
+        counted = work.workers(fresh, first_hand, me=self._index.me, roots=self.roots,
+                               network=ranking.record_network, remembered=self.attested.working(now))
+        for stage, peers in counted.items():  # remembered a while: a far stage is known only through the
+            for peer in peers - first_hand.keys() - {self._index.me}:  # stages between, which may die first
+                self.attested.keep(peer, stage, now)
+        return counted
 
     def standing(self, peer: str, now: float | None = None) -> Standing:
         """Our own record, a working peer, a peer that answered us recently, or a stranger."""

@@ -63,6 +63,16 @@ class WorkBook:
             del self._scores[min(others, key=lambda p: (self._scores[p].now(now), p))]
         return before < MIN_WORK
 
+    def keep(self, peer: str, stage: int, now: float) -> None:
+        """``peer`` was just counted working for ``stage`` on others' word: remember it for two half-lives
+        (a score of 1, never more), so that it still counts while the peers that attest it are briefly gone."""
+        held = self._scores.get(peer)
+        if held is None or held.stage != stage or held.now(now) < 1.0:
+            self._scores[peer] = _Score(stage, 1.0, now)
+            if len(self._scores) > self._max:
+                others = (p for p in self._scores if p != peer)
+                del self._scores[min(others, key=lambda p: (self._scores[p].now(now), p))]
+
     def score(self, peer: str, now: float) -> float:
         held = self._scores.get(peer)
         return 0.0 if held is None else held.now(now)
@@ -78,11 +88,13 @@ class WorkBook:
 
 
 def workers(records: Mapping[int, Sequence[StageRecord]], first_hand: Mapping[str, int], *, me: str,
-            roots: Iterable[str], network: Callable[[StageRecord], tuple[str, str] | None]) -> dict[int, set[str]]:
+            roots: Iterable[str], network: Callable[[StageRecord], tuple[str, str] | None],
+            remembered: Mapping[str, int] | None = None) -> dict[int, set[str]]:
     """Per stage, the peers of ``records`` (fresh records, per stage) counted as working: our own
-    record's peer, peers seen first-hand, and peers attested by trusted authors (module docstring).
-    A peer counts in the stage of its newest record only, and only if that is the stage it was seen
-    or attested working for. ``network`` groups records for the per-address cap of attested peers."""
+    record's peer, peers seen first-hand, peers attested by trusted authors (module docstring), and
+    ``remembered`` ones (attested a little while ago: ``WorkBook.keep``; they attest nobody). A peer
+    counts in the stage of its newest record only, and only if that is the stage it was seen or
+    attested working for. ``network`` groups records for the per-address cap of attested peers."""
     newest: dict[str, StageRecord] = {}
     for stage_records in records.values():
         for record in stage_records:
@@ -93,7 +105,9 @@ def workers(records: Mapping[int, Sequence[StageRecord]], first_hand: Mapping[st
     if me in newest:
         working[me] = newest[me].stage
     frontier = set(working) | set(roots) | {me}  # the authors we take attestations from, hop by hop
-    counted: list[StageRecord] = []  # attested peers that count, in the order they were found
+    kept = sorted((newest[p] for p, stage in (remembered or {}).items()
+                   if p not in working and p in newest and newest[p].stage == stage), key=lambda r: r.peer_id)
+    counted = [r for r, crowded in zip(kept, spread(kept, network)) if not crowded]  # attested ones that count
     for _ in range(MAX_TRUST_HOPS):
         known = set(working) | {r.peer_id for r in counted}
         found = {peer: newest[peer] for author in frontier if author in newest
