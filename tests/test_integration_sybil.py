@@ -91,6 +91,7 @@ def test_sixteen_fake_identities_claiming_stage_1_do_not_stop_the_run(tmp_path):
         assert fakes_listed["replicas"] == 0 and fakes_listed["health"] == "down", fakes_listed
         assert not any(peer["working"] for peer in fakes_listed["peers"])
 
+        started = time.monotonic()
         _, joiner = swarm.join(boot, "auto", "joiner", *run)
         joined = wait_until(lambda: (doc := get_json(joiner, "/api/stats")) and doc.get("layers") and doc, DEADLINE)
         assert joined and joined["stage"] == 1, joined
@@ -99,6 +100,9 @@ def test_sixteen_fake_identities_claiming_stage_1_do_not_stop_the_run(tmp_path):
             doc = get_json(honest, "/api/swarm") or {}
             return doc.get("counts", {}).get("micro_batches_done", 0) > 0
         assert wait_until(trained, DEADLINE), get_json(honest, "/api/swarm")
+        print(f"{len(fakes_listed['peers'])} stage-1 records listed at the honest peer, {fakes_listed['replicas']} "
+              f"counted; the joiner took stage {joined['stage']} and stage 0 had a gradient back "
+              f"{time.monotonic() - started:.1f} s after the joiner started")
         served = wait_until(lambda: (doc := stage_doc(honest, 1)) and doc["replicas"] >= 1 and doc, DEADLINE)
         assert served, stage_doc(honest, 1)
         working = {peer["peer_id"] for peer in served["peers"] if peer["working"]}
