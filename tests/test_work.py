@@ -84,9 +84,12 @@ def test_attestations_are_followed_a_few_hops_from_what_we_saw():
     assert counted == set(chain[:MAX_TRUST_HOPS + 1])
 
 
-def test_an_attestation_for_another_stage_or_a_missing_record_counts_nothing():
-    records = [rec("a", 0, worked=[("b", 2), ("ghost", 1)]), rec("b", 1)]
-    assert count(records, {"a": 0}) == {0: {"a"}}
+def test_a_worker_that_moved_counts_in_its_new_stage_and_a_peer_without_a_record_nowhere():
+    """Two peers must not move into one dead stage: the first one's new record counts at once for the
+    second, because the work it did in its old stage makes it a worker."""
+    records = [rec("a", 0, worked=[("b", 2), ("ghost", 1)]), rec("b", 1), rec("c", 2)]
+    assert count(records, {"a": 0}) == {0: {"a"}, 1: {"b"}}  # attested for stage 2, now serving stage 1
+    assert count(records, {"c": 1}) == {2: {"c"}}  # seen working for stage 1, now serving stage 2
 
 
 def test_first_hand_workers_behind_one_address_all_count_attested_ones_a_few():
@@ -177,7 +180,7 @@ def test_a_peer_attested_a_moment_ago_still_counts_while_its_attesters_are_gone_
     counted = workers(by_stage(records), {}, me="me", roots=(), network=record_network, remembered={"far": 0})
     assert counted == {0: {"far"}}  # and "further", attested by "far" alone, is not counted
     assert workers(by_stage([rec("far", 1)]), {}, me="me", roots=(), network=record_network,
-                   remembered={"far": 0}) == {}  # it moved: remembered for its old stage only
+                   remembered={"far": 0}) == {1: {"far"}}  # it moved: a worker still, where it serves now
     book = WorkBook()
     book.keep("far", 0, now=0.0)
     assert book.working(2 * WORK_HALF_LIFE - 0.1) == {"far": 0} and book.working(2 * WORK_HALF_LIFE + 0.1) == {}

@@ -93,26 +93,25 @@ def workers(records: Mapping[int, Sequence[StageRecord]], first_hand: Mapping[st
     """Per stage, the peers of ``records`` (fresh records, per stage) counted as working: our own
     record's peer, peers seen first-hand, peers attested by trusted authors (module docstring), and
     ``remembered`` ones (attested a little while ago: ``WorkBook.keep``; they attest nobody). A peer
-    counts in the stage of its newest record only, and only if that is the stage it was seen or
-    attested working for. ``network`` groups records for the per-address cap of attested peers."""
+    counts once, in the stage of its newest record, whichever stage its work was for: a worker that
+    moved is one (its replicas-to-be count it at once, so that two peers do not move into one dead
+    stage). ``network`` groups records for the per-address cap of attested peers."""
     newest: dict[str, StageRecord] = {}
     for stage_records in records.values():
         for record in stage_records:
             held = newest.get(record.peer_id)
             if held is None or record.timestamp > held.timestamp:
                 newest[record.peer_id] = record
-    working = {peer: stage for peer, stage in first_hand.items() if peer in newest and newest[peer].stage == stage}
+    working = {peer: newest[peer].stage for peer in first_hand if peer in newest}  # a worker that moved stays one
     if me in newest:
         working[me] = newest[me].stage
     frontier = set(working) | set(roots) | {me}  # the authors we take attestations from, hop by hop
-    kept = sorted((newest[p] for p, stage in (remembered or {}).items()
-                   if p not in working and p in newest and newest[p].stage == stage), key=lambda r: r.peer_id)
+    kept = sorted((newest[p] for p in (remembered or {}) if p not in working and p in newest), key=lambda r: r.peer_id)
     counted = [r for r, crowded in zip(kept, spread(kept, network)) if not crowded]  # attested ones that count
     for _ in range(MAX_TRUST_HOPS):
         known = set(working) | {r.peer_id for r in counted}
         found = {peer: newest[peer] for author in frontier if author in newest
-                 for peer, stage in newest[author].worked
-                 if peer not in known and peer in newest and newest[peer].stage == stage}
+                 for peer, _ in newest[author].worked if peer not in known and peer in newest}
         fresh = sorted(found.values(), key=lambda r: r.peer_id)
         crowded = spread([*counted, *fresh], network)[len(counted):]
         frontier = {r.peer_id for r, full in zip(fresh, crowded) if not full}

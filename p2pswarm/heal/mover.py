@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 import trio
 
+from p2pswarm.dht.ranking import Standing
 from p2pswarm.dht.records import FLAG_PINNED, StageRecord
 from p2pswarm.heal.rebalance import Move, Rebalancer
 
@@ -24,6 +25,18 @@ log = logging.getLogger(__name__)
 
 MOVE_CHECK_S = 5.0  # seconds between checks: one announce period, so each check sees a fresh map
 MAP_WAIT = 3.0  # seconds a check waits for a map rebuild before it uses the map it has
+
+
+def _counted(stages: Mapping[int, Sequence[StageRecord]], working: Mapping[int, set[str]], mine: int | None,
+             standing) -> dict[int, list[StageRecord]]:
+    """The records a move is decided on. A stage nobody is seen working in is down, whatever records claim it
+    (``dht.work``): fakes must not keep it served. Another stage with a worker counts its records as every
+    peer's map shows them: the election needs the same counts on every peer, and which peers of a far stage
+    one saw work differs from peer to peer. Our own stage counts only the peers we know (working, or that
+    answered us): fakes claiming it must not make it look over-served and send us away again."""
+    return {s: [] if not working.get(s) else
+            [r for r in records if s != mine or standing(r.peer_id) is not Standing.STRANGER]
+            for s, records in stages.items()}
 
 
 def members_of(stages: Mapping[int, Sequence[StageRecord]], me: str,
@@ -74,9 +87,8 @@ class Mover:
 
     async def _check(self) -> Move | None:
         stages = await self._stage_map.current(wait=MAP_WAIT)
-        working = {peer for peers in self._stage_map.workers().values() for peer in peers}  # work, not claims:
-        stages = {s: [r for r in records if r.peer_id in working] for s, records in stages.items()}  # dht.work
         stage = self._stage()
+        stages = _counted(stages, self._stage_map.workers(), stage, self._stage_map.standing)
         members, movable = members_of(stages, self.me, stage)
         move = self._core.observe(members, movable, self._clock())
         return move if move is not None and move.from_stage == stage else None
