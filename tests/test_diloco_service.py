@@ -20,7 +20,7 @@ ME, AHEAD, STRANGER = "12D3KooWme", "12D3KooWahead", "12D3KooWstranger"
 def service(record_round: int = 5) -> DilocoService:
     record = SimpleNamespace(peer_id=AHEAD, capacity=SimpleNamespace(outer_round=record_round))
     stage_map = SimpleNamespace(stages={1: [record]}, workers=lambda: {1: {AHEAD}},  # AHEAD seen working
-                                standing=lambda peer: Standing.WORKING)
+                                standings=lambda: lambda peer: Standing.WORKING)
     s = DilocoService(settings=DilocoSettings(), spec=get_model("tiny-lm/2"), stage=1, me=ME, pool=None,
                       stage_map=stage_map)
     s.outer = SimpleNamespace(rounds=3)

@@ -332,10 +332,10 @@ def test_the_mover_moves_the_elected_peer_once_and_then_stays():
         def workers(self):  # the fakes are never seen working (dht.work)
             return {s: {p for p, at in stage_of.items() if at == s and not p.startswith("fake")} for s in range(3)}
 
-        def standing(self, peer):  # nor do they answer
+        def standings(self):  # nor do they answer
             from p2pswarm.dht.ranking import Standing
 
-            return Standing.STRANGER if peer.startswith("fake") else Standing.VOUCHED
+            return lambda peer: Standing.STRANGER if peer.startswith("fake") else Standing.VOUCHED
 
         async def refresh_stages(self, stages):
             pass

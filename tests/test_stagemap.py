@@ -167,7 +167,7 @@ def test_a_killed_peer_leaves_every_read_of_the_map_record_ttl_after_its_last_an
             # killed within a poll of its last announcement (the bound below counts from that announcement)
             victim_scope.cancel()  # SIGKILL
             expires_at = announced["victim"] + RECORD_TTL
-            assert stage_map.standing("victim") is Standing.VOUCHED
+            assert stage_map.standings()("victim") is Standing.VOUCHED
             shown_at, standing_past_expiry = [], set()
             while virtual_now() < expires_at + 3 * STAGE_MAP_PERIOD:
                 shown = peers(await stage_map.current(wait=API_WAIT))
@@ -175,7 +175,7 @@ def test_a_killed_peer_leaves_every_read_of_the_map_record_ttl_after_its_last_an
                 if "victim" in shown:
                     shown_at.append(virtual_now())
                 if virtual_now() >= expires_at and not standing_past_expiry:  # the first read after its expiry
-                    standing_past_expiry.add(stage_map.standing("victim"))
+                    standing_past_expiry.add(stage_map.standings()("victim"))
                 assert "victim" not in peers(stage_map.stages) or virtual_now() < expires_at
                 assert "victim" not in {p["peer_id"] for s in stage_map.doc()["stages"].values() for p in s["peers"]} \
                     or virtual_now() < expires_at

@@ -151,6 +151,16 @@ def best_first(records: Iterable[StageRecord]) -> list[StageRecord]:
     return sorted(records, key=routing_rank)
 
 
+def newest_per_peer(records: Iterable[StageRecord]) -> dict[str, StageRecord]:
+    """Each peer's newest record among ``records`` (a peer that moved is fresh in two stages for a while)."""
+    newest: dict[str, StageRecord] = {}
+    for record in records:
+        held = newest.get(record.peer_id)
+        if held is None or record.timestamp > held.timestamp:
+            newest[record.peer_id] = record
+    return newest
+
+
 def record_problem(record: StageRecord) -> str | None:
     """What is wrong with the record's fields, or None; the peer id's key is checked elsewhere."""
     peer_id, addrs, capacity = record.peer_id, record.addrs, record.capacity

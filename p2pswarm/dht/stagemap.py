@@ -86,10 +86,10 @@ class StageMap:
                 self.attested.keep(peer, stage, now)
         return counted
 
-    def standing(self, peer: str, now: float | None = None) -> Standing:
-        """Our own record, a working peer, a peer that answered us recently, or a stranger."""
-        now = self.clock() if now is None else now
-        return _standings(self, now)(peer)
+    def standings(self, now: float | None = None) -> Callable[[str], Standing]:
+        """Each peer's standing now: our own record, a working peer, a peer that answered us recently, or a
+        stranger. The working peers are worked out once, here: rank many records with one call."""
+        return _standings(self, self.clock() if now is None else now)
 
     def _fresh(self, stage: int, now: float) -> list[StageRecord]:
         """The kept records of ``stage`` not yet expired: a record past its TTL is never shown,
@@ -136,7 +136,7 @@ class StageMap:
     async def refresh_stages(self, stages: list[int]) -> None:
         """Look up ``stages`` and update each in the map as its answer comes in (bounded)."""
         async def one(stage: int) -> None:
-            records = await self._index.lookup_stage(self.model.name, stage, k=CHECK_POOL, standing=self.standing,
+            records = await self._index.lookup_stage(self.model.name, stage, k=CHECK_POOL, standing=self.standings(),
                                                      run=self.run)
             self._keep(stage, [r for r in records if (r.start, r.end) == self.model.stage_range(stage)])
 
@@ -222,7 +222,7 @@ class StageMap:
 
 
 def _standings(stage_map: StageMap, now: float) -> Callable[[str], Standing]:
-    """``StageMap.standing`` with the working peers worked out once, for ranking many records."""
+    """``StageMap.standings``: the working peers worked out once, for ranking many records."""
     working = {peer for peers in stage_map.workers(now).values() for peer in peers}
     me = stage_map._index.me
 

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from p2pswarm.dht.ranking import spread
-from p2pswarm.dht.records import StageRecord
+from p2pswarm.dht.records import StageRecord, newest_per_peer
 
 WORK_HALF_LIFE = 60.0  # seconds in which a peer's evidence halves: a peer that stopped working drops out in minutes
 MIN_WORK = 0.25  # score a working peer has: one event counts for two half-lives, a busy peer for many more
@@ -96,12 +96,7 @@ def workers(records: Mapping[int, Sequence[StageRecord]], first_hand: Mapping[st
     counts once, in the stage of its newest record, whichever stage its work was for: a worker that
     moved is one (its replicas-to-be count it at once, so that two peers do not move into one dead
     stage). ``network`` groups records for the per-address cap of attested peers."""
-    newest: dict[str, StageRecord] = {}
-    for stage_records in records.values():
-        for record in stage_records:
-            held = newest.get(record.peer_id)
-            if held is None or record.timestamp > held.timestamp:
-                newest[record.peer_id] = record
+    newest = newest_per_peer(r for stage_records in records.values() for r in stage_records)
     working = {peer: newest[peer].stage for peer in first_hand if peer in newest}  # a worker that moved stays one
     if me in newest:
         working[me] = newest[me].stage

@@ -158,8 +158,9 @@ class DilocoService:
         assert self.outer is not None  # prepare() made it
         rounds = self.outer.rounds
         working = self._stage_map.workers().get(self.stage, set())
+        standing = self._stage_map.standings()
         on_probation = {r.peer_id for r in self._stage_map.stages.get(self.stage, [])
-                        if self._stage_map.standing(r.peer_id) is Standing.VOUCHED}
+                        if standing(r.peer_id) is Standing.VOUCHED}
         return frozenset(peer for peer in working | on_probation
                          if peer != self.me and not self.strikes.barred(peer, rounds))
 

@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 import trio
 
 from p2pswarm.dht.ranking import Standing
-from p2pswarm.dht.records import FLAG_PINNED, StageRecord
+from p2pswarm.dht.records import FLAG_PINNED, StageRecord, newest_per_peer
 from p2pswarm.heal.rebalance import Move, Rebalancer
 
 log = logging.getLogger(__name__)
@@ -43,12 +43,7 @@ def members_of(stages: Mapping[int, Sequence[StageRecord]], me: str,
                my_stage: int | None) -> tuple[dict[int, list[str]], set[str]]:
     """Per stage its peers, each in its newest record only (a peer that moved is fresh in two stages for a
     while), with us in ``my_stage``; and the peers that are not pinned."""
-    newest: dict[str, StageRecord] = {}
-    for records in stages.values():
-        for record in records:
-            kept = newest.get(record.peer_id)
-            if kept is None or record.timestamp > kept.timestamp:
-                newest[record.peer_id] = record
+    newest = newest_per_peer(r for records in stages.values() for r in records)
     members: dict[int, list[str]] = {}
     movable = set()
     for peer, record in sorted(newest.items()):
@@ -88,7 +83,7 @@ class Mover:
     async def _check(self) -> Move | None:
         stages = await self._stage_map.current(wait=MAP_WAIT)
         stage = self._stage()
-        stages = _counted(stages, self._stage_map.workers(), stage, self._stage_map.standing)
+        stages = _counted(stages, self._stage_map.workers(), stage, self._stage_map.standings())
         members, movable = members_of(stages, self.me, stage)
         move = self._core.observe(members, movable, self._clock())
         return move if move is not None and move.from_stage == stage else None
