@@ -12,6 +12,7 @@ Two hypothesis profiles, chosen by the environment variable HYPOTHESIS_PROFILE:
 
 import os
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 PROFILE_VARIABLE = "HYPOTHESIS_PROFILE"  # the variable hypothesis users already know
@@ -25,3 +26,17 @@ settings.register_profile(DEFAULT_PROFILE, parent=settings.get_profile("default"
 settings.register_profile("ci", derandomize=True, database=None, print_blob=True, deadline=None,
                           suppress_health_check=SUPPRESSED)
 settings.load_profile(os.environ.get(PROFILE_VARIABLE) or DEFAULT_PROFILE)
+
+
+PROCESS_GROUP = "processes"  # pytest-xdist group: the tests that start processes or build namespaces
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which turns the group marks into scopes
+def pytest_collection_modifyitems(config, items):
+    """Tests that start node processes (``integration``) or build network namespaces (``tests/natlab``) run
+    one after another on one xdist worker (``--dist loadgroup``): each already uses both cores, and the labs
+    share namespace and nftables names. The pure tests spread over the other worker meanwhile; the suite
+    holds under that load (docs/benchmarks.md: the suite under ``stress-ng --cpu 1``)."""
+    for item in items:
+        if item.get_closest_marker("integration") or "natlab" in item.path.parts:
+            item.add_marker(pytest.mark.xdist_group(PROCESS_GROUP))
