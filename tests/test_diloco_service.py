@@ -40,6 +40,20 @@ def test_a_claim_beyond_the_signed_record_or_from_a_stranger_is_ignored(peer, cl
     assert s._behind is None
 
 
+@pytest.mark.parametrize("model, met", [("tiny-lm/2", {AHEAD}), ("tiny-lm/1", {AHEAD, STRANGER})])
+def test_a_replica_that_only_answered_is_met_only_where_no_work_crosses_a_boundary(model, met):
+    """Answering costs nothing: 64 answering fakes must not be invited. Where stages exchange micro-batches,
+    replicas are met once their work is seen (router exploration links disjoint chains); a run of one stage
+    has no such work to see, so there they are met on probation."""
+    records = [SimpleNamespace(peer_id=p, capacity=SimpleNamespace(outer_round=0)) for p in (AHEAD, STRANGER)]
+    stage_map = SimpleNamespace(stages={0: records}, workers=lambda: {0: {AHEAD}},
+                                standings=lambda: lambda peer: Standing.WORKING if peer == AHEAD else Standing.VOUCHED)
+    s = DilocoService(settings=DilocoSettings(), spec=get_model(model), stage=0, me=ME, pool=None,
+                      stage_map=stage_map)
+    s.outer = SimpleNamespace(rounds=0)
+    assert s._replicas() == met
+
+
 def test_a_peer_refused_in_enough_recent_rounds_is_no_longer_met():
     s = service()
     outer = s.outer

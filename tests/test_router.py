@@ -286,6 +286,19 @@ def test_the_partner_waits_for_room_rather_than_spilling_and_fails_over_when_tri
     assert router.ranked(1, 10.0) == ["a", "b"]  # no preference: by score
 
 
+def test_an_exploring_micro_batch_tries_each_live_non_partner_in_turn_then_fails_over_to_the_partner():
+    router = _two_stage_one()
+    router.offer([Candidate("c", 1, 0, heard_at=0.0)], now=0.0)
+    firsts = [router.next_after(1, (), 0.0, explore=True) for _ in range(4)]
+    assert firsts == ["a", "c", "a", "c"]  # disjoint chains see each other work (dht.work)
+    assert router.next_after(1, ("a",), 0.0, explore=True) == "b"  # a failover is not an exploration
+    assert router.next_after(1, (), 0.0) == "b"  # an ordinary micro-batch goes to the partner alone
+    router.observe_failure("a", 0.0, Failure.ERROR)  # backed off: not live, not explored
+    assert {router.next_after(1, (), 0.0, explore=True) for _ in range(3)} == {"c"}
+    router.set_partner(1, None)
+    assert router.next_after(1, (), 0.0, explore=True) == "c"  # no partner: ranked as ever
+
+
 def test_a_partner_of_another_stage_or_unknown_is_ignored():
     for partner in ("nobody", "c"):
         router = _two_stage_one(partner)
@@ -342,6 +355,13 @@ class PartnerMachine(RuleBasedStateMachine):
             assert chosen == (partner if router.link(partner).has_room else None)
         else:
             assert chosen is None or (router.is_live(chosen, self.now) and router.link(chosen).has_room)
+        explored = router.next_after(0, (), self.now, explore=True)
+        assert explored is None or (router.is_live(explored, self.now) and router.link(explored).has_room)
+        roomy = [p for p in ranked if p != partner and router.link(p).has_room]
+        if partner in ranked and roomy:  # the partner is passed over, full or not, for a non-partner with room
+            assert explored in roomy
+        else:
+            assert explored == chosen
 
     @invariant()
     def failover_reaches_every_live_peer_when_each_fails(self):

@@ -35,6 +35,7 @@ from p2pswarm.dht.work import CONTRIBUTION_WEIGHT
 from p2pswarm.diloco import checkpoint, contribution, offload, policy, snapshots, status
 from p2pswarm.diloco import messages as msgs
 from p2pswarm.diloco import round as rnd
+from p2pswarm.diloco.aggregation import MIN_VERIFIED
 from p2pswarm.diloco.loading import StageLoader, outer_config
 from p2pswarm.diloco.outer import OuterOptimizer
 from p2pswarm.diloco.policy import STRIKES, Move, result_check  # noqa: F401 (STRIKES: bench/_diloco_sim.py)
@@ -151,18 +152,19 @@ class DilocoService:
 
     def _replicas(self) -> frozenset[str]:
         """The other replicas of our stage we meet, but those we refuse to meet: those counted as working
-        (``StageMap.workers``: seen, or attested by peers we trust), and on probation those that only
-        answered us, a few per address (the vouched peers of the stage's top; ``dht.ranking``). Affinity
-        pairs each replica with one peer of each neighbour stage, so replicas rarely see each other's work
-        but through outer rounds: a contribution taken into one makes its replica a worker (``_finish``)."""
+        (``StageMap.workers``: seen, or attested by peers we trust). A replica's neighbours see its work:
+        its own partners every micro-batch, other chains' peers when a micro-batch explores
+        (``swarm.router``), and a contribution taken into a round counts too (``_finish``). Only a run of
+        one stage, where no micro-batch crosses a boundary, meets on probation the replicas that answered
+        us, a few per address (the vouched peers of the stage's top; ``dht.ranking``)."""
         assert self.outer is not None  # prepare() made it
         rounds = self.outer.rounds
-        working = self._stage_map.workers().get(self.stage, set())
-        standing = self._stage_map.standings()
-        on_probation = {r.peer_id for r in self._stage_map.stages.get(self.stage, [])
-                        if standing(r.peer_id) is Standing.VOUCHED}
-        return frozenset(peer for peer in working | on_probation
-                         if peer != self.me and not self.strikes.barred(peer, rounds))
+        met = set(self._stage_map.workers().get(self.stage, set()))
+        if self.spec.n_stages == 1:
+            standing = self._stage_map.standings()
+            met |= {r.peer_id for r in self._stage_map.stages.get(self.stage, [])
+                    if standing(r.peer_id) is Standing.VOUCHED}
+        return frozenset(peer for peer in met if peer != self.me and not self.strikes.barred(peer, rounds))
 
     # --- rounds --------------------------------------------------------------------------------------
 
@@ -297,7 +299,8 @@ class DilocoService:
         self.history.append(status.round_record(round_.round, outcome.group, times, sent, received, done,
                                                 step=swarm.engine.step, tokens=swarm.engine.tokens))
         self.counts["rounds"] += 1
-        for peer in outcome.group:  # a contribution taken into a finished round: work we saw (dht.work)
+        judged = len(outcome.group) >= MIN_VERIFIED  # a round of 2 cannot tell noise of an honest norm from work
+        for peer in outcome.group if judged else ():  # a contribution taken into a judged round: work (dht.work)
             if peer != self.me and not self.strikes.refused_in(peer, round_.round):
                 self._stage_map.saw(peer, self.stage, CONTRIBUTION_WEIGHT)
         log.info("outer round %d done: %d member(s), %.1f s, %.2f MB sent, %d shard(s) missing", round_.round,

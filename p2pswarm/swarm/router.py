@@ -22,6 +22,11 @@ upstream replicas that drifted apart between outer rounds. A live partner ranks 
 live and untried ``next_after`` offers it alone (None while its window is full: wait, never spill),
 and ``has_room`` is its window. Once it is tried, backed off, stale or draining, the other peers
 are offered as without a partner: failover is unchanged.
+
+Exploration: a micro-batch the driver marks ``explore`` (every EXPLORE_EVERY-th) is first offered to
+a live non-partner with room, each in turn by peer id, and fails over to the partner as usual.
+Disjoint chains would otherwise never see each other work, and seen work is what lets replicas of
+one stage count each other (``dht.work``) and so meet in DiLoCo rounds, which admit no stranger.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ BACKOFF_BASE = 1.0  # seconds of backoff after a first failure: long enough to s
 BACKOFF_CAP = 30.0  # seconds at most: twice STALE_AFTER, by then a dead peer is stale anyway
 BACKOFF_JITTER = 0.5  # a backoff is drawn from [1 - this, 1] x its nominal length, so peers do not retry in step
 MAX_LINKS = 256  # peers whose link measurements are kept, at most
+EXPLORE_EVERY = 16  # one micro-batch in this many tries a non-partner first: 1/16 mixed, chains linked
 FORGET_AFTER = 4 * STALE_AFTER  # seconds without news before a peer's statistics are dropped (bounded memory)
 
 
@@ -155,6 +161,7 @@ class Router:
     frame_size: int = 0  # bytes of the last frame sent: the size /api/swarm shows deadlines for
     links: dict[str, Link] = field(default_factory=dict)  # every peer we send to, gradients' too (pacing)
     partners: dict[int, str] = field(default_factory=dict)  # stage -> the peer of it we prefer (affinity)
+    explored: int = 0  # micro-batches offered to a non-partner first: the next one takes the next in turn
 
     def offer(self, candidates: Iterable[Candidate], now: float) -> None:
         """Merge the stage map's answered peers; the newest news of a peer wins."""
@@ -282,14 +289,19 @@ class Router:
         """The K best live peers of ``stage``, best first (empty when there is none)."""
         return self.ranked(stage, now)[: self.config.k]
 
-    def next_after(self, stage: int, tried: Collection[str], now: float) -> str | None:
+    def next_after(self, stage: int, tried: Collection[str], now: float, explore: bool = False) -> str | None:
         """The best live peer of ``stage`` not yet tried for this micro-batch with room in its window;
         None when every such peer's window is full (wait for an answer); NoCandidates when none is left.
-        A live untried partner is the only one offered: None while its window is full."""
+        A live untried partner is the only one offered (None while its window is full), but a first try
+        marked ``explore`` goes to a live non-partner with room, each in turn (module docstring)."""
         untried = [peer for peer in self.ranked(stage, now) if peer not in tried]
         if not untried:
             raise NoCandidates(f"no live peer of stage {stage} left to try ({len(tried)} tried)")
         if untried[0] == self.live_partner(stage, now):
+            others = sorted(p for p in untried[1:] if self.link(p).has_room) if explore and not tried else []
+            if others:
+                self.explored += 1
+                return others[(self.explored - 1) % len(others)]
             return untried[0] if self.link(untried[0]).has_room else None
         return next((peer for peer in untried if self.link(peer).has_room), None)
 

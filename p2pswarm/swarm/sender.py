@@ -61,7 +61,7 @@ from p2pswarm.net.budget import MIN_FRAME_CHARGE, PEER_BUDGET_BYTES
 from p2pswarm.run.tunables import Tunables
 from p2pswarm.swarm.activation import PROTOCOL_ID, Ack, Busy, Forward
 from p2pswarm.swarm.buffers import Priority
-from p2pswarm.swarm.router import Failure, Router
+from p2pswarm.swarm.router import EXPLORE_EVERY, Failure, Router
 from p2pswarm.swarm.stage_core import Key, Send
 
 log = logging.getLogger(__name__)
@@ -102,6 +102,7 @@ class Deliverer:
         self._answered = trio.Event()  # set whenever an attempt ends: a window may have room again
         self._unsendable_logged: set[str] = set()  # message types whose refusal was logged at ERROR
         self._bytes_out: Counter = Counter()  # peer -> bytes of the frames on the way to it (as it charges them)
+        self._forwards = 0  # forwards taken: every EXPLORE_EVERY-th is first offered to a non-partner (router)
 
     async def forward(self, send: Send) -> None:
         """Deliver a forward to some live peer of its stage; report it lost if none takes it."""
@@ -110,10 +111,12 @@ class Deliverer:
         tried: set[str]
         stage, tried, failed_at = send.message.stage, set(), None
         waiting_since: float | None = None  # since when no attempt could be made
+        self._forwards += 1
+        explore = self._forwards % EXPLORE_EVERY == EXPLORE_EVERY // 2
         while True:
             now = trio.current_time()
             try:
-                peer = self._router.next_after(stage, tried, time.time())
+                peer = self._router.next_after(stage, tried, time.time(), explore=explore)
             except NoCandidates:
                 waiting_since = now if waiting_since is None else waiting_since
                 if now - waiting_since >= NO_CANDIDATE_WAIT:
