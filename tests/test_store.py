@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import pytest
@@ -128,6 +129,33 @@ def test_64_fake_identities_cannot_push_out_an_honest_re_announcer():
         for i in range(3000, 3100):
             store.put(KEY, stored(f"fake{i}", timestamp=now, ttl=60.0, ip="203.0.113.66"), now)
         assert honest in peers_of(store, KEY, now)
+
+
+CGNAT, NEIGHBOUR = "100.64.0.1", "198.51.100.9"
+
+
+def test_a_cgnat_s_honest_peers_take_places_from_its_identities_once_a_neighbour_attests_them():
+    """64 identities behind a CGNAT hold the address's places first; its 3 honest peers, named as workers
+    by a neighbour's record from another address, take places of unattested identities and keep them."""
+    store = RecordStore()
+    fakes = [f"fake{i:02d}" for i in range(64)]
+    assert sum(store.put(KEY, stored(f, ip=CGNAT), NOW) for f in fakes) == MAX_ENTRIES_PER_IP_PER_KEY
+    honest = ["honest0", "honest1", "honest2"]
+    assert not any(store.put(KEY, stored(h, ip=CGNAT), NOW) for h in honest)  # nobody vouches for them yet
+    self_vouching = dataclasses.replace(rec("fake00"), worked=tuple((f, 0) for f in fakes[4:12]))
+    assert store.put(OTHER_KEY, StoredRecord(self_vouching, b"x", CGNAT), NOW)
+    assert not any(store.put(KEY, stored(f, ip=CGNAT), NOW) for f in fakes[4:12])  # one address vouches for none
+    neighbour = dataclasses.replace(rec("neighbour"), worked=tuple((h, 0) for h in honest))
+    assert store.put(OTHER_KEY, StoredRecord(neighbour, b"x", NEIGHBOUR), NOW)
+    for beat in range(1, 13):  # every identity re-announces every 5 s, the honest peers too
+        now = NOW + 5.0 * beat
+        if beat % 2 == 0:
+            store.put(OTHER_KEY, StoredRecord(dataclasses.replace(neighbour, timestamp=now), b"x", NEIGHBOUR), now)
+        for peer in honest + fakes:
+            store.put(KEY, stored(peer, timestamp=now, ip=CGNAT), now)
+        held = peers_of(store, KEY, now)
+        assert set(honest) <= set(held) and len(held) == MAX_ENTRIES_PER_IP_PER_KEY, held
+    assert not store.put(KEY, stored("fake00", timestamp=now + 1, ip=CGNAT), now + 1)
 
 
 def test_one_ip_holds_a_bounded_number_of_entries():

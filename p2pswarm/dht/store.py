@@ -16,6 +16,12 @@ Rules, all bounded so a hostile peer cannot grow the store, or crowd honest peer
   loopback source is this machine itself, so a whole local swarm (the demo, the tests) shares
   it: it holds up to ``max_loopback_entries_per_key`` under a key. A private (LAN) source is
   one machine of a site like any public one.
+* Behind one shared address (a CGNAT), identities made by the thousand must not keep the site's
+  honest peers out: once an address's places under a key are full, a record whose peer is
+  *attested* (named in the ``worked`` field of a live record held here, one that came from another
+  address or is our own) takes the place of an unattested entry of that address, the one refreshed
+  least recently. Work is seen by a peer's neighbours, on other addresses; identities on one
+  address vouch for nothing there.
 * ``get`` answers best first, a few per source: an entry beyond the first MAX_PER_IP of its
   source address or MAX_PER_SUBNET of its /24 (/48) comes after every other source's
   (``dht.ranking``), so one address's identities cannot fill the top of a reply either.
@@ -100,6 +106,7 @@ class RecordStore:
         self._keys: dict[bytes, dict[str, _Entry]] = {}
         self._by_ip: dict[str, set[tuple[bytes, str]]] = {}  # source ip -> (key, peer) of its entries
         self._by_peer: dict[str, set[bytes]] = {}  # peer -> keys it holds entries under
+        self._attesters: dict[str, set[tuple[bytes, str]]] = {}  # peer -> (key, author) of entries naming it
 
     def put(self, key: bytes, stored: StoredRecord, now: float) -> bool:
         """Store ``stored`` under ``key``; False if a rule refuses it."""
@@ -113,7 +120,7 @@ class RecordStore:
         if held is None and not self._peer_has_room(peer, now):
             return False
         if (held is None or held.stored.source_ip != stored.source_ip) and not self._ip_has_room(
-                stored.source_ip, key, now):
+                stored.source_ip, key, now) and not self._room_for_attested(key, stored, now):
             return False
         if entries is None and not self._room_for_new_key(now):
             return False
@@ -156,6 +163,8 @@ class RecordStore:
         self._by_peer.setdefault(peer, set()).add(key)
         if entry.stored.source_ip != LOCAL_SOURCE:
             self._by_ip.setdefault(entry.stored.source_ip, set()).add((key, peer))
+        for named, _ in entry.stored.record.worked:
+            self._attesters.setdefault(named, set()).add((key, peer))
 
     def _remove(self, key: bytes, peer: str) -> None:
         entries = self._keys[key]
@@ -165,6 +174,8 @@ class RecordStore:
         _discard(self._by_peer, peer, key)
         if entry.stored.source_ip != LOCAL_SOURCE:
             _discard(self._by_ip, entry.stored.source_ip, (key, peer))
+        for named, _ in entry.stored.record.worked:
+            _discard(self._attesters, named, (key, peer))
 
     def _expired(self, key: bytes, peer: str, now: float) -> bool:
         return not self._keys[key][peer].stored.record.is_fresh(now)
@@ -191,6 +202,24 @@ class RecordStore:
         held = self._by_ip.get(ip, set())
         per_key = self._max_loopback_per_key if is_loopback(ip) else self._max_per_ip_key
         return len(held) < self._max_per_ip and sum(k == key for k, _ in held) < per_key
+
+    def _attested(self, peer: str, ip: str, now: float) -> bool:
+        """Whether a live record held here, not from ``ip``, names ``peer`` among its workers."""
+        return any(not self._expired(key, author, now) and self._keys[key][author].stored.source_ip != ip
+                   for key, author in self._attesters.get(peer, ()))
+
+    def _room_for_attested(self, key: bytes, stored: StoredRecord, now: float) -> bool:
+        """Evict an unattested entry of a full address for an attested newcomer (module docstring)."""
+        ip = stored.source_ip
+        if not self._attested(stored.record.peer_id, ip, now):
+            return False
+        unattested = [self._keys[k][p] for k, p in self._by_ip.get(ip, ()) if k == key
+                      and p != stored.record.peer_id and not self._attested(p, ip, now)]
+        if not unattested:
+            return False
+        victim = min(unattested, key=lambda e: (e.refreshed_at, e.stored.record.peer_id))
+        self._remove(key, victim.stored.record.peer_id)
+        return self._ip_has_room(ip, key, now)
 
     def _room_for_new_key(self, now: float) -> bool:
         if len(self._keys) >= self._max_keys:
