@@ -95,6 +95,32 @@ def test_garbage_resets_the_stream_and_the_server_keeps_serving(garbage):
     with_pair(test)
 
 
+def test_a_request_trickled_a_byte_at_a_time_is_cut_at_the_request_deadline(monkeypatch):
+    """Slowloris: a byte now and then kept a stream (and its slot) past every deadline; now a request
+    that began must come whole within REQUEST_TIMEOUT, while waiting for one stays idle time."""
+    monkeypatch.setattr(control_module, "REQUEST_TIMEOUT", 1.0)  # the server's read deadline, short here
+
+    async def test(client, control, server, server_control):
+        server_control.handle(wire.Ping, pong)
+        frame = wire.encode_frame(wire.Ping(nonce=1))
+        raw = await open_stream(client, server.get_id(), CONTROL_PROTOCOL)
+        await trio.sleep(1.5)  # an idle stream is not cut by the request deadline
+        began = trio.current_time()
+        with trio.fail_after(10):
+            for byte in frame[:-1]:
+                try:
+                    await raw.write(bytes([byte]))
+                except Exception:
+                    break  # reset under us
+                await trio.sleep(0.2)
+            assert await raw.read(100) == b""  # reset by the server
+        assert trio.current_time() - began < 0.2 * (len(frame) - 1)  # cut before the trickle ended
+        assert server_control.stats.peers_dropped == 1
+        assert await control.request(server.get_id(), wire.Ping(nonce=7)) == wire.Pong(nonce=8)
+
+    with_pair(test)
+
+
 def test_silent_peer_times_out_with_dial_error():
     async def never(peer, message):
         await trio.sleep_forever()

@@ -17,7 +17,8 @@ came left every later request on the FIFO channel waiting behind it, for as long
 ran.) The reader is cancelled, not merely left to see the reset: py-libp2p does not wake a task
 blocked reading a stream that was reset locally. Inbound control streams are limited to
 ``CONTROL_STREAMS_PER_PEER`` per peer and closed after ``CONTROL_IDLE_TIMEOUT`` of silence
-(``net/guard.py``).
+(``net/guard.py``); once a request's first bytes came, the whole request must come within
+``REQUEST_TIMEOUT`` (a byte now and then keeps no stream for good).
 
 Peers are reached through the node's ``Connector`` (direct, hole punch, relay). A channel opened
 over a relayed connection is replaced once a direct connection to the peer exists (a hole punch
@@ -233,15 +234,18 @@ class ControlService:
         peer = stream.remote_peer
         try:
             while True:
-                frame = await wire.read_frame(stream, max_payload=MAX_CONTROL_PAYLOAD)
-                if frame is None:
+                first = await stream.read(wire.HEADER_LENGTH_BYTES)  # waiting for a request: idle time
+                if not first:
                     return
-                reply = await self._answer(peer, frame[0])
+                with trio.fail_after(REQUEST_TIMEOUT):  # begun, a request comes whole
+                    message, n, _ = await wire.read_rest_of_header(stream, first, max_payload=MAX_CONTROL_PAYLOAD)
+                    await wire.read_exactly(stream, n)  # control messages carry no payload we use
+                reply = await self._answer(peer, message)
                 await wire.write_frame(stream, reply)
                 self.stats.requests_served += 1
-        except RemoteProtocolError as exc:
+        except (RemoteProtocolError, trio.TooSlowError) as exc:
             self.stats.peers_dropped += 1
-            log.warning("peer %s sent an invalid control frame, resetting: %s", peer, exc)
+            log.warning("peer %s sent an invalid or unfinished control frame, resetting: %r", peer, exc)
         except DialError:
             pass  # the peer went away mid-reply
         finally:

@@ -46,7 +46,7 @@ __all__ = [  # the wire's whole interface: every protocol uses these as ``wire.N
     "MAX_CBOR_DEPTH", "MAX_HEADER_BYTES", "MAX_ITEMS", "MAX_PAYLOAD_BYTES", "MAX_STR_BYTES", "MAX_TENSOR_DIMS",
     "ErrorReply", "Field", "Message", "Ping", "Pong", "TensorFrame", "check_outgoing", "check_tensor",
     "decode_frame", "decode_header", "encode_frame", "fields_of", "message", "read_exactly", "read_frame",
-    "read_header", "registered_types", "write_frame",
+    "read_header", "read_rest_of_header", "registered_types", "write_frame",
 ]
 
 HEADER_LENGTH_BYTES = 4  # u32 length prefix: far more than MAX_HEADER_BYTES, fixed width
@@ -229,8 +229,13 @@ async def read_header(
     with ``read_exactly``.
     """
     first = await stream.read(HEADER_LENGTH_BYTES)
-    if not first:
-        return None
+    return await read_rest_of_header(stream, first, max_payload=max_payload) if first else None
+
+
+async def read_rest_of_header(stream: Any, first: bytes, *, max_payload: int = MAX_PAYLOAD_BYTES
+                              ) -> tuple[Message, int, int]:
+    """``read_header`` once its ``first`` bytes (1 to HEADER_LENGTH_BYTES) came: a reader that waits
+    for a frame without a deadline bounds the rest of its header by one (net/pool_inbound.py)."""
     prefix = first + await read_exactly(stream, HEADER_LENGTH_BYTES - len(first))
     length = _header_length(prefix)
     msg, n = decode_header(await read_exactly(stream, length), max_payload=max_payload)
