@@ -92,6 +92,16 @@ class BudgetMachine(RuleBasedStateMachine):
         stats = self.budget.stats()
         assert stats["in_use"] == self.budget.in_use and set(stats["peers"]) == self._active()
 
+    @invariant()
+    def only_an_idle_unpreferred_peer_gives_way_and_only_when_every_slot_is_taken(self):
+        preferred = set(sorted(self._active())[::2])  # some peers worked with us
+        victim = self.budget.idle_victim(preferred.__contains__)
+        idle = {p for p in self._active() if not self.held.get(p) and p not in preferred}
+        if len(self._active()) < SMALL.max_peers or not idle:
+            assert victim is None
+        else:
+            assert victim in idle
+
 
 TestBudgetMachine = BudgetMachine.TestCase
 
@@ -130,6 +140,19 @@ def test_slots_and_streams_are_bounded_and_a_slot_outlives_its_streams_while_byt
     assert budget.stats()["refused"] == {"peers": 2, "streams": 1}
     with pytest.raises(ValueError):
         budget.close_stream("c")
+
+
+def test_a_preferred_newcomer_takes_the_slot_of_the_least_recently_active_idle_peer():
+    budget = InboundBudget(SMALL)
+    assert all(budget.open_stream(p) for p in ("worker", "idle-early", "idle-late"))
+    assert budget.idle_victim(lambda peer: False) == "worker"  # every slot taken: the least recent first
+    held = budget.reserve("worker", 5)  # active again, and holding bytes
+    assert budget.idle_victim(lambda peer: peer == "worker") == "idle-early"
+    assert budget.open_stream("idle-early")  # active again
+    assert budget.idle_victim(lambda peer: peer == "worker") == "idle-late"
+    assert budget.idle_victim(lambda peer: peer != "worker") is None  # a peer holding bytes never gives way
+    budget.close_stream("idle-late")
+    assert budget.idle_victim(lambda peer: False) is None and isinstance(held, Ticket)  # a slot is free
 
 
 def test_config_is_checked():

@@ -13,6 +13,7 @@ import trio
 import trio.testing
 
 import p2pswarm.net.pool as pool_module
+import p2pswarm.net.pool_inbound as pool_inbound
 from p2pswarm import wire
 from p2pswarm.errors import CircuitExhausted, DialError
 from p2pswarm.identity import generate_identity
@@ -231,6 +232,56 @@ def test_many_senders_of_big_frames_stay_within_the_budget_and_a_greedy_one_is_r
         await wait_until(lambda: server_pool.budget.in_use == 0)  # every reservation released
 
     with_pools(test, n_clients=4, budget=budget, budget_wait=1.0)
+
+
+def test_a_header_trickled_a_byte_at_a_time_is_cut_at_the_header_deadline(monkeypatch):
+    """Slowloris on the pool: a byte now and then held a sender slot for good; a header that began
+    must now come whole within HEADER_DEADLINE (waiting for a frame stays idle time)."""
+    monkeypatch.setattr(pool_inbound, "HEADER_DEADLINE", 1.0)
+
+    async def test(server, server_pool, receiver, clients):
+        host, pool = clients[0]
+        header = wire.encode_frame(chunk("slow", b"x" * 10), b"x" * 10)[:-10]
+        raw = await open_stream(host, server.get_id(), BULK)
+        await trio.sleep(1.5)  # idle, not cut
+        began = trio.current_time()
+        for byte in header[:-1]:
+            try:
+                await raw.write(bytes([byte]))
+            except Exception:
+                break  # reset under us
+            if trio.current_time() - began > 3.0:
+                break
+            await trio.sleep(0.1)
+        with trio.fail_after(5):
+            assert await raw.read(100) == b""  # reset by the server
+        assert trio.current_time() - began < 0.1 * (len(header) - 1)  # cut before the trickle ended
+        assert server_pool.stats.inbound_refused == 1
+        await exchange(pool, server.get_id(), b"z" * 10)  # the node serves on
+        assert [f[1:] for f in receiver.frames] == [("x", 10, True)]
+
+    with_pools(test)
+
+
+def test_identities_idling_on_every_sender_slot_give_way_to_a_peer_that_worked_with_us():
+    """16 identities each holding one idle stream took every sender slot of a node, for good. Now a peer the
+    node prefers (it worked with us) takes the slot of the least recently active idle one; a stranger is
+    still refused while every slot is taken."""
+    async def test(server, server_pool, receiver, clients):
+        (idle_a, _), (idle_b, _), (worker, worker_pool), (_, stranger_pool) = clients
+        server_pool.prefer = lambda peer: peer == str(worker.get_id())
+        raws = [await open_stream(host, server.get_id(), BULK) for host in (idle_a, idle_b)]
+        await wait_until(lambda: len(server_pool.budget.peers()) == 2)
+        with pytest.raises(DialError):
+            await exchange(stranger_pool, server.get_id(), b"s" * 10, timeout=5.0)
+        await exchange(worker_pool, server.get_id(), b"w" * 10)
+        with trio.fail_after(5):
+            assert await raws[0].read(100) == b""  # the least recently active idle stream was ended
+        assert server_pool.budget.stats()["evictions"] == 1
+        assert str(idle_b.get_id()) in server_pool.budget.peers()  # the other keeps its slot
+        assert [f[1:] for f in receiver.frames] == [("x", 10, True)]
+
+    with_pools(test, n_clients=4, budget=BudgetConfig(peer_bytes=1 * MIB, max_peers=2))
 
 
 def test_oversized_garbage_and_failing_handlers_reset_only_their_stream():

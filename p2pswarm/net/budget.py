@@ -9,6 +9,10 @@ them when the handler is done. The rules:
 
 - every peer with an open inbound stream (or bytes still reserved) holds one of ``max_peers``
   slots and may have at most ``peer_bytes`` reserved;
+- the slots are full: a newcomer the driver prefers (a peer that worked with us) may take the slot
+  of the least recently active peer that holds no bytes and is not preferred (``idle_victim``;
+  the driver ends that peer's streams), so identities that open a stream each and idle cannot
+  keep a node's neighbours out;
 - the global budget is ``max_peers * peer_bytes``: every slot's share is guaranteed, so a peer
   under its own share is never made to wait by another peer's use (no borrowing, by design:
   borrowing is what lets one peer's burst delay another's frame);
@@ -32,6 +36,7 @@ from __future__ import annotations
 import enum
 import itertools
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,6 +107,7 @@ class BudgetConfig:
 class _Peer:
     streams: int = 0
     in_use: int = 0
+    active: int = 0  # serial of its last stream opened or frame reserved: the least recent gives way first
     waits: int = 0
     refused: int = 0
 
@@ -114,6 +120,7 @@ class InboundBudget:
     in_use: int = 0
     high_water: int = 0
     waits: int = 0
+    evictions: int = 0  # slots given to a preferred newcomer (the driver counts what it ended)
     refused: Counter[str] = field(default_factory=Counter)
     _peers: dict[str, _Peer] = field(default_factory=dict)
     _tickets: dict[int, Ticket] = field(default_factory=dict)
@@ -131,7 +138,16 @@ class InboundBudget:
             self._refuse(peer, "streams")
             return False
         state.streams += 1
+        state.active = next(self._serials)
         return True
+
+    def idle_victim(self, preferred: Callable[[str], bool]) -> str | None:
+        """With every slot taken, the peer whose slot a preferred newcomer may take: the least recently
+        active one that holds no bytes and is not ``preferred``; None if none may give way."""
+        if len(self._peers) < self.config.max_peers:
+            return None
+        idle = [(state.active, peer) for peer, state in self._peers.items() if state.in_use == 0]
+        return next((peer for _, peer in sorted(idle) if not preferred(peer)), None)
 
     def close_stream(self, peer: str) -> None:
         state = self._peers.get(peer)
@@ -158,6 +174,7 @@ class InboundBudget:
         if state.in_use + charged > self.config.peer_bytes or self.in_use + charged > self.config.global_bytes:
             return Verdict.WAIT
         ticket = Ticket(peer, charged, next(self._serials))
+        state.active = ticket.serial
         self._tickets[ticket.serial] = ticket
         state.in_use += charged
         self.in_use += charged
@@ -210,6 +227,7 @@ class InboundBudget:
             "global_bytes": self.config.global_bytes,
             "peer_bytes": self.config.peer_bytes,
             "waits": self.waits,
+            "evictions": self.evictions,
             "refused": dict(sorted(self.refused.items())),
             "peers": {peer: {"in_use": s.in_use, "streams": s.streams, "waits": s.waits, "refused": s.refused}
                       for peer, s in sorted(self._peers.items())},

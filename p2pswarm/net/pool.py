@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
 
@@ -196,6 +196,7 @@ class StreamPool:
         self.ledger = CircuitLedger()
         self.budget = InboundBudget(budget or BudgetConfig())
         self.stats = PoolStats()
+        self.prefer: Callable[[str], bool] = lambda peer: False  # may take an idle sender's slot (pool_inbound)
         self._inbound = pool_inbound.InboundServer(self, budget_wait)
         watch_connections(host, self._connection_opened, self._connection_closed)  # a circuit's age
 

@@ -9,6 +9,9 @@ the frames read but not yet handled. What bounds that channel is the byte budget
    (``budget.InboundBudget``). Over its share, the frame waits, at most ``BUDGET_WAIT``, for that
    peer's own earlier frames to be released; then, or if the frame can never fit, the stream is
    reset and the refusal counted. Nothing of the payload is read before the reservation;
+   Waiting for a frame is idle time (the protocol's idle deadline, ``net.limits``), but once its
+   first bytes came the rest of the header must come within ``HEADER_DEADLINE``: a byte now and
+   then keeps no stream, and its sender slot, for good;
 3. it reads the payload within ``frame_deadline(n)`` (a stalled sender is reset);
 4. the handler task calls ``handler(peer, message, payload)`` frames in order, releases the
    reservation when the handler returns, and writes the handler's reply (if any) whole on the
@@ -37,6 +40,9 @@ from p2pswarm.net.streams import ByteStream
 
 log = logging.getLogger(__name__)
 
+HEADER_DEADLINE = frame_deadline(wire.HEADER_LENGTH_BYTES + wire.MAX_HEADER_BYTES)  # s, from a header's first bytes
+EVICTION_WAIT = 1.0  # s an evicted peer's streams have to wind down (cancelled: at once, bar a handler's reply)
+EVICTION_POLL = 0.01  # s between looks for the evicted peer's slot
 BUDGET_WAIT = 2.0  # a slowed peer's frame waits at most this: well under Yamux's 5 s zero-window reset (defect 2)
 
 Reply = wire.Message | tuple[wire.Message, bytes] | None
@@ -50,6 +56,7 @@ class InboundPool(Protocol):
     host: Any  # the libp2p host whose stream handlers serve the pool's protocols
     budget: InboundBudget
     stats: Any  # pool.PoolStats: inbound_refused, handler_failures and frames_served are counted here
+    prefer: Callable[[str], bool]  # peers that may take an idle sender's slot
 
     def adopt(self, raw: Any) -> ByteStream: ...
 
@@ -68,6 +75,7 @@ class InboundServer:
         self._budget = pool.budget
         self._budget_wait = budget_wait
         self._released: dict[str, trio.Event] = {}  # peer -> set when one of its reservations is released
+        self._scopes: dict[str, set[trio.CancelScope]] = {}  # peer -> the cancel scopes of its inbound streams
 
     def serve(self, protocol: str, handler: Handler, max_payload: int) -> None:
         self._pool.host.set_stream_handler(protocol, functools.partial(self._on_stream, handler, max_payload))
@@ -75,23 +83,33 @@ class InboundServer:
     async def _on_stream(self, handler: Handler, max_payload: int, raw) -> None:
         stream = self._pool.adopt(raw)
         peer = stream.remote_peer
-        if not self._budget.open_stream(peer):
+        if not self._budget.open_stream(peer) and not await self._take_idle_slot(peer):
             self._pool.stats.inbound_refused += 1
             await stream.reset()
             return
         send, receive = trio.open_memory_channel(math.inf)  # bounded by the byte budget, see module doc
         failure: list[str] = []
+        evictable = trio.CancelScope()  # cancelled when a peer that works with us takes this peer's slot
+        self._scopes.setdefault(peer, set()).add(evictable)
         try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._handle_frames, stream, peer, handler, receive, failure, nursery.cancel_scope)
-                try:
-                    await self._read_frames(stream, peer, max_payload, send)
-                except (_Refused, RemoteProtocolError, DialError, trio.TooSlowError) as exc:
-                    failure.append(f"{type(exc).__name__}: {exc}")
-                    nursery.cancel_scope.cancel()
-                finally:
-                    send.close()
+            with evictable:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._handle_frames, stream, peer, handler, receive, failure,
+                                       nursery.cancel_scope)
+                    try:
+                        await self._read_frames(stream, peer, max_payload, send)
+                    except (_Refused, RemoteProtocolError, DialError, trio.TooSlowError) as exc:
+                        failure.append(f"{type(exc).__name__}: {exc}")
+                        nursery.cancel_scope.cancel()
+                    finally:
+                        send.close()
+            if evictable.cancelled_caught and not failure:
+                failure.append("its slot went to a peer that works with us")
         finally:
+            scopes = self._scopes[peer]
+            scopes.discard(evictable)
+            if not scopes:
+                del self._scopes[peer]
             self._drain(receive)
             self._budget.close_stream(peer)
             with trio.CancelScope(shield=True):
@@ -102,13 +120,32 @@ class InboundServer:
                 else:
                     await stream.close()
 
+    async def _take_idle_slot(self, peer: str) -> bool:
+        """Every slot is taken: a peer the pool prefers (``StreamPool.prefer``: it worked with us) takes the
+        slot of the least recently active idle peer that is not preferred, whose streams end (budget
+        module docstring). Whether ``peer`` now holds a slot."""
+        victim = self._budget.idle_victim(self._pool.prefer) if self._pool.prefer(peer) else None
+        if victim is None:
+            return False
+        for scope in self._scopes.get(victim, ()):
+            scope.cancel()
+        with trio.move_on_after(EVICTION_WAIT):
+            while victim in self._budget.peers():
+                await trio.sleep(EVICTION_POLL)
+        if not self._budget.open_stream(peer):
+            return False
+        self._budget.evictions += 1
+        log.info("pool: %s took the inbound slot of idle %s (it works with us)", peer, victim)
+        return True
+
     async def _read_frames(self, stream: ByteStream, peer: str, max_payload: int, send) -> None:
         """Read frames until EOF at a frame boundary; each admitted by the budget before its payload."""
         while True:
-            head = await wire.read_header(stream, max_payload=max_payload)
-            if head is None:
+            first = await stream.read(wire.HEADER_LENGTH_BYTES)  # waiting for a frame: idle time
+            if not first:
                 return
-            message, n, header_bytes = head
+            with trio.fail_after(HEADER_DEADLINE):  # begun, a header comes whole
+                message, n, header_bytes = await wire.read_rest_of_header(stream, first, max_payload=max_payload)
             ticket = await self._reserve(peer, header_bytes + n)
             try:
                 with trio.fail_after(frame_deadline(n)):
@@ -178,3 +215,4 @@ class InboundServer:
                 failure.append(f"reply: {type(exc).__name__}: {exc}")
                 scope.cancel()
                 return
+

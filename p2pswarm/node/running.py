@@ -52,6 +52,7 @@ from p2pswarm.dht.stagemap import (
     serve_candidate_checks,
 )
 from p2pswarm.dht.store import RecordStore
+from p2pswarm.dht.work import MIN_WORK
 from p2pswarm.diloco import messages, snapshots
 from p2pswarm.errors import LocalProtocolError
 from p2pswarm.heal.mover import Mover
@@ -199,6 +200,9 @@ async def _join_dht(state: NodeState, nursery: trio.Nursery, rng: random.Random,
     state.nat.set_dht_server = state.index.set_server
     state.stage_map = StageMap(state.index, state.model, nursery, run=state.run.identity,
                                roots=[str(info.peer_id) for info in bootstrap_infos])  # whom we trust first
+    stage_map, pool = state.stage_map, state.pool  # a peer that worked with us may take an idle sender's slot
+    assert pool is not None  # run_node made it
+    pool.prefer = lambda peer: stage_map.work.score(peer, stage_map.clock()) >= MIN_WORK
     state.completer = SwarmCompleter(state.pool, state.stage_map, state.model, state.run,
                                      load_tokenizer(state.run.tokenizer), me=state.identity.peer_id_text,
                                      local=lambda: getattr(state.swarm, "inference", None))  # any node with a map
