@@ -11,7 +11,7 @@ from p2pswarm.identity import generate_identity
 from p2pswarm.net.control import ControlService
 from p2pswarm.net.guard import guard_stats
 from p2pswarm.net.host import HostLimits, connect, open_host, peer_info_from_multiaddr
-from p2pswarm.net.swarm_fixes import inbound_stats
+from p2pswarm.net.swarm_fixes import PerAddress, inbound_stats
 from p2pswarm.testing.churn import LOOPBACK, one_lifetime
 
 CAP = 4  # a small connection cap: the old defect shows after this many lifetimes
@@ -66,6 +66,43 @@ def test_inbound_slots_return_when_connections_close():
         assert not node.get_network().auto_connector._recent_disconnects  # nothing kept per departed peer
 
     run_node(body)
+
+
+def test_one_address_holds_a_bounded_number_of_inbound_connections():
+    """Identities are free, addresses are not: connections from one address beyond its cap are refused
+    while the others stay open, and a closed one frees its place (loopback is exempt in use; not here)."""
+    async def body(node, nursery):
+        node.get_network().p2pswarm_per_address = PerAddress(2, exempt=lambda ip: False)
+        target = peer_info_from_multiaddr(str(node.get_addrs()[0]))
+        held = [await stack_host(nursery) for _ in range(2)]
+        for host, _ in held:
+            await connect(host, target)
+        assert await lifetimes(node, 1) == (0, 1)  # a third from the same address
+        assert inbound_stats(node)["refused_per_address"] == 1
+        await held[0][0].disconnect(target.peer_id)
+        with trio.fail_after(10):
+            while node.get_network().p2pswarm_per_address.open["127.0.0.1"] > 1:
+                await trio.sleep(0.05)
+        assert await lifetimes(node, 1) == (1, 0)
+        for _, done in held:
+            done.set()
+
+    run_node(body)
+
+
+async def stack_host(nursery) -> tuple:
+    """A client host that lives until its event is set."""
+    ready, done = trio.Event(), trio.Event()
+    box: list = []
+
+    async def live():
+        async with open_host(generate_identity(), LOOPBACK) as host:
+            box.append(host)
+            ready.set()
+            await done.wait()
+    nursery.start_soon(live)
+    await ready.wait()
+    return box[0], done
 
 
 ECHO = "/test/raise-after-read/1.0.0"

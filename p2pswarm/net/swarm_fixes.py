@@ -17,14 +17,22 @@ must live exactly as long as the connection: it returns once the muxer reports i
 the swarm no longer holds the connection (a pruned or trimmed duplicate), checked every
 ``ORPHAN_CHECK_PERIOD`` in case a muxer exit path ever skips its closed event.
 
+It also caps the inbound connections open from one IP address at ``MAX_INBOUND_PER_IP``
+(``PerAddress``): identities are free, addresses are not, so a few addresses cannot take every
+one of the node's connection slots. Loopback (this machine: the demo, a local swarm, the tests)
+and connections of no known IP are not capped.
+
 The other limiters on the connection and stream paths were checked for the same pattern; what
 was found is listed in docs/architecture.md ("py-libp2p 0.8.1 workarounds").
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import math
+from collections import Counter
+from collections.abc import Callable
 
 import trio
 
@@ -33,6 +41,7 @@ from p2pswarm.net.streams import close_quietly
 log = logging.getLogger(__name__)
 
 ORPHAN_CHECK_PERIOD = 10.0  # seconds between checks that the swarm still holds an inbound connection
+MAX_INBOUND_PER_IP = 32  # inbound connections open from one IP: a household, a lab, peers behind a CGNAT
 REFUSAL_LOG_PERIOD = 60.0  # a node at its limit says so once a minute, not once per refused peer
 
 
@@ -40,6 +49,7 @@ def install(swarm, max_inbound: int) -> None:
     """Make ``swarm`` release each inbound slot when its connection closes, not at shutdown, and
     hold at most ``max_inbound`` inbound connections (the library's own count is one more)."""
     swarm.p2pswarm_inbound = InboundStats()
+    swarm.p2pswarm_per_address = PerAddress(MAX_INBOUND_PER_IP)
     swarm._inbound_limiter.total_tokens = max_inbound
     _count_resource_denials(swarm)
 
@@ -113,8 +123,56 @@ class InboundStats:
                         reason, self.refused, remote)
 
 
+class PerAddress:
+    """Inbound connections open per remote IP address, at most ``limit`` each (module docstring)."""
+
+    def __init__(self, limit: int, exempt: Callable[[str], bool] | None = None) -> None:
+        self.limit, self.open, self.refused = limit, Counter[str](), 0
+        self._exempt = exempt or _local_or_unknown
+
+    def take(self, ip: str) -> bool:
+        if self._exempt(ip):
+            return True
+        if self.open[ip] >= self.limit:
+            self.refused += 1
+            return False
+        self.open[ip] += 1
+        return True
+
+    def give_back(self, ip: str) -> None:
+        if not self._exempt(ip):
+            self.open[ip] -= 1
+            if not self.open[ip]:
+                del self.open[ip]
+
+
+def _local_or_unknown(ip: str) -> bool:
+    try:
+        return ipaddress.ip_address(ip).is_loopback
+    except ValueError:
+        return True  # no IP we could attribute the connection to
+
+
+def _ip_of(remote) -> str:
+    parts = str(remote).split("/") if remote is not None else []
+    return parts[2] if len(parts) > 2 and parts[1] in ("ip4", "ip6") else ""
+
+
 async def serve_inbound(swarm, read_write_closer, maddr) -> None:
     """Replaces ``Swarm._handle_inbound_connection``: a slot while the connection is open."""
+    ip = _ip_of(swarm._build_remote_multiaddr(read_write_closer))
+    per_address = swarm.p2pswarm_per_address
+    if not per_address.take(ip):
+        swarm.p2pswarm_inbound.refuse(ip, f"{per_address.limit} inbound connections open from one address")
+        await close_quietly(read_write_closer)
+        return
+    try:
+        await _serve_inbound_slot(swarm, read_write_closer, maddr)
+    finally:
+        per_address.give_back(ip)
+
+
+async def _serve_inbound_slot(swarm, read_write_closer, maddr) -> None:
     try:
         swarm._inbound_limiter.acquire_nowait()  # no checkpoint between the check and the take
     except trio.WouldBlock:
@@ -177,4 +235,5 @@ def inbound_stats(host) -> dict:
             "accepted": stats.accepted, "refused": stats.refused,
             "resource_manager_denied_connections": stats.resource_manager_connections,
             "resource_manager_denied_streams": stats.resource_manager_streams,
-            "over_connection_limits": stats.connection_limits}
+            "over_connection_limits": stats.connection_limits,
+            "refused_per_address": getattr(swarm, "p2pswarm_per_address", PerAddress(0)).refused}
