@@ -9,7 +9,8 @@ bound to our listen port, upgraded with the roles the spec fixes). Its defaults 
 - ``_handle_dcutr_stream``: a CONNECT from a peer that should not have initiated is refused, so
   two exchanges never cross on one connection.
 - ``_try_unilateral_upgrade``: the spec's first step (dial the other side's addresses plainly; it
-  may be public) runs alongside the exchange, capped at ``UNILATERAL_TIMEOUT``, instead of
+  may be public) runs alongside the exchange, capped at ``UNILATERAL_TIMEOUT`` (one punch dial's
+  time, ``PUNCH_DIAL_TIMEOUT``: a busy node's handshake took over 1.5 s in the suite), instead of
   before it: the library waited out every dial, ~10 s whenever one address was a black hole.
 - ``_dial_peer``: addresses that lead back to ourselves (``0.0.0.0``, our own listen addresses,
   another host's loopback) are skipped.
@@ -37,7 +38,8 @@ log = logging.getLogger(__name__)
 
 DRIVE_PERIOD = 0.25  # how often relayed connections are checked for a punch to start
 IDENTIFY_WAIT = 0.5  # longest wait for identify before punching without the peer's listen addresses
-UNILATERAL_TIMEOUT = 1.5  # a public dialer answers within a round trip; a NATed one never does
+UNILATERAL_TIMEOUT = 5.0  # a public dialer answers within a handshake, a NATed one never does; a node that
+#                            trains on every core handshakes slowly (the plain dial races the punch: no delay)
 RELAY_CLOSE_GRACE = 10.0  # streams opened on the relayed connection before the upgrade get this long
 PUNCH_DIAL_TIMEOUT = 5  # one simultaneous-open dial (the library's round lasts as long)
 
