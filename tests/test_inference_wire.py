@@ -160,9 +160,9 @@ async def test_an_urgent_job_runs_before_the_ordinary_jobs_queued():
 SPEC = ModelSpec("infer-lm", n_layers=2, stage_size=1, width=32, heads=4, kv_heads=2, ffn=64, context=16)
 
 
-def _service(stage, compute):
+def _service(stage, compute, config=TrainConfig()):
     engine = eng.StageEngine(SPEC, stage)
-    return SimpleNamespace(spec=SPEC, stage=stage, config=TrainConfig(), placement=Placement(),
+    return SimpleNamespace(spec=SPEC, stage=stage, config=config, placement=Placement(),
                            run_id=UNNAMED_RUN, engine=engine, compute=compute, is_last=stage == SPEC.last_stage)
 
 
@@ -311,6 +311,16 @@ def _greedy_reference(prompt: bytes, new: int) -> list[int]:
     return ids[len(prompt):]
 
 
+async def _tokens_killing_a0_after_three_steps(completer, pool) -> list[int]:
+    """A 6-token greedy generation of "hello" during which replica a0 dies after its third step."""
+    tokens = []
+    async for chunk in completer.stream(CompletionRequest("hello", max_new_tokens=6)):
+        tokens += chunk.token_ids
+        if len([p for p, _ in pool.steps if p == "a0"]) >= 3:
+            pool.dead.add("a0")
+    return tokens
+
+
 async def _generate(completer, **kw):
     chunks = [c async for c in completer.stream(CompletionRequest(**kw))]
     return chunks, [t for c in chunks for t in c.token_ids]
@@ -332,20 +342,31 @@ async def test_greedy_generation_through_servers_equals_the_full_model_and_survi
         assert not servers["a0"].table.sessions and not servers["a1"].table.sessions  # closed at the end
 
         pool.steps.clear()
-
-        async def kill_a0_after_three_tokens():
-            async for chunk in completer.stream(CompletionRequest("hello", max_new_tokens=6)):
-                yield chunk
-                if len([p for p, _ in pool.steps if p == "a0"]) >= 3:
-                    pool.dead.add("a0")
-
-        tokens = [t async for c in kill_a0_after_three_tokens() for t in c.token_ids]
+        tokens = await _tokens_killing_a0_after_three_steps(completer, pool)
         assert tokens == expected
         replay = [pos for peer, pos in pool.steps if peer == "b0"]
         assert replay and replay[0] == 0  # b0 was sent the whole prefix at position 0
         pool.dead.add("b0")
         with pytest.raises(NoCandidates):
             await _generate(completer, prompt="hello", max_new_tokens=2)
+
+
+@trio_test
+async def test_generation_through_a_q8_boundary_replays_a_prefix_sliced_by_positions():
+    """A run whose activations travel as q8: hidden states cross in 8 bits a number, a dense one is
+    refused, and a replica's death replays the prefix from the quantized replies, sliced by positions."""
+    q8 = TrainConfig(activation_codec="q8")
+    async with open_compute_thread("test-client") as compute:
+        servers = {p: InferenceServer(_service(int(p[1]), compute, q8)) for p in ("a0", "b0", "a1")}
+        pool = _Pool(servers)
+        completer = SwarmCompleter(pool, _Map({0: ["a0", "b0"], 1: ["a1"]}), SPEC, None, ByteTokenizer())
+        _, tokens = await _generate(completer, prompt="hello", max_new_tokens=6)
+        assert len(tokens) == 6
+        refused = await _ask(servers["a1"], _step(1, b"d" * SESSION_BYTES, 0, torch.randn(1, 2, SPEC.width)))
+        assert isinstance(refused, wire.ErrorReply) and refused.code == "bad-input"
+        pool.steps.clear()
+        assert await _tokens_killing_a0_after_three_steps(completer, pool) == tokens
+        assert next(pos for peer, pos in pool.steps if peer == "b0") == 0  # the replay, from the start
 
 
 @trio_test

@@ -101,8 +101,9 @@ def test_bad_inputs_are_refused():
         middle(_ids(1, 4))  # ids on a middle stage
 
 
-def test_training_across_two_stages_drives_the_loss_down():
-    """Stage by stage as the swarm does it: activations forward, their gradient backward."""
+def train_two_stages(boundary=lambda tensor: tensor.detach(), steps: int = 200) -> list[float]:
+    """Stage by stage as the swarm does it: activations forward through ``boundary`` (what crosses the
+    wire), their gradient back through it too; the training losses."""
     torch.manual_seed(0)
     stages = build_model(LITTLE, seed=0)
     optimizers = [torch.optim.AdamW(s.parameters(), lr=3e-3) for s in stages]
@@ -110,17 +111,22 @@ def test_training_across_two_stages_drives_the_loss_down():
     batch = torch.stack([text[i:i + LITTLE.context + 1] for i in range(0, 64, 8)])
     inputs, targets = batch[:, :-1], batch[:, 1:]
     losses = []
-    for _ in range(200):
+    for _ in range(steps):
         for opt in optimizers:
             opt.zero_grad()
         sent = stages[0](inputs)
-        received = sent.detach().requires_grad_()  # what crosses the wire to the next stage
+        received = boundary(sent).requires_grad_()  # what crosses the wire to the next stage
         loss = stages[1].loss(stages[1](received), targets)
         loss.backward()
-        sent.backward(received.grad)  # the gradient that comes back
+        sent.backward(boundary(received.grad))  # the gradient that comes back
         for opt in optimizers:
             opt.step()
         losses.append(loss.item())
+    return losses
+
+
+def test_training_across_two_stages_drives_the_loss_down():
+    losses = train_two_stages()
     assert losses[0] > 5.0 and losses[-1] < 0.5, (losses[0], losses[-1])
 
 

@@ -26,6 +26,10 @@ is that file. Layout (every key but ``name`` and ``model`` has the default shown
     dtype = "float32"             # activations and their gradients on the wire: float32, bfloat16, float16
     eval_batches = 8              # held-out micro-batches per evaluation round (32 rows each), 1 to 8
 
+    [wire]                        # what crosses a stage boundary (swarm/quant.py); left out of the
+    activations = "dense"         # identity while "dense": dense (batch.dtype), q8 or q4
+    gradients = "dense"           # the gradients sent back, chosen on their own
+
     [diloco]                      # the outer-round settings that must match between replicas
     inner_steps = 500             # H
     outer_lr = 0.7
@@ -73,6 +77,8 @@ RUN_FORMAT = 1  # part of the canonical form: a change of meaning changes every 
 IDENTITY_CHARS = 16  # 64 bits shown and sent: no two runs of one swarm collide by chance
 RUNS_PACKAGE = "p2pswarm.runs"  # where packaged runs live (package data)
 DTYPES = ("float32", "bfloat16", "float16")  # activation dtypes on the wire
+BOUNDARY_CODECS = ("dense", "q8", "q4")  # [wire]: dense in batch.dtype, or 8-/4-bit per token (swarm/quant.py)
+DENSE = "dense"
 BYTES_TOKENIZER = "bytes"  # the byte-level default: vocab 256, nothing to ship
 AGREED_FLAGS = {"inner_steps": "--inner-steps", "outer_lr": "--outer-lr", "momentum": "--outer-momentum",
                 "codec": "--codec", "aggregator": "--aggregator"}  # [diloco] keys: the join flags they replace
@@ -121,6 +127,8 @@ class RunSpec:
     context: int = 0  # tokens per sequence (0 only before resolution: the model's context)
     dtype: str = DEFAULT_DTYPE
     eval_batches: int = DEFAULT_EVAL_BATCHES  # the held-out set's size (tests that need no precise figure: fewer)
+    activations: str = DENSE  # [wire]: how activations cross a stage boundary
+    gradients: str = DENSE  # [wire]: how their gradients come back
     inner_steps: int = dls.INNER_STEPS
     outer_lr: float = dls.OUTER_LR
     momentum: float = dls.OUTER_MOMENTUM
@@ -133,6 +141,9 @@ class RunSpec:
         values = dataclasses.asdict(self)
         for local in ("name", "tokenizer", "source"):
             del values[local]
+        for boundary in ("activations", "gradients"):  # dense, the default: the identities runs had before
+            if values[boundary] == DENSE:
+                del values[boundary]
         values["betas"] = list(self.betas)
         values["spec"] = dataclasses.asdict(self.spec())  # the model's dimensions, as this version builds it
         return {"format": RUN_FORMAT, **values}
@@ -218,10 +229,11 @@ def default_run() -> RunSpec:
 # --- parsing -----------------------------------------------------------------------------------
 
 _TOP = {"name": str, "model": str, "seed": int, "tokenizer": str}
-_TABLES = {
+_TABLES: dict[str, dict[str, type]] = {
     "optimizer": {"lr": float, "betas": list, "eps": float, "weight_decay": float, "grad_clip": float,
                   "accumulate": int, "warmup_steps": int, "decay_steps": int, "min_lr_ratio": float},
     "batch": {"rows": int, "context": int, "dtype": str, "eval_batches": int},
+    "wire": {"activations": str, "gradients": str},
     "diloco": {"inner_steps": int, "outer_lr": float, "momentum": float, "codec": str, "aggregator": str},
 }
 _REQUIRED = ("name", "model")
@@ -323,6 +335,8 @@ def _problem(run: RunSpec, model: ModelSpec) -> tuple[str, str] | None:
                                                              f"of {model.name})"),
         ("batch.dtype", run.dtype in DTYPES, f"must be one of {', '.join(DTYPES)}"),
         ("batch.eval_batches", 1 <= run.eval_batches <= MAX_EVAL_BATCHES, f"must be within [1, {MAX_EVAL_BATCHES}]"),
+        ("wire.activations", run.activations in BOUNDARY_CODECS, f"must be one of {', '.join(BOUNDARY_CODECS)}"),
+        ("wire.gradients", run.gradients in BOUNDARY_CODECS, f"must be one of {', '.join(BOUNDARY_CODECS)}"),
     ]
     for key, ok, why in checks:
         if not ok:
@@ -353,7 +367,8 @@ def format_run(run: RunSpec) -> str:
         f"tokenizer     {run.tokenizer} (sha256 {run.tokenizer_sha256[:16]}…)",
         f"optimizer     AdamW lr {run.lr:g}, betas {run.betas[0]:g}/{run.betas[1]:g}, eps {run.eps:g}, weight decay "
         f"{run.weight_decay:g} on matrices, clip {run.grad_clip:g}, accumulate {run.accumulate}; {schedule}",
-        f"micro-batch   {run.rows} x {run.context} tokens, {run.dtype} on the wire",
+        f"micro-batch   {run.rows} x {run.context} tokens, {run.dtype} on the wire "
+        f"(activations {run.activations}, gradients {run.gradients})",
         f"diloco        H {run.inner_steps}, outer lr {run.outer_lr:g}, momentum {run.momentum:g}, codec {run.codec}, "
         f"{run.aggregator}",
     ])

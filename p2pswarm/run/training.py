@@ -56,6 +56,8 @@ class TrainConfig:
     rows: int = DEFAULT_ROWS  # sequences per training micro-batch
     seq: int | None = None  # tokens per sequence; None: the model's context
     activation_dtype: str = DEFAULT_DTYPE  # what hidden states and their gradients travel as
+    activation_codec: str = "dense"  # how hidden states cross a boundary: dense (activation_dtype), q8, q4
+    gradient_codec: str = "dense"  # and their gradients (run file [wire])
     eval_batches: int = DEFAULT_EVAL_BATCHES  # held-out micro-batches per evaluation round (the run's held-out set)
     predict_weights: bool = PREDICT_WEIGHTS  # forwards run on the weights predicted for when their gradient lands
 
@@ -65,7 +67,8 @@ def train_config(run: RunSpec) -> TrainConfig:
     return TrainConfig(lr=run.lr, weight_decay=run.weight_decay, accumulate=run.accumulate, grad_clip=run.grad_clip,
                        seed=run.seed, betas=run.betas, eps=run.eps, warmup_steps=run.warmup_steps,
                        decay_steps=run.decay_steps, min_lr_ratio=run.min_lr_ratio, rows=run.rows, seq=run.context,
-                       activation_dtype=run.dtype, eval_batches=run.eval_batches)
+                       activation_dtype=run.dtype, activation_codec=run.activations, gradient_codec=run.gradients,
+                       eval_batches=run.eval_batches)
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,9 @@
 """The activation codec: a computed micro-batch as frames, and frames back as tensors.
 
 The one place tensors become bytes and bytes become tensors, for training, evaluation and
-inference alike (a later issue puts compression here):
+inference alike. A run chooses how activations and their gradients cross a boundary (run file
+``[wire]``): dense in its dtype, or quantized per token (``swarm.quant``); a frame's ``dtype``
+names its encoding, and a peer takes only the encoding its run names:
 
 - ``tensor_to_frame`` / ``frame_to_tensor``: a tensor as a ``wire.TensorFrame`` and its payload
   (row-major, little-endian, on any host) and back; ``to_wire`` / ``from_wire`` the same as
@@ -29,8 +31,9 @@ from p2pswarm import wire
 from p2pswarm.errors import LocalProtocolError, RemoteProtocolError
 from p2pswarm.model.catalog import BYTE_VOCAB
 from p2pswarm.run import plan
-from p2pswarm.run.spec import DEFAULT_DTYPE, MAX_ROWS  # rows a peer may send us in one micro-batch
+from p2pswarm.run.spec import DEFAULT_DTYPE, DENSE, MAX_ROWS  # MAX_ROWS: rows a peer may send us in one micro-batch
 from p2pswarm.swarm import engine as eng
+from p2pswarm.swarm import quant
 from p2pswarm.swarm.activation import (
     UNNAMED_RUN,
     Backward,
@@ -51,13 +54,22 @@ class Layout:
     width: int  # hidden size: a frame's last dim
     context: int  # a frame's longest sequence
     vocab: int  # target ids lie below it
-    dtype: str = DEFAULT_DTYPE  # the run's activation dtype
+    dtype: str = DEFAULT_DTYPE  # the run's activation dtype: what a frame decodes to
     run: bytes = UNNAMED_RUN  # every frame we send carries it
     me: str = ""  # our peer id: an evaluation's chain
+    activations: str = DENSE  # how activations travel: DENSE (in ``dtype``) or a wire.QUANTIZED_BITS key
+    gradients: str = DENSE  # how their gradients travel
 
     @classmethod
-    def of(cls, spec, stage: int, dtype: str, run: bytes, me: str) -> Layout:
-        return cls(stage, spec.width, spec.context, spec.vocab, dtype, run, me)
+    def of(cls, spec, stage: int, config, run: bytes, me: str) -> Layout:
+        """The layout of ``stage`` of ``spec`` as a ``TrainConfig`` has it travel."""
+        return cls(stage, spec.width, spec.context, spec.vocab, config.activation_dtype, run, me,
+                   config.activation_codec, config.gradient_codec)
+
+    def encoding(self, message: type) -> str:
+        """The frame dtype a Forward (or Backward) of this run carries."""
+        codec = self.activations if message is Forward else self.gradients
+        return self.dtype if codec == DENSE else codec
 
 
 # --- tensors as frames ----------------------------------------------------------------------------
@@ -93,14 +105,19 @@ def frame_to_tensor(frame: wire.TensorFrame, payload: bytes) -> torch.Tensor:
     return raw.view(dtype).reshape(frame.shape)
 
 
-def to_wire(tensor: torch.Tensor) -> tuple[str, tuple[int, ...], bytes]:
-    """(dtype, shape, bytes) of a tensor, as the activation protocol carries it."""
+def to_wire(tensor: torch.Tensor, encoding: str = DENSE) -> tuple[str, tuple[int, ...], bytes]:
+    """(dtype, shape, bytes) of a tensor, as the activation protocol carries it: dense, or quantized."""
+    if encoding != DENSE:
+        return encoding, tuple(tensor.shape), quant.encode(tensor, encoding)
     frame, payload = tensor_to_frame("", tensor)
     return frame.dtype, frame.shape, payload
 
 
-def from_wire(dtype: str, shape: tuple[int, ...], payload: bytes) -> torch.Tensor:
-    """The tensor a frame carries (RemoteProtocolError if it does not match its header)."""
+def from_wire(dtype: str, shape: tuple[int, ...], payload: bytes, as_dtype: str | None = None) -> torch.Tensor:
+    """The tensor a frame carries (RemoteProtocolError if it does not match its header); a quantized
+    one in ``as_dtype`` (the run's dtype), a dense one as it came."""
+    if dtype in wire.QUANTIZED_BITS:
+        return quant.decode(dtype, shape, payload).to(getattr(torch, as_dtype or "float32"))
     return frame_to_tensor(wire.TensorFrame("", dtype, shape), payload)
 
 
@@ -135,12 +152,12 @@ def max_payload(spec, dtype: str) -> int:
 
 
 def check_header(message: Forward | Backward, layout: Layout) -> None:
-    """RemoteProtocolError unless the frame's tensor is a [rows, seq, width] micro-batch in our dtype."""
-    shape = message.shape
-    if message.dtype != layout.dtype or len(shape) != 3 or shape[2] != layout.width \
+    """RemoteProtocolError unless the frame's tensor is a [rows, seq, width] micro-batch in our encoding."""
+    shape, encoding = message.shape, layout.encoding(type(message))
+    if message.dtype != encoding or len(shape) != 3 or shape[2] != layout.width \
             or not 0 < shape[0] <= MAX_ROWS or not 0 < shape[1] <= layout.context:
         raise RemoteProtocolError(f"{message.dtype} {shape} is not a [rows, seq, {layout.width}] "
-                                  f"{layout.dtype} micro-batch")
+                                  f"{encoding} micro-batch")
 
 
 def decode_work(kind: str, message: Forward | Backward, payload: bytes, layout: Layout) -> eng.Work:
@@ -148,10 +165,10 @@ def decode_work(kind: str, message: Forward | Backward, payload: bytes, layout: 
     key, shape = (message.session, message.micro_batch), message.shape
     tensor_bytes, target_bytes = message.split(payload)
     if kind == "backward":
-        return eng.Work("backward", key, from_wire(message.dtype, shape, tensor_bytes), None)
+        return eng.Work("backward", key, from_wire(message.dtype, shape, tensor_bytes, layout.dtype), None)
     assert isinstance(message, Forward)  # classify: a Backward is "backward", a Forward "forward" or "eval"
     targets = targets_from_bytes(target_bytes, shape[0], shape[1], layout.vocab) if target_bytes else None
-    tensor = from_wire(message.dtype, shape, tensor_bytes)
+    tensor = from_wire(message.dtype, shape, tensor_bytes, layout.dtype)
     if kind == "forward":
         return eng.Work("forward", key, tensor, targets, message.step)
     return eng.Work("eval", key, tensor, targets, message.step, message.rounds)
@@ -167,7 +184,7 @@ def encode_outputs(job: Job, out: eng.Output, layout: Layout, step: int,
     message: Forward | Backward
     if out.forward is not None:
         priority = Priority.TRAINING_FORWARD if work.kind == "forward" else Priority.INFERENCE
-        dtype, shape, data = to_wire(to_host(out.forward))
+        dtype, shape, data = to_wire(to_host(out.forward), layout.activations)
         targets = targets_to_bytes(work.targets, layout.vocab)
         header = {"session": work.key[0], "micro_batch": work.key[1], "stage": layout.stage + 1,
                   "priority": int(priority), "dtype": dtype, "shape": shape, "targets": len(targets), "run": layout.run}
@@ -178,7 +195,7 @@ def encode_outputs(job: Job, out: eng.Output, layout: Layout, step: int,
             message = Forward(**header, step=step)
         sends.append(Send(message, data + targets, work.key))
     if out.backward is not None:
-        dtype, shape, data = to_wire(to_host(out.backward))
+        dtype, shape, data = to_wire(to_host(out.backward), layout.gradients)
         message = Backward(session=work.key[0], micro_batch=work.key[1], stage=layout.stage - 1,
                            priority=int(Priority.TRAINING_BACKWARD), step=step, dtype=dtype, shape=shape,
                            targets=0, run=layout.run)

@@ -167,7 +167,10 @@ class SwarmCompleter:
             return reply, self._new_part(reply, payload, count, n)
 
     def _positions(self, stage: _Stage, chunk: bytes) -> int:
-        per = (8 if stage.dtype == IDS_DTYPE else wire.DTYPE_SIZES[stage.dtype]) * (stage.tail[0] if stage.tail else 1)
+        width = stage.tail[0] if stage.tail else 1
+        bits = wire.QUANTIZED_BITS.get(stage.dtype)
+        per = wire.quantized_row_bytes(bits, width) if bits else \
+            (8 if stage.dtype == IDS_DTYPE else wire.DTYPE_SIZES[stage.dtype]) * width
         return len(chunk) // per
 
     def _new_part(self, reply: InferOut, payload: bytes, count: int, n: int) -> bytes:

@@ -3,11 +3,11 @@
 Request and reply frames on a pooled stream (as the snapshot protocol):
 
 - ``infer.step`` (payload: the new positions' input: token ids as int64 ``[1, n]`` at stage 0,
-  hidden states ``[1, n, width]`` in the run's activation dtype otherwise): ``run``, ``model``,
+  hidden states ``[1, n, width]`` as the run's [wire] activations travel otherwise): ``run``, ``model``,
   ``stage``, ``session`` (16 random bytes), ``position`` (of the first new position), ``round``
   (the DiLoCo outer round whose agreed weights the client wants; ``NO_ROUND``: the replica's
   latest), ``dtype``, ``shape``;
-- reply ``infer.out`` (payload: the new positions' hidden states in the run's activation dtype,
+- reply ``infer.out`` (payload: the new positions' hidden states, as activations travel,
   or at the last stage the last position's logits ``[1, vocab]`` as float32): ``session``,
   ``position``, ``round`` (the round whose agreed weights the replica used, ``NO_ROUND``: its live
   weights, none agreed yet), ``dtype``, ``shape``; or ``wire.ErrorReply`` with a code:
@@ -137,7 +137,8 @@ class InferenceServer:
         from p2pswarm.model.transformer import kv_bytes  # lazy: torch, loaded on a node's first session
 
         self.service, self.spec, self.stage = service, service.spec, service.stage
-        self.wire_dtype = service.config.activation_dtype
+        self.wire_dtype = service.config.activation_dtype  # what hidden states decode to
+        self.encoding = service.config.activation_codec  # how they travel: dense (wire_dtype) or quantized
         itemsize = 2 if service.placement.autocast_dtype else 4  # the cache's dtype follows the forward's
         self.table = SessionTable(limits or Limits(kv_bytes(self.spec, self.stage, 1, itemsize)))
         self.steps = 0
@@ -196,7 +197,8 @@ class InferenceServer:
         if m.position + n > self.spec.context:
             return wire.ErrorReply("too-long", f"positions up to {m.position + n} pass the context of "
                                                f"{self.spec.context}")
-        want = (IDS_DTYPE, (1, n)) if self.stage == 0 else (self.wire_dtype, (1, n, self.spec.width))
+        hidden = self.wire_dtype if self.encoding == "dense" else self.encoding
+        want = (IDS_DTYPE, (1, n)) if self.stage == 0 else (hidden, (1, n, self.spec.width))
         if (m.dtype, m.shape) != want:
             return wire.ErrorReply("bad-input", f"stage {self.stage} takes {want[0]} {list(want[1])}, "
                                                 f"not {m.dtype} {list(m.shape)}")
@@ -216,7 +218,7 @@ class InferenceServer:
         if entry.round is not None and round_ != entry.round:
             raise RoundGone()
         cache = entry.cache if entry.cache is not None else KVCache()
-        x = engine._input(codec.from_wire(message.dtype, message.shape, payload))
+        x = engine._input(codec.from_wire(message.dtype, message.shape, payload, self.wire_dtype))
         if self.stage == 0 and (int(x.min()) < 0 or int(x.max()) >= self.spec.vocab):
             raise ValueError(f"a token id outside the vocabulary of {self.spec.vocab}")
         with torch.no_grad(), engine._autocast():
@@ -224,7 +226,7 @@ class InferenceServer:
                 functional_call(engine.module, weights, (x,), {"cache": cache})
         if self.service.is_last:
             return round_, cache, codec.to_wire(y.float().cpu())
-        return round_, cache, codec.to_wire(engine.host_out(y))
+        return round_, cache, codec.to_wire(engine.host_out(y), self.encoding)
 
     def _decode_agreed(self, entry, message: InferStep, payload: bytes):
         """Inference thread: one step on the agreed weights of the pinned (or wanted) round. Reads only
@@ -242,7 +244,7 @@ class InferenceServer:
         round_ = entry.round if entry.round is not None else message.round if message.round in held else max(held)
         weights = self._weights_of(engine, round_, held)
         cache = entry.cache if entry.cache is not None else KVCache()
-        x = codec.from_wire(message.dtype, message.shape, payload)
+        x = codec.from_wire(message.dtype, message.shape, payload, self.wire_dtype)
         if self.stage == 0 and (int(x.min()) < 0 or int(x.max()) >= self.spec.vocab):
             raise ValueError(f"a token id outside the vocabulary of {self.spec.vocab}")
         x = x.to(engine.device) if self.stage == 0 else x.to(engine.device, torch.float32)
@@ -250,7 +252,7 @@ class InferenceServer:
             y = functional_call(self._own_module(engine), weights, (x,), {"cache": cache})
         if self.service.is_last:
             return round_, cache, codec.to_wire(y.float().cpu())
-        return round_, cache, codec.to_wire(y.to("cpu", engine.wire_dtype))
+        return round_, cache, codec.to_wire(y.to("cpu", engine.wire_dtype), self.encoding)
 
     def _own_module(self, engine):
         """The stage's module for this thread alone (its own weights are never used: every call

@@ -91,7 +91,7 @@ class SwarmService:
         self.compute: ComputeThread | None = None  # the engine's one thread, while run() runs
         self.rng = rng or random.Random()
         self.is_first, self.is_last = stage == 0, stage == spec.last_stage
-        self.layout = codec.Layout.of(spec, stage, config.activation_dtype, self.run_id, me)
+        self.layout = codec.Layout.of(spec, stage, config, self.run_id, me)
         self.max_in_flight = tunables.in_flight_bound(spec.n_stages)  # stage 0's bound
         self.core = StageCore(is_first=self.is_first, is_last=self.is_last, max_in_flight=self.max_in_flight,
                               now=trio.current_time())

@@ -22,7 +22,16 @@ from typing import Any
 import cbor2
 
 from p2pswarm.errors import LocalProtocolError, RemoteProtocolError
-from p2pswarm.wire.messages import ErrorReply, Ping, Pong, TensorFrame, check_tensor
+from p2pswarm.wire.messages import (
+    QUANTIZED_BITS,
+    SCALE_BYTES,
+    ErrorReply,
+    Ping,
+    Pong,
+    TensorFrame,
+    check_tensor,
+    quantized_row_bytes,
+)
 from p2pswarm.wire.schema import (
     DTYPE_SIZES,
     INT_MAX,
@@ -44,9 +53,10 @@ from p2pswarm.wire.schema import (
 __all__ = [  # the wire's whole interface: every protocol uses these as ``wire.NAME``
     "COALESCE_BYTES", "DTYPE_SIZES", "HEADER_LENGTH_BYTES", "INT_MAX", "INT_MIN", "MAX_BYTES_FIELD",
     "MAX_CBOR_DEPTH", "MAX_HEADER_BYTES", "MAX_ITEMS", "MAX_PAYLOAD_BYTES", "MAX_STR_BYTES", "MAX_TENSOR_DIMS",
+    "QUANTIZED_BITS", "SCALE_BYTES",
     "ErrorReply", "Field", "Message", "Ping", "Pong", "TensorFrame", "check_outgoing", "check_tensor",
-    "decode_frame", "decode_header", "encode_frame", "fields_of", "message", "read_exactly", "read_frame",
-    "read_header", "read_rest_of_header", "registered_types", "write_frame",
+    "decode_frame", "decode_header", "encode_frame", "fields_of", "message", "quantized_row_bytes", "read_exactly",
+    "read_frame", "read_header", "read_rest_of_header", "registered_types", "write_frame",
 ]
 
 HEADER_LENGTH_BYTES = 4  # u32 length prefix: far more than MAX_HEADER_BYTES, fixed width

@@ -2,6 +2,10 @@
 
 A ``TensorFrame``'s dtype and shape are checked against its payload's size here, before any
 tensor is made; turning tensors into frames and back is ``swarm/codec.py``'s. Pure: no torch.
+
+Besides the plain dtypes (``DTYPE_SIZES``), a tensor may travel quantized (``QUANTIZED_BITS``,
+``swarm/quant.py``): each vector along its last dim as a float32 scale (``SCALE_BYTES``) and that
+many 8- or 4-bit integers (two 4-bit ones a byte, low nibble first, a vector's last byte padded).
 """
 
 from __future__ import annotations
@@ -11,6 +15,14 @@ from p2pswarm.wire.schema import DTYPE_SIZES, MAX_PAYLOAD_BYTES, MAX_TENSOR_DIMS
 
 # --- tensors --------------------------------------------------------------------------
 
+QUANTIZED_BITS = {"q8": 8, "q4": 4}  # quantized encodings: bits per element, a float32 scale per vector
+SCALE_BYTES = 4  # a float32 scale per vector of the last dim
+
+
+def quantized_row_bytes(bits: int, width: int) -> int:
+    """Bytes of one quantized vector of ``width`` elements: its scale and its packed integers."""
+    return SCALE_BYTES + (width * bits + 7) // 8
+
 
 def check_tensor(dtype: str, shape: tuple[int, ...], nbytes: int) -> None:
     """RemoteProtocolError unless ``nbytes`` is exactly a ``dtype`` tensor of ``shape``.
@@ -18,7 +30,8 @@ def check_tensor(dtype: str, shape: tuple[int, ...], nbytes: int) -> None:
     The shape's non-zero dims times the item size must stay within MAX_PAYLOAD_BYTES even when
     another dim is 0: torch computes strides from them, and an empty (0, 2**32, 2**32) overflows.
     """
-    itemsize = DTYPE_SIZES.get(dtype) if type(dtype) is str else None
+    bits = QUANTIZED_BITS.get(dtype) if type(dtype) is str else None
+    itemsize = DTYPE_SIZES.get(dtype, 1 if bits else None) if type(dtype) is str else None
     if itemsize is None:
         raise RemoteProtocolError(f"unsupported tensor dtype {dtype!r:.40}")
     if type(shape) is not tuple or len(shape) > MAX_TENSOR_DIMS:
@@ -31,6 +44,8 @@ def check_tensor(dtype: str, shape: tuple[int, ...], nbytes: int) -> None:
         if extent > MAX_PAYLOAD_BYTES:  # stop early: never multiply far past the limit
             raise RemoteProtocolError(f"{dtype} tensor of shape {shape} is too large (even if empty)")
     size = 0 if 0 in shape else extent
+    if bits and size:
+        size = extent // shape[-1] * quantized_row_bytes(bits, shape[-1]) if shape else nbytes + 1
     if size != nbytes:
         raise RemoteProtocolError(f"{dtype} tensor of shape {shape} is not {nbytes} bytes")
 
