@@ -179,3 +179,38 @@ def run_client_server(script: str, serve, client, report, *client_args) -> None:
     finally:
         stop_server(process)
     report(results, *client_args)
+
+
+def one_process(model: str):
+    """The demo's run (``tiny-lm``'s optimizer and micro-batches) on ``model`` in one process, as the
+    benchmarks' baselines train it: a namespace of ``spec``, ``config``, ``stages``, ``params``, ``opt``
+    (AdamW over the run's parameter groups), ``batches`` (the stdlib corpus, seed 1) and ``evaluate()``
+    (held-out bits/byte on the swarm's held-out set)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from p2pswarm.model.catalog import get_model
+    from p2pswarm.model.corpus import batches, heldout_batches, stdlib_corpus
+    from p2pswarm.model.transformer import build_model, run_stages
+    from p2pswarm.run.spec import load_run
+    from p2pswarm.run.training import train_config
+    from p2pswarm.swarm.engine import ids_tensor, param_groups
+    from p2pswarm.swarm.evaluation import EVAL_BATCHES, EVAL_ROWS
+
+    config = train_config(load_run("tiny-lm"))
+    spec = get_model(model)
+    stages = build_model(spec, 0)
+    groups = [g for m in stages for g in param_groups(m, config.weight_decay)]
+    corpus = stdlib_corpus()
+    held = [ids_tensor(b.rows) for b in heldout_batches(corpus, spec.context, EVAL_ROWS, EVAL_BATCHES * EVAL_ROWS)]
+
+    def evaluate() -> float:
+        with torch.no_grad():
+            nats = sum(torch.nn.functional.cross_entropy(run_stages(stages, h[:, :-1]).reshape(-1, spec.vocab),
+                                                         h[:, 1:].reshape(-1), reduction="sum").item() for h in held)
+        return nats / sum(h[:, 1:].numel() for h in held) / math.log(2)
+
+    return SimpleNamespace(spec=spec, config=config, stages=stages, params=[p for m in stages for p in m.parameters()],
+                           opt=torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps),
+                           batches=batches(corpus, 0, 1, spec.context, config.rows, seed=1), evaluate=evaluate)

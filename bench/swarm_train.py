@@ -29,7 +29,11 @@ relay. Each prints tokens/s against the unshaped arm of the same run and against
 limit (what the links alone could carry), ack latency, timeouts per 100 sends, duplicates, lost
 micro-batches and compute-busy per peer.
 
+``--boundary dense,q8,q4`` runs each link arm once per stage-boundary encoding (a run file's ``[wire]``,
+``swarm/quant.py``); the link-bound limit follows the encoding's bytes per token.
+
     python bench/swarm_train.py [--seconds 120] [--arms 1x2,2x1,2x2,3x1] [--links unshaped,home [--links-only]]
+        [--boundary dense,q8,q4]
 """
 
 from __future__ import annotations
@@ -37,7 +41,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import math
 import re
 import signal
 import subprocess
@@ -56,32 +59,15 @@ BASELINE_CAP = 3.0  # the baseline trains at most this many times --seconds to m
 def baseline(tokens_wanted: int, seconds_cap: float) -> tuple[float, list[tuple[int, float]]]:
     """One process until ``tokens_wanted`` (or ``seconds_cap``): tokens per compute second, held-out curve."""
     import torch
+    from common import one_process
 
-    from p2pswarm.model.catalog import get_model
-    from p2pswarm.model.corpus import batches, heldout_batches, stdlib_corpus
-    from p2pswarm.model.transformer import build_model, run_stages
-    from p2pswarm.run.spec import load_run
-    from p2pswarm.run.training import train_config
-    from p2pswarm.swarm.engine import ids_tensor, lr_at, param_groups
-    from p2pswarm.swarm.evaluation import EVAL_BATCHES, EVAL_ROWS
+    from p2pswarm.model.transformer import run_stages
+    from p2pswarm.swarm.engine import ids_tensor, lr_at
 
-    config = train_config(load_run("tiny-lm"))  # the demo's run: the same optimizer
-    spec = get_model("tiny-lm")
-    stages = build_model(spec, 0)
-    params = [p for m in stages for p in m.parameters()]
-    groups = [g for m in stages for g in param_groups(m, config.weight_decay)]
-    opt = torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps)
-    corpus = stdlib_corpus()
-    held = [ids_tensor(b.rows) for b in heldout_batches(corpus, spec.context, EVAL_ROWS, EVAL_BATCHES * EVAL_ROWS)]
-
-    def evaluate() -> float:
-        with torch.no_grad():
-            nats = sum(torch.nn.functional.cross_entropy(run_stages(stages, h[:, :-1]).reshape(-1, spec.vocab),
-                                                         h[:, 1:].reshape(-1), reduction="sum").item() for h in held)
-        return nats / sum(h[:, 1:].numel() for h in held) / math.log(2)
-
+    setup = one_process("tiny-lm")
+    config, stages, params, opt, evaluate = setup.config, setup.stages, setup.params, setup.opt, setup.evaluate
     curve, tokens, step, compute = [(0, evaluate())], 0, 0, 0.0
-    it = batches(corpus, 0, 1, spec.context, config.rows, seed=1)
+    it = setup.batches
     started = time.monotonic()
     while tokens < tokens_wanted and time.monotonic() - started < seconds_cap:
         t0 = time.monotonic()
@@ -169,24 +155,27 @@ def main_arms(seconds: float, arms: list[str], delay_arm: bool) -> None:
               f"{', '.join(f'{b:.3f}' for b in busy)} (mean {sum(busy) / max(1, len(busy)):.3f})", flush=True)
 
 
-def link_arms(names: list[str], seconds: float) -> None:
-    """One lab arm per name, one after the other (unshaped first, for the ratios); a line each."""
+def link_arms(names: list[str], seconds: float, boundaries: list[str]) -> None:
+    """One lab arm per name and boundary encoding, one after the other (unshaped first, for the ratios);
+    a line each. The ratio to unshaped is against the unshaped arm of the same encoding."""
     from p2pswarm.testing.linkswarm import run_link_arm, run_relayed_arm
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so a lab is torn down
-    unshaped = None
-    for name in sorted(names, key=lambda n: n != "unshaped"):
+    unshaped: dict[str, float] = {}
+    for boundary, name in itertools.product(boundaries, sorted(names, key=lambda n: n != "unshaped")):
+        if name == "relayed" and boundary != "dense":
+            continue
         with tempfile.TemporaryDirectory(prefix=f"swarm-train-{name}-") as workdir:
             began = time.monotonic()
             try:
                 result = (run_relayed_arm(seconds, Path(workdir)) if name == "relayed"
-                          else run_link_arm(name, seconds, Path(workdir)))
+                          else run_link_arm(name, seconds, Path(workdir), boundary))
             except Exception as exc:
-                print(f"link arm {name}: failed after {time.monotonic() - began:.0f} s: {exc}", flush=True)
+                print(f"link arm {name} ({boundary}): failed after {time.monotonic() - began:.0f} s: {exc}", flush=True)
                 continue
         if name == "unshaped":
-            unshaped = result["tokens_per_s"]
-        print(link_line(result, unshaped), flush=True)
+            unshaped[boundary] = result["tokens_per_s"]
+        print(link_line(result, unshaped.get(boundary)), flush=True)
 
 
 def _total(section: dict, word: str) -> float:
@@ -220,7 +209,9 @@ def link_line(result: dict, unshaped: float | None) -> str:
     started = "" if result["training_started"] else " (training never started)"
     if result["arm"] == "relayed" and not result.get("relay_reserved"):
         started += " (a peer never got a relay reservation)"
-    return (f"link {result['arm']} ({line}): {rate:.0f} tok/s ({ratio}), {limit}, {ack}, timeouts {timeouts} "
+    boundary = result.get("boundary", "dense")
+    return (f"link {result['arm']} ({line}, {boundary} boundary): {rate:.0f} tok/s ({ratio}), {limit}, {ack}, "
+            f"timeouts {timeouts} "
             f"per 100 sends ({sent:.0f} sent), duplicates {duplicates}, lost {_total(delivery, 'lost'):.0f}, "
             f"compute-busy since start {busy}; {result['tokens']} tokens in {result['seconds']:.0f} s after "
             f"{result['wait_s']:.0f} s of start-up, arm {result['total_s']:.0f} s{started}")
@@ -232,6 +223,9 @@ def main() -> int:
     parser.add_argument("--links", default="", metavar="NAMES",
                         help="comma list of link profiles (unshaped, dc100, home, weak) or relayed: one lab arm each")
     parser.add_argument("--links-only", action="store_true", help="run only the --links arms")
+    parser.add_argument("--boundary", default="dense", metavar="NAMES",
+                        help="comma list of stage-boundary encodings for the --links arms: dense, q8, q4 "
+                             "(run file [wire]; one lab arm per link and encoding)")
     parser.add_argument("--arms", default=",".join(ARMS), metavar="SxR,...",
                         help=f"ablation arms, stages x replicas (default {','.join(ARMS)})")
     parser.add_argument("--no-delay-arm", action="store_true", help="skip the 2x2 arm with 50 ms links")
@@ -256,8 +250,11 @@ def main() -> int:
         parser.error(f"--arms: each arm is STAGESxREPLICAS, e.g. 2x2, not {args.arms!r}")
     if not args.links_only:
         main_arms(args.seconds, arms, not args.no_delay_arm)
+    boundaries = [b.strip() for b in args.boundary.split(",") if b.strip()]
+    if any(b not in ("dense", "q8", "q4") for b in boundaries):
+        parser.error(f"--boundary: each is dense, q8 or q4, not {args.boundary!r}")
     if links:
-        link_arms(links, args.seconds)
+        link_arms(links, args.seconds, boundaries)
     return 0
 
 

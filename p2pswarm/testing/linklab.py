@@ -56,6 +56,8 @@ PROFILES = {p.name: p for p in (
     LinkProfile("dc100", 100, 100),  # a data-centre 100 Mbit/s port
     LinkProfile("home", 20, 100),  # a common home line: 20 up, 100 down
     LinkProfile("weak", 5, 25),  # a weak home line
+    LinkProfile("thin", 1, 5),  # a thin line (issue 26: the dense swarm trained nothing on it)
+    LinkProfile("gpu-ratio", 0.2, 1),  # the home line scaled by this CPU's ~100x slower compute than a GPU's
 )}
 
 

@@ -5,6 +5,9 @@
 and with the flags ``p2pswarm demo`` gives its joins. ``run_relayed_arm`` starts two peers, stage 0
 and stage 1, behind symmetric NATs (no hole punch can work), so every micro-batch crosses a relay.
 
+``boundary`` (``q8``, ``q4``) trains a run file of ``tiny-lm/2`` with the demo's DiLoCo values
+whose ``[wire]`` sends activations and gradients that way (``swarm/quant.py``) instead of dense.
+
 Both wait until training runs (stage-0 tokens move), train for ``seconds``, and read each peer's
 ``GET /api/swarm`` at the start and the end of that window. Counters of ``delivery`` and
 ``counts`` are read generically (every numeric key, so new ones appear without a change here) and
@@ -40,28 +43,41 @@ Doc = dict  # one peer's GET /api/swarm
 DocGetter = Callable[[str], Doc]  # peer name -> its /api/swarm JSON ({} when it does not answer)
 
 
-def join_args(spec: ModelSpec, stage: int, boot_addr: str, peers: int) -> list[str]:
-    """``p2pswarm join`` arguments as ``p2pswarm demo`` gives them (listen, API, data dir aside)."""
+def join_args(spec: ModelSpec, stage: int, boot_addr: str, peers: int, run: Path | None = None) -> list[str]:
+    """``p2pswarm join`` arguments as ``p2pswarm demo`` gives them (listen, API, data dir aside); with
+    ``run`` (a run file carrying the demo's DiLoCo values, ``boundary_run``) that run instead."""
     start, end = spec.stage_range(stage)
-    return ["join", "--bootstrap", boot_addr, "--model", spec.name, "--layers", f"{start}:{end}",
+    trained = ["--run", str(run)] if run is not None else [
+        "--model", spec.name, "--inner-steps", str(DEMO_INNER_STEPS), "--outer-momentum", str(DEMO_OUTER_MOMENTUM)]
+    return ["join", "--bootstrap", boot_addr, *trained, "--layers", f"{start}:{end}",
             "--threads", str(max(1, (os.cpu_count() or 1) // peers)),  # the demo's share of the cores
-            "--inner-steps", str(DEMO_INNER_STEPS), "--outer-momentum", str(DEMO_OUTER_MOMENTUM),
             "--gather", str(DEMO_GATHER_S), "--snapshot-period", str(DEMO_SNAPSHOT_PERIOD)]
 
 
-def boundary_bytes(spec: ModelSpec) -> tuple[int, int]:
+def boundary_run(workdir: Path, boundary: str) -> Path:
+    """A run file: the default run on MODEL with the demo's DiLoCo values, ``boundary`` both ways."""
+    path = workdir / f"tiny-lm-{boundary}.toml"
+    path.write_text(f'''name = "tiny-lm-{boundary}"\nmodel = "{MODEL}"\n[diloco]\ninner_steps = {DEMO_INNER_STEPS}
+momentum = {DEMO_OUTER_MOMENTUM}\n[wire]\nactivations = "{boundary}"\ngradients = "{boundary}"\n''')
+    return path
+
+
+def boundary_bytes(spec: ModelSpec, boundary: str = "dense") -> tuple[int, int]:
     """Payload bytes of one training micro-batch crossing a stage boundary: (forward, backward).
 
-    A forward carries float32 hidden states [rows, context, width] plus one target byte per token;
-    the gradient coming back is the same tensor without targets."""
+    A forward carries hidden states [rows, context, width] (float32, or quantized per token) plus one
+    target byte per token; the gradient coming back is the same tensor without targets."""
+    from p2pswarm import wire
     from p2pswarm.swarm.service import BATCH_ROWS  # imports torch: only when figures are computed
 
     tokens = BATCH_ROWS * spec.context
-    tensor = tokens * spec.width * FLOAT32_BYTES
+    bits = wire.QUANTIZED_BITS.get(boundary)
+    tensor = tokens * (wire.quantized_row_bytes(bits, spec.width) if bits else spec.width * FLOAT32_BYTES)
     return tensor + tokens, tensor
 
 
-def link_bound_tok_s(spec: ModelSpec, profile: LinkProfile, replicas: int = REPLICAS) -> float | None:
+def link_bound_tok_s(spec: ModelSpec, profile: LinkProfile, replicas: int = REPLICAS,
+                     boundary: str = "dense") -> float | None:
     """Tokens/s the links alone could carry for a two-stage swarm of REPLICAS peers per stage.
 
     A stage-0 peer sends forwards on its uplink and receives gradients on its downlink; a stage-1
@@ -69,7 +85,7 @@ def link_bound_tok_s(spec: ModelSpec, profile: LinkProfile, replicas: int = REPL
     the swarm's is the lower side. None when the profile is unshaped."""
     if profile.up_mbit is None and profile.down_mbit is None:
         return None
-    forward, backward = boundary_bytes(spec)
+    forward, backward = boundary_bytes(spec, boundary)
     tokens = forward - backward  # one target byte per token
 
     def rate(mbit: float | None, nbytes: int) -> float:
@@ -139,12 +155,13 @@ def measure(swarm: LabSwarm, stages: dict[str, int], get_doc: DocGetter, seconds
     return {**window(start, end, stages, t1 - t0), "training_started": started, "wait_s": round(t0 - began, 1)}
 
 
-def run_link_arm(profile: LinkProfile | str, seconds: float, workdir: Path) -> dict:
+def run_link_arm(profile: LinkProfile | str, seconds: float, workdir: Path, boundary: str = "dense") -> dict:
     """The demo's 2 x 2 swarm with every join on a PROFILE line; figures of SECONDS of training."""
     profile = PROFILES[profile] if isinstance(profile, str) else profile
     spec, began = get_model(MODEL), time.monotonic()
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
+    run = None if boundary == "dense" else boundary_run(workdir, boundary)
     peers = spec.n_stages * REPLICAS
     with LinkLab() as lab:
         swarm = LabSwarm(lab, workdir, proc_timeout=TRAIN_TIMEOUT + seconds + 120)
@@ -153,7 +170,7 @@ def run_link_arm(profile: LinkProfile | str, seconds: float, workdir: Path) -> d
             stages = {f"s{i % spec.n_stages}r{i // spec.n_stages}": i % spec.n_stages for i in range(peers)}
             for name, stage in stages.items():
                 host = lab.host(name, profile.up_mbit, profile.down_mbit)
-                swarm.start(name, host, join_args(spec, stage, boot.addr, peers))
+                swarm.start(name, host, join_args(spec, stage, boot.addr, peers, run))
             hosts = {name: swarm.nodes[name].host for name in stages}
 
             def get_doc(name: str) -> Doc:
@@ -162,8 +179,8 @@ def run_link_arm(profile: LinkProfile | str, seconds: float, workdir: Path) -> d
             result = measure(swarm, stages, get_doc, seconds)
         finally:
             stop_all([node.process for node in swarm.nodes.values()])
-    return {"arm": profile.name, "up_mbit": profile.up_mbit, "down_mbit": profile.down_mbit,
-            "link_bound_tok_s": link_bound_tok_s(spec, profile), **result,
+    return {"arm": profile.name, "up_mbit": profile.up_mbit, "down_mbit": profile.down_mbit, "boundary": boundary,
+            "link_bound_tok_s": link_bound_tok_s(spec, profile, boundary=boundary), **result,
             "total_s": round(time.monotonic() - began, 1)}
 
 
