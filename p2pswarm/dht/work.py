@@ -58,9 +58,7 @@ class WorkBook:
         held = self._scores.get(peer)
         before = held.now(now) if held is not None and held.stage == stage else 0.0
         self._scores[peer] = _Score(stage, before + weight, max(now, held.at if held else now))
-        if len(self._scores) > self._max:
-            others = (p for p in self._scores if p != peer)  # never the peer just seen
-            del self._scores[min(others, key=lambda p: (self._scores[p].now(now), p))]
+        self._bound(peer, now)
         return before < MIN_WORK
 
     def keep(self, peer: str, stage: int, now: float) -> None:
@@ -69,9 +67,13 @@ class WorkBook:
         held = self._scores.get(peer)
         if held is None or held.stage != stage or held.now(now) < 1.0:
             self._scores[peer] = _Score(stage, 1.0, now)
-            if len(self._scores) > self._max:
-                others = (p for p in self._scores if p != peer)
-                del self._scores[min(others, key=lambda p: (self._scores[p].now(now), p))]
+            self._bound(peer, now)
+
+    def _bound(self, peer: str, now: float) -> None:
+        """Past ``max_workers``, forget the peer with the least work left, never ``peer`` (just written)."""
+        if len(self._scores) > self._max:
+            others = (p for p in self._scores if p != peer)
+            del self._scores[min(others, key=lambda p: (self._scores[p].now(now), p))]
 
     def score(self, peer: str, now: float) -> float:
         held = self._scores.get(peer)
