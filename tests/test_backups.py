@@ -254,3 +254,18 @@ def test_a_digest_outvoted_for_its_round_strikes_its_announcer_and_a_tie_strikes
     ledger.observe([rec("b", 4, b"t"), rec("liar", 5, b"g")], 100.0)
     assert ledger.newest(1) == (4, b"t" * 32) and set(ledger.struck) == {"liar"}  # outvoted: its round 5 goes too
     assert not ledger.trusted(1, 5, b"g" * 32)
+
+
+def test_struck_replicas_are_remembered_up_to_a_bound():
+    """Identities are free: each liar struck is remembered, but no more than MAX_STRUCK of them."""
+    from p2pswarm.dht.records import Capacity, StageRecord
+    from p2pswarm.diloco.backups import MAX_STRUCK, AgreedLedger
+
+    ledger = AgreedLedger()
+    for batch in range(MAX_STRUCK // 60 + 2):  # 60 liars and 2 honest replicas at a time (64 tracked a stage)
+        peers = [("a", b"t"), ("b", b"t"), *((f"liar{batch}-{i}", bytes([i]) * 32) for i in range(60))]
+        ledger.observe([StageRecord(peer, (), "m", 1, 1, 2, Capacity(0, 0), 100.0 + batch, 60.0,
+                                    agreed=(batch, fill if len(fill) == 32 else fill * 32)) for peer, fill in peers],
+                       100.0 + batch)
+        assert ledger.newest(1) == (batch, b"t" * 32)
+    assert len(ledger.struck) == MAX_STRUCK and "a" not in ledger.struck and "b" not in ledger.struck

@@ -43,6 +43,7 @@ BACKUP_EVERY_ROUNDS = 1  # refresh at every outer round: a lost stage loses at m
 DEFAULT_BACKUP_BUDGET_MB = 2048  # disk for held backups: a couple of small-tier stages' start and momentum
 KEEP_ROUNDS = 8  # announcements remembered per replica: a backup up to 8 rounds old can still be checked
 MAX_TRACKED_REPLICAS = 64  # replicas remembered per stage (the oldest-seen forgotten first): bounds memory
+MAX_STRUCK = 1024  # struck replicas remembered (the first struck forgotten first): identities are free
 MIN_UNTRUSTED_HOLDERS = 2  # holders that must agree on a (round, digest) no replica announced to us
 BACKUP_VECTORS = 2  # fp32 vectors in a backup: start and momentum
 
@@ -112,6 +113,8 @@ class AgreedLedger:
             for peer, a in replicas.items():
                 if any(r == round_ and votes[d] < most for r, d in a.pairs):
                     self.struck[peer] = f"announced another digest for outer round {round_} than {most} replicas"
+                    while len(self.struck) > MAX_STRUCK:
+                        del self.struck[next(iter(self.struck))]
         pairs = {pair for peer, a in replicas.items() if peer not in self.struck for pair in a.pairs}
         if not pairs:
             return None
