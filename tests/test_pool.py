@@ -4,6 +4,7 @@ refusing frames a circuit could not carry)."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import random
 from contextlib import AsyncExitStack
@@ -24,6 +25,7 @@ from p2pswarm.net.connect import Connector, connections_to, has_direct, is_relay
 from p2pswarm.net.host import connect, open_host, peer_info_from_multiaddr, set_extra_addrs
 from p2pswarm.net.pool import CIRCUIT_LIMIT_ATTR, StreamPool
 from p2pswarm.net.streams import open_stream
+from tests.test_control import trickle
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -244,18 +246,10 @@ def test_a_header_trickled_a_byte_at_a_time_is_cut_at_the_header_deadline(monkey
         header = wire.encode_frame(chunk("slow", b"x" * 10), b"x" * 10)[:-10]
         raw = await open_stream(host, server.get_id(), BULK)
         await trio.sleep(1.5)  # idle, not cut
-        began = trio.current_time()
-        for byte in header[:-1]:
-            try:
-                await raw.write(bytes([byte]))
-            except Exception:
-                break  # reset under us
-            if trio.current_time() - began > 3.0:
-                break
-            await trio.sleep(0.1)
+        cut = await trickle(raw, header[:30], gap=0.1)  # 3 s of it, three header deadlines; never the whole header
         with trio.fail_after(5):
             assert await raw.read(100) == b""  # reset by the server
-        assert trio.current_time() - began < 0.1 * (len(header) - 1)  # cut before the trickle ended
+        assert cut  # cut before the trickle ended
         assert server_pool.stats.inbound_refused == 1
         await exchange(pool, server.get_id(), b"z" * 10)  # the node serves on
         assert [f[1:] for f in receiver.frames] == [("x", 10, True)]
@@ -280,8 +274,13 @@ def test_identities_idling_on_every_sender_slot_give_way_to_a_peer_that_worked_w
         assert server_pool.budget.stats()["evictions"] == 1
         assert str(idle_b.get_id()) in server_pool.budget.peers()  # the other keeps its slot
         assert [f[1:] for f in receiver.frames] == [("x", 10, True)]
+        for _ in range(3):  # the worker past its own stream limit: refused, and no idle peer pays for it
+            with contextlib.suppress(DialError):  # refused before its negotiation ended
+                await open_stream(worker, server.get_id(), BULK)
+        await wait_until(lambda: server_pool.budget.stats()["refused"].get("streams", 0) >= 1)
+        assert server_pool.budget.stats()["evictions"] == 1 and str(idle_b.get_id()) in server_pool.budget.peers()
 
-    with_pools(test, n_clients=4, budget=BudgetConfig(peer_bytes=1 * MIB, max_peers=2))
+    with_pools(test, n_clients=4, budget=BudgetConfig(peer_bytes=1 * MIB, max_peers=2, streams_per_peer=2))
 
 
 def test_oversized_garbage_and_failing_handlers_reset_only_their_stream():

@@ -124,7 +124,9 @@ class InboundServer:
         """Every slot is taken: a peer the pool prefers (``StreamPool.prefer``: it worked with us) takes the
         slot of the least recently active idle peer that is not preferred, whose streams end (budget
         module docstring). Whether ``peer`` now holds a slot."""
-        victim = self._budget.idle_victim(self._pool.prefer) if self._pool.prefer(peer) else None
+        if peer in self._budget.peers() or not self._pool.prefer(peer):  # at its own stream limit, or no worker
+            return False
+        victim = self._budget.idle_victim(self._pool.prefer)
         if victim is None:
             return False
         for scope in self._scopes.get(victim, ()):
