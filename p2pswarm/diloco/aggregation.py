@@ -49,6 +49,12 @@ MAX_NORM_RATIO = 4.0  # honest vectors lie within 3x (data skew, more steps); a 
 MAX_VAR_RATIO = 16.0  # MAX_NORM_RATIO squared: variance scales as the square of magnitude
 
 
+def judged(members: int) -> bool:
+    """Whether a round of ``members`` can tell a liar from an honest replica (``combine``): a round of 2
+    checks norms only, so noise of an honest norm passes there and proves no work (``DilocoService``)."""
+    return members >= MIN_VERIFIED
+
+
 def aggregate(contributions: list[torch.Tensor], method: str) -> torch.Tensor:
     """Combine equal-length 1-D float32 tensors with ``method``; a new tensor.
 

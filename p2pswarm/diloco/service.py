@@ -35,7 +35,7 @@ from p2pswarm.dht.work import CONTRIBUTION_WEIGHT
 from p2pswarm.diloco import checkpoint, contribution, offload, policy, snapshots, status
 from p2pswarm.diloco import messages as msgs
 from p2pswarm.diloco import round as rnd
-from p2pswarm.diloco.aggregation import MIN_VERIFIED
+from p2pswarm.diloco.aggregation import judged
 from p2pswarm.diloco.loading import StageLoader, outer_config
 from p2pswarm.diloco.outer import OuterOptimizer
 from p2pswarm.diloco.policy import STRIKES, Move, result_check  # noqa: F401 (STRIKES: bench/_diloco_sim.py)
@@ -299,8 +299,7 @@ class DilocoService:
         self.history.append(status.round_record(round_.round, outcome.group, times, sent, received, done,
                                                 step=swarm.engine.step, tokens=swarm.engine.tokens))
         self.counts["rounds"] += 1
-        judged = len(outcome.group) >= MIN_VERIFIED  # a round of 2 cannot tell noise of an honest norm from work
-        for peer in outcome.group if judged else ():  # a contribution taken into a judged round: work (dht.work)
+        for peer in outcome.group if judged(len(outcome.group)) else ():  # taken into a judged round: work
             if peer != self.me and not self.strikes.refused_in(peer, round_.round):
                 self._stage_map.saw(peer, self.stage, CONTRIBUTION_WEIGHT)
         log.info("outer round %d done: %d member(s), %.1f s, %.2f MB sent, %d shard(s) missing", round_.round,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from p2pswarm.diloco.aggregation import MIN_VERIFIED  # (torch: the service that reports rounds has it)
+from p2pswarm.diloco.aggregation import judged  # (torch: the service that reports rounds has it)
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ def round_record(round_: int, members, times: RoundTimes, sent: int, received: i
     t = times
     return {
         "round": round_, "members": list(members), "seconds": round(t.now - t.started, 2),
-        "judged": len(members) >= MIN_VERIFIED,  # False: a round of 2 checked norms only, not directions
+        "judged": judged(len(members)),  # False: a round of 2 checked norms only, not directions
         "bytes_sent": sent, "bytes_received": received,
         "missing_shards": done.missing, "refused_results": list(done.refused),
         "pseudo_gradient_norm": round(done.pseudo_norm, 4),
