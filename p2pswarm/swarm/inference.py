@@ -40,7 +40,7 @@ import trio
 from p2pswarm import wire
 from p2pswarm.dht.records import MAX_MODEL_CHARS, MAX_STAGES, RUN_BYTES
 from p2pswarm.errors import RemoteProtocolError
-from p2pswarm.swarm.activation import NO_ROUND, SESSION_BYTES
+from p2pswarm.swarm.activation import NO_ROUND, SESSION_BYTES, Forward
 from p2pswarm.swarm.compute_thread import ComputeThread
 from p2pswarm.swarm.sessions import Limits, SessionRefused, SessionTable
 
@@ -135,10 +135,13 @@ class InferenceServer:
 
     def __init__(self, service, limits: Limits | None = None) -> None:
         from p2pswarm.model.transformer import kv_bytes  # lazy: torch, loaded on a node's first session
+        from p2pswarm.swarm import codec  # lazy: torch
 
         self.service, self.spec, self.stage = service, service.spec, service.stage
-        self.wire_dtype = service.config.activation_dtype  # what hidden states decode to
-        self.encoding = service.config.activation_codec  # how they travel: dense (wire_dtype) or quantized
+        layout = codec.Layout.of(self.spec, self.stage, service.config, service.run_id, "")  # as training's frames
+        self.wire_dtype = layout.dtype  # what hidden states decode to
+        self.encoding = layout.activations  # how they travel: dense (wire_dtype) or quantized
+        self.hidden = layout.encoding(Forward)  # the dtype of a hidden-state frame
         itemsize = 2 if service.placement.autocast_dtype else 4  # the cache's dtype follows the forward's
         self.table = SessionTable(limits or Limits(kv_bytes(self.spec, self.stage, 1, itemsize)))
         self.steps = 0
@@ -197,8 +200,7 @@ class InferenceServer:
         if m.position + n > self.spec.context:
             return wire.ErrorReply("too-long", f"positions up to {m.position + n} pass the context of "
                                                f"{self.spec.context}")
-        hidden = self.wire_dtype if self.encoding == "dense" else self.encoding
-        want = (IDS_DTYPE, (1, n)) if self.stage == 0 else (hidden, (1, n, self.spec.width))
+        want = (IDS_DTYPE, (1, n)) if self.stage == 0 else (self.hidden, (1, n, self.spec.width))
         if (m.dtype, m.shape) != want:
             return wire.ErrorReply("bad-input", f"stage {self.stage} takes {want[0]} {list(want[1])}, "
                                                 f"not {m.dtype} {list(m.shape)}")
