@@ -102,6 +102,24 @@ def test_first_hand_workers_behind_one_address_all_count_attested_ones_a_few():
     assert counted[1] == {r.peer_id for r in seen} and len(counted[2]) == MAX_PER_IP
 
 
+def test_attested_peers_of_other_stages_behind_one_address_never_crowd_a_stage_out_of_the_count():
+    """One machine's swarm (loopback), after its middle stage died and a first-stage peer moved into it: the
+    first stage's last peer, known only through attestations, counts although attested peers of the last
+    stage and the dead ones' still-fresh records share its address. Counted across stages, it was crowded
+    out, its stage looked down, and a last-stage peer moved out of a served stage (the heal test, CI)."""
+    here = "/ip4/127.0.0.1/tcp/4001"
+    moved, first, last, dead = rec("moved", 1, here), rec("s0", 0, here), rec("s2", 2, here), \
+        [rec(f"dead{i}", 1, here) for i in range(2)]
+    remembered = {"s0": 0, "s2": 2, "dead0": 1, "dead1": 1}
+    counted = workers(by_stage([moved, first, last, *dead]), {"moved": 1}, me="me", roots=(),
+                      network=record_network, remembered=remembered)
+    assert "s0" in counted[0] and "s2" in counted[2]
+    told = [rec(f"told{s}{i}", s, here) for s in range(N_STAGES) for i in range(MAX_PER_IP + 2)]
+    attester = rec("a", 0, "/ip4/198.51.100.9/tcp/1", worked=[(r.peer_id, r.stage) for r in told][:MAX_ATTESTED])
+    per_stage = count([*told, attester], {"a": 0})
+    assert all(len(per_stage.get(s, set()) - {"a"}) <= MAX_PER_IP for s in range(N_STAGES))
+
+
 fake_ids = [f"fake{i:02d}" for i in range(64)]
 honest_ids = ["me", "h1", "h2", "h3", "h4", "h5"]
 

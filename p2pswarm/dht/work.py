@@ -12,8 +12,10 @@ rebalancing and DiLoCo's invitations count a peer only once it did verifiable wo
   signed with it. A reader takes a record's attestations only from a *trusted* author: itself, a
   root (the bootstrap peers its operator named), or a peer it already counts as working, up to
   MAX_TRUST_HOPS attestations away from what it saw itself. A peer counted only through
-  attestations counts a few per address (``ranking.spread``); one counted first-hand is never capped:
-  a CGNAT's honest peers that work are all counted.
+  attestations counts a few per address in each stage (``ranking.spread``); one counted first-hand is
+  never capped: a CGNAT's honest peers that work are all counted. The cap is per stage: honest peers
+  of other stages behind one address must not crowd a stage's last worker out of the count, and make
+  it look down (a peer would move out of a served stage).
 
 Identities that only store records, or only answer pings, are never counted, whatever they claim or
 attest of each other: no honest peer attests them. Pure: time is ``now``; no I/O, no clock.
@@ -89,6 +91,15 @@ class WorkBook:
         return tuple(best[:limit])
 
 
+def _per_stage(network: Callable[[StageRecord], tuple[str, str] | None]
+               ) -> Callable[[StageRecord], tuple[str, str] | None]:
+    """``network``'s groups, one set per stage: the per-address cap of attested peers counts in each stage."""
+    def grouped(record: StageRecord) -> tuple[str, str] | None:
+        group = network(record)
+        return None if group is None else (f"{record.stage}/{group[0]}", f"{record.stage}/{group[1]}")
+    return grouped
+
+
 def workers(records: Mapping[int, Sequence[StageRecord]], first_hand: Mapping[str, int], *, me: str,
             roots: Iterable[str], network: Callable[[StageRecord], tuple[str, str] | None],
             remembered: Mapping[str, int] | None = None) -> dict[int, set[str]]:
@@ -97,13 +108,14 @@ def workers(records: Mapping[int, Sequence[StageRecord]], first_hand: Mapping[st
     ``remembered`` ones (attested a little while ago: ``WorkBook.keep``; they attest nobody). A peer
     counts once, in the stage of its newest record, whichever stage its work was for: a worker that
     moved is one (its replicas-to-be count it at once, so that two peers do not move into one dead
-    stage). ``network`` groups records for the per-address cap of attested peers."""
+    stage). ``network`` groups records for the per-address cap of attested peers, in each stage."""
     newest = newest_per_peer(r for stage_records in records.values() for r in stage_records)
     working = {peer: newest[peer].stage for peer in first_hand if peer in newest}  # a worker that moved stays one
     if me in newest:
         working[me] = newest[me].stage
     frontier = set(working) | set(roots) | {me}  # the authors we take attestations from, hop by hop
     kept = sorted((newest[p] for p in (remembered or {}) if p not in working and p in newest), key=lambda r: r.peer_id)
+    network = _per_stage(network)
     counted = [r for r, crowded in zip(kept, spread(kept, network)) if not crowded]  # attested ones that count
     for _ in range(MAX_TRUST_HOPS):
         known = set(working) | {r.peer_id for r in counted}
