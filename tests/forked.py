@@ -17,7 +17,6 @@ bounds a started one).
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import math
 import multiprocessing
@@ -32,6 +31,7 @@ from pathlib import Path
 from p2pswarm import allocator
 from p2pswarm.allocator import command_of
 from p2pswarm.testing.natlab import p2pswarm_argv
+from p2pswarm.testing.netns import enter_namespace
 
 PRELOAD = ["torch", "p2pswarm.cli", "p2pswarm.node.running", "p2pswarm.swarm.service", "p2pswarm.diloco.service",
            "p2pswarm.diloco.backup_service", "p2pswarm.diloco.loading",  # what a training join imports
@@ -41,8 +41,6 @@ FORKED_COMMANDS = {"join"}  # a bootstrap or relay never imports torch: forked w
 #                             torch's objects too (the churn test's bootstrap took 99 s instead of 75)
 LINE_DEADLINE = 120.0  # seconds readline waits for a node's first line (its address): a guard only
 POLL_S = 0.05
-NETNS_DIR = "/var/run/netns"  # where ``ip netns add`` binds a namespace
-CLONE_NEWNET = 0x40000000  # <sched.h>: setns's network namespace type
 
 
 @functools.cache
@@ -62,22 +60,12 @@ def _context() -> multiprocessing.context.ForkServerContext:
     return context
 
 
-def _enter_namespace(name: str) -> None:
-    """This process (single-threaded: just forked) into the network namespace ``ip netns`` calls ``name``."""
-    fd = os.open(os.path.join(NETNS_DIR, name), os.O_RDONLY)
-    try:
-        if ctypes.CDLL(None, use_errno=True).setns(fd, CLONE_NEWNET) != 0:
-            raise OSError(ctypes.get_errno(), f"setns into network namespace {name}")
-    finally:
-        os.close(fd)
-
-
 def _node_main(argv: list[str], out_path: str, err_path: str, namespace: str | None = None,
                life_s: float | None = None) -> None:
     """In the forked child: into ``namespace`` and bounded to ``life_s`` seconds (SIGALRM ends it) if given;
     standard streams as a started process has them; then the node's command."""
     if namespace is not None:
-        _enter_namespace(namespace)
+        enter_namespace(namespace)
     if life_s is not None:
         signal.alarm(max(1, math.ceil(life_s)))
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)

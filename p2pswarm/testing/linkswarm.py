@@ -169,7 +169,7 @@ def run_link_arm(profile: LinkProfile | str, seconds: float, workdir: Path, boun
             boot = swarm.start_public("boot", lab.host("boot"), ["bootstrap"])
             stages = {f"s{i % spec.n_stages}r{i // spec.n_stages}": i % spec.n_stages for i in range(peers)}
             for name, stage in stages.items():
-                host = lab.host(name, profile.up_mbit, profile.down_mbit)
+                host = lab.profile_host(name, profile)
                 swarm.start(name, host, join_args(spec, stage, boot.addr, peers, run))
             hosts = {name: swarm.nodes[name].host for name in stages}
 
