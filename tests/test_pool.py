@@ -13,6 +13,7 @@ import pytest
 import trio
 import trio.testing
 
+import p2pswarm.net.budget as budget_module
 import p2pswarm.net.pool as pool_module
 import p2pswarm.net.pool_inbound as pool_inbound
 from p2pswarm import wire
@@ -253,6 +254,44 @@ def test_a_header_trickled_a_byte_at_a_time_is_cut_at_the_header_deadline(monkey
         assert server_pool.stats.inbound_refused == 1
         await exchange(pool, server.get_id(), b"z" * 10)  # the node serves on
         assert [f[1:] for f in receiver.frames] == [("x", 10, True)]
+
+    with_pools(test)
+
+
+def test_a_payload_arriving_slowly_but_steadily_is_taken_a_stalled_or_trickled_one_is_cut(monkeypatch):
+    """A thin line's frame (0.2 Mbit/s) took longer than a 1 MiB/s deadline and was cut: nothing trained. A
+    payload now arrives while its bytes keep moving (no stall of FRAME_DEADLINE_BASE) within the time at the
+    slowest frame rate; a stalled one, and a byte-at-a-time trickle, are still cut. Scaled down 10x here."""
+    monkeypatch.setattr(pool_inbound, "FRAME_DEADLINE_BASE", 0.5)
+    monkeypatch.setattr(budget_module, "FRAME_DEADLINE_BASE", 0.5)
+    monkeypatch.setattr(budget_module, "SLOWEST_FRAME_RATE", 100)  # B/s: 60 bytes within 1.1 s
+
+    async def header(host, server, payload: bytes):
+        """A stream with a frame's header written whole, its payload still to come."""
+        frame = wire.encode_frame(chunk("paced", payload), payload)
+        raw = await open_stream(host, server.get_id(), BULK)
+        await raw.write(frame[:len(frame) - len(payload)])
+        return raw
+
+    async def send_paced(host, server, payload: bytes, pieces: list[tuple[int, float]]) -> bool:
+        """The payload in (bytes, pause before them) pieces; whether the server reset the stream (its
+        read returns EOF) rather than reply."""
+        raw, at = await header(host, server, payload), 0
+        for size, pause in pieces:
+            await trio.sleep(pause)
+            with contextlib.suppress(Exception):
+                await raw.write(payload[at:at + size])
+            at += size
+        with trio.fail_after(3):
+            return await raw.read(100) == b""
+
+    async def test(server, server_pool, receiver, clients):
+        host, _ = clients[0]
+        assert not await send_paced(host, server, b"s" * 60, [(10, 0.15)] * 6)  # 0.9 s, steady: taken
+        assert await send_paced(host, server, b"t" * 60, [(30, 0.0), (30, 1.0)])  # a 1 s stall: cut
+        assert await trickle(await header(host, server, b"u" * 200), b"u" * 200, gap=0.05)  # 20 B/s: cut at 2.5 s
+        assert [f[1:] for f in receiver.frames] == [("paced", 60, True)]
+        assert server_pool.stats.inbound_refused == 2
 
     with_pools(test)
 

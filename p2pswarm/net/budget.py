@@ -61,9 +61,20 @@ MIN_TRANSFER_RATE = 1 * MIB  # B/s: a third of the slowest relayed path measured
 FRAME_DEADLINE_BASE = 5.0  # s: a live stream moves within this; Yamux itself gives up after 5 s of zero window
 
 
+# B/s: one frame's share of the thinnest line a swarm trains on (0.2 Mbit/s, the lab's gpu-ratio uplink,
+# shared by a few frames and the control plane). An arriving frame slower than this is a trickle, not a line.
+SLOWEST_FRAME_RATE = 4 * 1024
+
+
 def frame_deadline(nbytes: int) -> float:
     """Seconds a frame of ``nbytes`` may take to write or arrive before its stream counts as dead."""
     return FRAME_DEADLINE_BASE + nbytes / MIN_TRANSFER_RATE
+
+
+def arrival_deadline(nbytes: int) -> float:
+    """Seconds an arriving frame's payload of ``nbytes`` may take in all while its bytes keep moving (none
+    may stall for FRAME_DEADLINE_BASE): a thin line's frame arrives slowly but steadily; a trickle ends."""
+    return FRAME_DEADLINE_BASE + nbytes / SLOWEST_FRAME_RATE
 
 
 class Verdict(enum.Enum):

@@ -12,7 +12,9 @@ the frames read but not yet handled. What bounds that channel is the byte budget
    Waiting for a frame is idle time (the protocol's idle deadline, ``net.limits``), but once its
    first bytes came the rest of the header must come within ``HEADER_DEADLINE``: a byte now and
    then keeps no stream, and its sender slot, for good;
-3. it reads the payload within ``frame_deadline(n)`` (a stalled sender is reset);
+3. it reads the payload while its bytes keep moving (none for ``budget.FRAME_DEADLINE_BASE``: a stall)
+   and within ``arrival_deadline(n)`` in all, the time at a thin line's slowest frame rate: a
+   frame on a 0.2 Mbit/s line arrives; a stalled or trickling sender is reset;
 4. the handler task calls ``handler(peer, message, payload)`` frames in order, releases the
    reservation when the handler returns, and writes the handler's reply (if any) whole on the
    same stream. A handler that raises, or a reply that cannot be written, resets the stream.
@@ -35,7 +37,7 @@ import trio
 
 from p2pswarm import wire
 from p2pswarm.errors import DialError, LocalProtocolError, ProtocolError, RemoteProtocolError
-from p2pswarm.net.budget import InboundBudget, Ticket, Verdict, frame_deadline
+from p2pswarm.net.budget import FRAME_DEADLINE_BASE, InboundBudget, Ticket, Verdict, arrival_deadline, frame_deadline
 from p2pswarm.net.streams import ByteStream
 
 log = logging.getLogger(__name__)
@@ -61,6 +63,25 @@ class InboundPool(Protocol):
     def adopt(self, raw: Any) -> ByteStream: ...
 
     async def send_frame(self, stream: Any, message: wire.Message, payload: bytes = b"") -> None: ...
+
+
+async def read_moving(stream: ByteStream, n: int) -> bytes:
+    """Exactly ``n`` bytes while they keep moving (step 3 of the module docstring): trio.TooSlowError when
+    a read stalls or the whole overruns its deadline, RemoteProtocolError when the stream ends first."""
+    chunks, got = [], 0
+    with trio.move_on_after(arrival_deadline(n)) as whole:
+        while got < n:
+            with trio.move_on_after(FRAME_DEADLINE_BASE) as step:
+                chunk = await stream.read(n - got)
+            if step.cancelled_caught:
+                raise trio.TooSlowError(f"a payload stalled {FRAME_DEADLINE_BASE:g} s at {got} of {n} bytes")
+            if not chunk:  # a reset peer looks like a clean EOF, so EOF here is an error
+                raise RemoteProtocolError(f"stream ended after {got} of {n} bytes")
+            chunks.append(chunk)
+            got += len(chunk)
+    if whole.cancelled_caught:
+        raise trio.TooSlowError(f"a frame's payload took over {arrival_deadline(n):.0f} s: {got} of {n} bytes came")
+    return b"".join(chunks)
 
 
 class _Refused(Exception):
@@ -150,8 +171,7 @@ class InboundServer:
                 message, n, header_bytes = await wire.read_rest_of_header(stream, first, max_payload=max_payload)
             ticket = await self._reserve(peer, header_bytes + n)
             try:
-                with trio.fail_after(frame_deadline(n)):
-                    payload = await wire.read_exactly(stream, n)
+                payload = await read_moving(stream, n)
                 send.send_nowait((message, payload, ticket))
             except BaseException:
                 self._release(ticket)
