@@ -28,15 +28,22 @@ settings.register_profile("ci", derandomize=True, database=None, print_blob=True
 settings.load_profile(os.environ.get(PROFILE_VARIABLE) or DEFAULT_PROFILE)
 
 
-PROCESS_GROUP = "processes"  # pytest-xdist group: the tests that start processes or build namespaces
+PROCESS_GROUP = "processes"  # pytest-xdist group: the tests that start swarms that train
+LAB_GROUP = "labs"  # the namespace labs that start nodes but train nothing
+TRAINING_LABS = ("test_shaped_training.py",)  # lab tests that train a swarm: with the processes
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which turns the group marks into scopes
 def pytest_collection_modifyitems(config, items):
-    """Tests that start node processes (``integration``) or build network namespaces (``tests/natlab``) run
-    one after another on one xdist worker (``--dist loadgroup``): each already uses both cores, and the labs
-    share namespace and nftables names. The pure tests spread over the other worker meanwhile; the suite
-    holds under that load (docs/benchmarks.md: the suite under ``stress-ng --cpu 1``)."""
-    for item in items:
-        if item.get_closest_marker("integration") or "natlab" in item.path.parts:
+    """Tests that start node processes (``integration``) run one after another on one xdist worker
+    (``--dist loadgroup``): each swarm that trains already uses both cores. The namespace labs
+    (``tests/natlab``) that train nothing run one after another on the other worker meanwhile, then
+    the pure tests beside the swarms (each lab's namespaces are named by its pid, so labs on two
+    workers never share a name). The swarms hold under that load (docs/benchmarks.md: the suite
+    under ``stress-ng --cpu 1``)."""
+    for item in items:  # (tests/natlab/conftest.py marks its tests ``integration`` only after this hook)
+        lab = "natlab" in item.path.parts
+        if lab and item.path.name not in TRAINING_LABS:
+            item.add_marker(pytest.mark.xdist_group(LAB_GROUP))
+        elif lab or item.get_closest_marker("integration"):
             item.add_marker(pytest.mark.xdist_group(PROCESS_GROUP))
