@@ -91,17 +91,19 @@ class StageLoader:
         (``policy.load_sources``); where it came from (None: our initial weights are kept)."""
         with trio.move_on_after(CATCH_UP_WAIT):
             await self._stage_map.refresh_stages([self.stage])
-        neighbours = neighbours_by_round(self._stage_map.stages.get(self.stage, []), self.me,
-                                         self._stage_map.workers().get(self.stage, ()))
+        records = [r for r in self._stage_map.stages.get(self.stage, []) if r.peer_id != self.me]
+        neighbours = neighbours_by_round(records, self.me, self._stage_map.workers().get(self.stage, ()))
+        fresh = bool(records) and max(r.capacity.outer_round for r in records) == 0
         for source in load_sources(neighbours=bool(neighbours), backups=self._backups is not None,
-                                   disk=self.store is not None):
+                                   disk=self.store is not None, fresh=fresh):
             if source is Source.NEIGHBOUR:
                 loaded = await self.catch_up(neighbours)
             else:
                 loaded = await (self._load_from_backup() if source is Source.BACKUP else self._load_from_disk())
             if loaded is not None:
                 return loaded
-        log.info("stage %d starts from its initial weights (no replica, backup or snapshot to load)", self.stage)
+        log.info("stage %d starts from its initial weights (%s)", self.stage,
+                 "its replicas are at outer round 0" if fresh else "no replica, backup or snapshot to load")
         await self.refresh_agreed()
         return None
 

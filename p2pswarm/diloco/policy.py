@@ -74,11 +74,17 @@ class Source(enum.Enum):
     DISK = "disk"  # nobody has it: our own newest snapshot file
 
 
-def load_sources(*, neighbours: bool, backups: bool, disk: bool) -> tuple[Source, ...]:
+def load_sources(*, neighbours: bool, backups: bool, disk: bool, fresh: bool = False) -> tuple[Source, ...]:
     """The sources a starting peer tries, in order, until one loads: a neighbour first (the stage's
     live state), then a backup (newer than our file if the stage trained on without us), then our
-    own file. None of them: we keep our initial weights (the first replica of a stage)."""
-    present = {Source.NEIGHBOUR: neighbours, Source.BACKUP: backups, Source.DISK: disk}
+    own file. None of them: we keep our initial weights (the first replica of a stage).
+
+    ``fresh``: every neighbour announces outer round 0, so the stage's agreed weights are still the
+    initial ones, which every peer makes alike from the run's seed (``model.transformer.part_seed``):
+    loading them would only move megabytes over a starting swarm's lines (minutes on a thin one).
+    Only our own file may hold more. A neighbour that lied about its round is met at its first
+    outer round and caught up with then (``should_catch_up``)."""
+    present = {Source.NEIGHBOUR: neighbours and not fresh, Source.BACKUP: backups and not fresh, Source.DISK: disk}
     return tuple(source for source in Source if present[source])
 
 
