@@ -181,11 +181,12 @@ def run_client_server(script: str, serve, client, report, *client_args) -> None:
     report(results, *client_args)
 
 
-def one_process(model: str):
+def one_process(model: str, eval_batches: int | None = None):
     """The demo's run (``tiny-lm``'s optimizer and micro-batches) on ``model`` in one process, as the
     benchmarks' baselines train it: a namespace of ``spec``, ``config``, ``stages``, ``params``, ``opt``
     (AdamW over the run's parameter groups), ``batches`` (the stdlib corpus, seed 1) and ``evaluate()``
-    (held-out bits/byte on the swarm's held-out set)."""
+    (held-out bits/byte on the swarm's held-out set: its first ``eval_batches`` micro-batches, default
+    the run's)."""
     from types import SimpleNamespace
 
     import torch
@@ -203,7 +204,8 @@ def one_process(model: str):
     stages = build_model(spec, 0)
     groups = [g for m in stages for g in param_groups(m, config.weight_decay)]
     corpus = stdlib_corpus()
-    held = [ids_tensor(b.rows) for b in heldout_batches(corpus, spec.context, EVAL_ROWS, EVAL_BATCHES * EVAL_ROWS)]
+    rows = (eval_batches or EVAL_BATCHES) * EVAL_ROWS
+    held = [ids_tensor(b.rows) for b in heldout_batches(corpus, spec.context, EVAL_ROWS, rows)]
 
     def evaluate() -> float:
         with torch.no_grad():

@@ -9,17 +9,19 @@ and stage 1, behind symmetric NATs (no hole punch can work), so every micro-batc
 whose ``[wire]`` sends activations and gradients that way (``swarm/quant.py``) instead of dense.
 
 Both wait until training runs (stage-0 tokens move), train for ``seconds``, and read each peer's
-``GET /api/swarm`` at the start and the end of that window. Counters of ``delivery`` and
-``counts`` are read generically (every numeric key, so new ones appear without a change here) and
-summed per stage over the window; keys with ``_ms`` in their name are latencies, reported at the
-window's end as the worst (max) of the stage's peers. Every process is stopped by pid at the end.
+``GET /api/swarm`` at the start and the end of that window (the last stage's training loss too).
+Counters of ``delivery`` and ``counts`` are read generically (every numeric key, so new ones appear
+without a change here) and summed per stage over the window; keys with ``_ms`` in their name are
+latencies, reported at the window's end as the worst (max) of the stage's peers. Every process is
+stopped by pid at the end.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -54,11 +56,13 @@ def join_args(spec: ModelSpec, stage: int, boot_addr: str, peers: int, run: Path
             "--gather", str(DEMO_GATHER_S), "--snapshot-period", str(DEMO_SNAPSHOT_PERIOD)]
 
 
-def boundary_run(workdir: Path, boundary: str) -> Path:
-    """A run file: the default run on MODEL with the demo's DiLoCo values, ``boundary`` both ways."""
+def boundary_run(workdir: Path, boundary: str, eval_batches: int | None = None) -> Path:
+    """A run file: the default run on MODEL with the demo's DiLoCo values, ``boundary`` both ways (and
+    ``eval_batches`` held-out micro-batches a round, where given)."""
     path = workdir / f"tiny-lm-{boundary}.toml"
+    batch = "" if eval_batches is None else f"[batch]\neval_batches = {eval_batches}\n"
     path.write_text(f'''name = "tiny-lm-{boundary}"\nmodel = "{MODEL}"\n[diloco]\ninner_steps = {DEMO_INNER_STEPS}
-momentum = {DEMO_OUTER_MOMENTUM}\n[wire]\nactivations = "{boundary}"\ngradients = "{boundary}"\n''')
+momentum = {DEMO_OUTER_MOMENTUM}\n{batch}[wire]\nactivations = "{boundary}"\ngradients = "{boundary}"\n''')
     return path
 
 
@@ -120,10 +124,17 @@ def window(start: dict[str, Doc], end: dict[str, Doc], stages: dict[str, int], s
             for stage, sums in after.items()}
     figures["totals"] = {section: stage_sums(end, stages, section) for section in COUNTER_SECTIONS}  # since start
     figures["busy"] = {n: (d.get("engine") or {}).get("busy_fraction") for n, d in end.items()}  # since start
+    figures["train_loss_bpb"] = {"start": mean_loss(start), "end": mean_loss(end)}
     return figures
 
 
-def _check_alive(swarm: LabSwarm) -> None:
+def mean_loss(docs: dict[str, Doc]) -> float | None:
+    """The last stage's training loss (bits/byte, an EMA) averaged over the peers that report one."""
+    losses = [d["train_loss_bpb"] for d in docs.values() if d.get("train_loss_bpb") is not None]
+    return sum(losses) / len(losses) if losses else None
+
+
+def check_alive(swarm: LabSwarm) -> None:
     for name, node in swarm.nodes.items():
         if node.process.poll() is not None:
             raise RuntimeError(f"{name} exited with code {node.process.returncode}: {swarm.log_tail(name, 800)}")
@@ -142,45 +153,56 @@ def measure(swarm: LabSwarm, stages: dict[str, int], get_doc: DocGetter, seconds
     began = time.monotonic()
     first = [name for name, stage in stages.items() if stage == 0]
     while True:
-        _check_alive(swarm)
+        check_alive(swarm)
         t0, start = snapshot(stages, get_doc)
         started = len(start) == len(stages) and sum(start[n].get("tokens", 0) for n in first) > 0
         if started or t0 - began > TRAIN_TIMEOUT:  # never started: the window still runs and reports zeros
             break
         time.sleep(POLL)
     while time.monotonic() - t0 < seconds:
-        _check_alive(swarm)
+        check_alive(swarm)
         time.sleep(min(POLL, max(0.0, seconds - (time.monotonic() - t0))))
     t1, end = snapshot(stages, get_doc)
     return {**window(start, end, stages, t1 - t0), "training_started": started, "wait_s": round(t0 - began, 1)}
 
 
-def run_link_arm(profile: LinkProfile | str, seconds: float, workdir: Path, boundary: str = "dense") -> dict:
-    """The demo's 2 x 2 swarm with every join on a PROFILE line; figures of SECONDS of training."""
+@contextlib.contextmanager
+def link_swarm(profile: LinkProfile | str, workdir: Path, boundary: str = "dense", *, lifetime: float,
+               eval_batches: int | None = None) -> Iterator[tuple[LabSwarm, dict[str, int], DocGetter]]:
+    """The demo's 2 x 2 swarm with every join on a PROFILE line, alive for at most ``lifetime`` seconds:
+    (the lab swarm, each peer's stage, a getter of a peer's /api/swarm). Every process is stopped and
+    the lab torn down on exit."""
     profile = PROFILES[profile] if isinstance(profile, str) else profile
-    spec, began = get_model(MODEL), time.monotonic()
-    workdir = Path(workdir)
+    spec = get_model(MODEL)
     workdir.mkdir(parents=True, exist_ok=True)
-    run = None if boundary == "dense" else boundary_run(workdir, boundary)
+    run = None if boundary == "dense" and eval_batches is None else boundary_run(workdir, boundary, eval_batches)
     peers = spec.n_stages * REPLICAS
     with LinkLab() as lab:
-        swarm = LabSwarm(lab, workdir, proc_timeout=TRAIN_TIMEOUT + seconds + 120)
+        swarm = LabSwarm(lab, workdir, proc_timeout=lifetime)
         try:
             boot = swarm.start_public("boot", lab.host("boot"), ["bootstrap"])
             stages = {f"s{i % spec.n_stages}r{i // spec.n_stages}": i % spec.n_stages for i in range(peers)}
             for name, stage in stages.items():
-                host = lab.profile_host(name, profile)
-                swarm.start(name, host, join_args(spec, stage, boot.addr, peers, run))
+                swarm.start(name, lab.profile_host(name, profile), join_args(spec, stage, boot.addr, peers, run))
             hosts = {name: swarm.nodes[name].host for name in stages}
 
             def get_doc(name: str) -> Doc:
                 return lab.get(hosts[name], API, "/api/swarm", timeout=API_TIMEOUT) or {}
 
-            result = measure(swarm, stages, get_doc, seconds)
+            yield swarm, stages, get_doc
         finally:
             stop_all([node.process for node in swarm.nodes.values()])
-    return {"arm": profile.name, "up_mbit": profile.up_mbit, "down_mbit": profile.down_mbit, "boundary": boundary,
-            "link_bound_tok_s": link_bound_tok_s(spec, profile, boundary=boundary), **result,
+
+
+def run_link_arm(profile: LinkProfile | str, seconds: float, workdir: Path, boundary: str = "dense") -> dict:
+    """The demo's 2 x 2 swarm with every join on a PROFILE line; figures of SECONDS of training."""
+    profile = PROFILES[profile] if isinstance(profile, str) else profile
+    began = time.monotonic()
+    with link_swarm(profile, Path(workdir), boundary, lifetime=TRAIN_TIMEOUT + seconds + 120) as (swarm, stages, get):
+        result = measure(swarm, stages, get, seconds)
+    return {"arm": profile.name, "up_mbit": profile.up_mbit, "down_mbit": profile.down_mbit,
+            "delay_ms": profile.delay_ms, "boundary": boundary,
+            "link_bound_tok_s": link_bound_tok_s(get_model(MODEL), profile, boundary=boundary), **result,
             "total_s": round(time.monotonic() - began, 1)}
 
 
