@@ -334,7 +334,7 @@ def test_status_shows_each_stages_health_its_backups_and_what_blocks_training():
         async def current(self, wait=0.0):
             return {}
 
-        def counts(self):
+        def counts(self, claimed=False):
             return {0: 2, 1: 1, 2: 0}
 
     async def docs() -> tuple[dict, dict]:

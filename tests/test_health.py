@@ -199,7 +199,7 @@ def test_stage_0s_service_stops_feeding_while_blocked_and_shows_why():
         async def current(self, wait=0.0):
             return {}
 
-        def counts(self):
+        def counts(self, claimed=False):
             return {0: 1, 1: 0}
 
     async def main():

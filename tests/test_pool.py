@@ -260,9 +260,9 @@ def test_a_header_trickled_a_byte_at_a_time_is_cut_at_the_header_deadline(monkey
 
 def test_a_payload_arriving_slowly_but_steadily_is_taken_a_stalled_or_trickled_one_is_cut(monkeypatch):
     """A thin line's frame (0.2 Mbit/s) took longer than a 1 MiB/s deadline and was cut: nothing trained. A
-    payload now arrives while its bytes keep moving (no stall of FRAME_DEADLINE_BASE) within the time at the
+    payload now arrives while its bytes keep moving (no stall of STALL_DEADLINE) within the time at the
     slowest frame rate; a stalled one, and a byte-at-a-time trickle, are still cut. Scaled down 10x here."""
-    monkeypatch.setattr(pool_inbound, "FRAME_DEADLINE_BASE", 0.5)
+    monkeypatch.setattr(pool_inbound, "STALL_DEADLINE", 0.5)
     monkeypatch.setattr(budget_module, "FRAME_DEADLINE_BASE", 0.5)
     monkeypatch.setattr(budget_module, "SLOWEST_FRAME_RATE", 100)  # B/s: 60 bytes within 1.1 s
 

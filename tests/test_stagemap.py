@@ -253,6 +253,27 @@ def test_a_stage_never_looked_up_is_unknown_not_down():
     trio.run(main)
 
 
+def test_stage_0_is_blocked_only_by_a_stage_nobody_claims_while_health_counts_only_workers():
+    """A starting swarm on a thin line: stage 1's peers have records but nobody saw them work yet (the first
+    round trip takes longer than the block's hold). Health calls stage 1 down; the block watch, which reads
+    claims, does not block stage 0, which would otherwise never cut the micro-batch that shows the work."""
+    def record(peer: str, stage: int) -> StageRecord:
+        start, end = MODEL.stage_range(stage)
+        return StageRecord(peer, (), MODEL.name, stage, start, end, Capacity(0, 0), time.time(), 60.0)
+
+    async def main():
+        index = MapIndex({0: [record("me", 0)], 1: [record("b", 1), record("c", 1)]})
+        async with trio.open_nursery() as nursery:
+            stage_map = StageMap(index, MODEL, nursery)
+            await stage_map.current()
+            assert stage_map.counts() == {0: 1, 1: 0} and stage_map.counts(claimed=True) == {0: 1, 1: 2}
+            stage_map.saw("b", 1)
+            assert stage_map.counts() == {0: 1, 1: 1}
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
 class ListIndex:
     """lookup_stage answers at once with ``answer`` (records made by the test)."""
 

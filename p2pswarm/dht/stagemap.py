@@ -6,9 +6,8 @@ nobody asks should not spend that every few seconds. Each stage's answer replace
 soon as it is in; a stage whose lookup overruns the bound keeps its previous entry. A joining
 peer also keeps its own and the adjacent stages fresh and checks their peers (candidates).
 ``/api/stages`` serves the map: it waits for a rebuild at most API_WAIT, and the rebuild goes on
-in the background (on a loaded machine it takes seconds; an API call must not). It shows each
-stage's health (``heal.health``: live replicas, level, the backups other stages' peers claim to
-hold and their age) and, on top, every stage's level and what blocks training.
+in the background (on a loaded machine it takes seconds; an API call must not). It shows each stage's
+health (live replicas, level, backups claimed and their age), every stage's level, what blocks training.
 
 A stage's lookup keeps a *pool* of up to CHECK_POOL records, and the map shows its top DEFAULT_K,
 re-ranked whenever read (``dht.ranking``): our own record, the peers that answered us, then
@@ -181,13 +180,16 @@ class StageMap:
         fresh = [*pooled, *([seen] if seen is not None and seen.is_fresh(now) else [])]
         return max(fresh, key=lambda r: r.timestamp).addrs if fresh else ()
 
-    def counts(self) -> dict[int, int]:
-        """Working replicas per stage (``workers``; ``health.known_counts``): every stage once a whole map
-        was built. A stage whose peers only claim it is down."""
+    def counts(self, claimed: bool = False) -> dict[int, int]:
+        """Working replicas per stage (``workers``; ``health.known_counts``): every stage once a whole map was
+        built; a stage whose peers only claim it is down. ``claimed``: fresh records, claims too (stage 0's
+        block watch: workers alone deadlocked a swarm whose first round trip outlasted the block's hold, on a
+        thin line: blocked, stage 0 cut nothing, so it saw no work)."""
         now = self.clock()
-        workers = self.workers(now)
-        looked_up = {stage: sorted(workers.get(stage, ())) for stage in self._pools}
-        return health.known_counts(looked_up, self.model.n_stages, complete=self.updated_at > 0)
+        workers = {} if claimed else self.workers(now)
+        per_stage = {stage: self._fresh(stage, now) if claimed else sorted(workers.get(stage, ()))
+                     for stage in self._pools}
+        return health.known_counts(per_stage, self.model.n_stages, complete=self.updated_at > 0)
 
     def doc(self) -> dict:
         now, stages, counts, workers = self.clock(), self.stages, self.counts(), self.workers()

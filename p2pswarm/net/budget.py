@@ -71,9 +71,15 @@ def frame_deadline(nbytes: int) -> float:
     return FRAME_DEADLINE_BASE + nbytes / MIN_TRANSFER_RATE
 
 
+READ_GRAIN = 64 * 1024  # bytes one read of a Yamux stream returns at once at most (a whole Yamux/Noise frame)
+# s without a byte of a payload after which its stream counts as stalled: one read grain at the slowest frame
+# rate (on a thin line a few streams' 64 KiB frames take turns: each stream sees a read every ~16 s)
+STALL_DEADLINE = FRAME_DEADLINE_BASE + READ_GRAIN / SLOWEST_FRAME_RATE
+
+
 def arrival_deadline(nbytes: int) -> float:
     """Seconds an arriving frame's payload of ``nbytes`` may take in all while its bytes keep moving (none
-    may stall for FRAME_DEADLINE_BASE): a thin line's frame arrives slowly but steadily; a trickle ends."""
+    may stall for STALL_DEADLINE): a thin line's frame arrives slowly but steadily; a trickle ends."""
     return FRAME_DEADLINE_BASE + nbytes / SLOWEST_FRAME_RATE
 
 

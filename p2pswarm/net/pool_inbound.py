@@ -12,8 +12,8 @@ the frames read but not yet handled. What bounds that channel is the byte budget
    Waiting for a frame is idle time (the protocol's idle deadline, ``net.limits``), but once its
    first bytes came the rest of the header must come within ``HEADER_DEADLINE``: a byte now and
    then keeps no stream, and its sender slot, for good;
-3. it reads the payload while its bytes keep moving (none for ``budget.FRAME_DEADLINE_BASE``: a stall)
-   and within ``arrival_deadline(n)`` in all, the time at a thin line's slowest frame rate: a
+3. it reads the payload while its bytes keep moving (none for ``budget.STALL_DEADLINE``: a stall) and
+   within ``arrival_deadline(n)`` in all, the time at a thin line's slowest frame rate: a
    frame on a 0.2 Mbit/s line arrives; a stalled or trickling sender is reset;
 4. the handler task calls ``handler(peer, message, payload)`` frames in order, releases the
    reservation when the handler returns, and writes the handler's reply (if any) whole on the
@@ -37,7 +37,7 @@ import trio
 
 from p2pswarm import wire
 from p2pswarm.errors import DialError, LocalProtocolError, ProtocolError, RemoteProtocolError
-from p2pswarm.net.budget import FRAME_DEADLINE_BASE, InboundBudget, Ticket, Verdict, arrival_deadline, frame_deadline
+from p2pswarm.net.budget import STALL_DEADLINE, InboundBudget, Ticket, Verdict, arrival_deadline, frame_deadline
 from p2pswarm.net.streams import ByteStream
 
 log = logging.getLogger(__name__)
@@ -71,10 +71,10 @@ async def read_moving(stream: ByteStream, n: int) -> bytes:
     chunks, got = [], 0
     with trio.move_on_after(arrival_deadline(n)) as whole:
         while got < n:
-            with trio.move_on_after(FRAME_DEADLINE_BASE) as step:
+            with trio.move_on_after(STALL_DEADLINE) as step:
                 chunk = await stream.read(n - got)
             if step.cancelled_caught:
-                raise trio.TooSlowError(f"a payload stalled {FRAME_DEADLINE_BASE:g} s at {got} of {n} bytes")
+                raise trio.TooSlowError(f"a payload stalled {STALL_DEADLINE:g} s at {got} of {n} bytes")
             if not chunk:  # a reset peer looks like a clean EOF, so EOF here is an error
                 raise RemoteProtocolError(f"stream ended after {got} of {n} bytes")
             chunks.append(chunk)

@@ -97,7 +97,7 @@ class Upkeep:
             return
         self._blocks_checked = now
         await svc._stage_map.current(wait=0)
-        line = svc.blocks.observe(svc._stage_map.counts(), now)
+        line = svc.blocks.observe(svc._stage_map.counts(claimed=True), now)
         if line is not None:
             log.log(logging.WARNING if svc.blocks.down else logging.INFO, line)
 
