@@ -451,3 +451,28 @@ def test_a_frame_the_circuit_cannot_carry_is_refused_before_the_relay_would_cut_
         assert all(ok for *_, ok in receiver.frames) and len(receiver.frames) == 4 * sent
 
     with_relayed_pair(test, RelayConfig(circuit_bytes=limit))  # the pools' own default would be 16 MiB
+
+
+def test_a_frame_is_written_in_pieces_so_the_connections_other_streams_get_turns():
+    """A bulk frame went to the connection in one write: a ping or a record on another stream of that
+    connection waited for all of it (seconds on a thin line). It goes in WRITE_CHUNK pieces now."""
+    class Raw:
+        muxed_conn = None
+
+        def __init__(self) -> None:
+            self.writes: list[bytes] = []
+
+        async def write(self, data: bytes) -> None:
+            self.writes.append(bytes(data))
+
+    async def main():
+        raw = Raw()
+        stream = pool_module.PoolStream(raw)
+        data = bytes(range(256)) * (pool_module.WRITE_CHUNK * 3 // 256 + 1)
+        await stream.write(data)
+        assert b"".join(raw.writes) == data
+        assert max(map(len, raw.writes)) <= pool_module.WRITE_CHUNK and len(raw.writes) == 4
+        await stream.write(b"ping")
+        assert raw.writes[-1] == b"ping"
+
+    trio.run(main)

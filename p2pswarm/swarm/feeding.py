@@ -9,7 +9,9 @@ are bytes) and runs two tasks beside the service's others:
   (``MIN_IN_FLIGHT`` at least: more is more staleness, see the engine's weight prediction);
 - **evaluate** sends the fixed held-out set through the swarm after each DiLoCo outer round (every
   ``EVAL_PERIOD`` without DiLoCo; later where a round takes over 1/``eval_share`` of the time to
-  compute and send), to be evaluated on that round's agreed weights at every stage.
+  compute and send), to be evaluated on that round's agreed weights at every stage. Its micro-batches
+  go one at a time (the next once the last was acked): on a thin line a round's frames queued at once
+  held training back for minutes; one at a time they share the line with training.
 
 Both put their jobs into the stage core (``StageCore.cut``) and wait on the service's wakeups.
 """
@@ -122,16 +124,17 @@ class Feeder:
         await self._wait_for_next_stage()  # round 0 measures the untrained model: wait until it can go through
         while True:
             round_ = await self._next_eval_round(evaluated)
-            for batch in held:
+            began = trio.current_time()
+            for batch in held:  # one at a time: an evaluation frame never queues ahead of many training ones
                 ids = eng.ids_tensor(batch.rows)
                 work = eng.Work("eval", (session, micro_batch), ids[:, :-1], ids[:, 1:].contiguous(), round_)
                 micro_batch += 1
                 effects = svc.core.cut(Job(work, None), Priority.INFERENCE, trio.current_time())
                 if effects is not None:
                     svc.apply(effects)
-            evaluated, began = round_, trio.current_time()
-            while svc.core.evals_pending:  # never stack rounds that starve training
-                await svc.progress.wait()
+                while svc.core.evals_pending:  # computed and acked downstream (or lost): the next may go
+                    await svc.progress.wait()
+            evaluated = round_
             # a round on a slow machine or line takes its share at most: 1 / eval_share of the time
             spent = trio.current_time() - began
             await trio.sleep(max((self.eval_share - 1) * spent,
