@@ -112,7 +112,7 @@ def line(r: dict, dense: dict | None, unshaped: dict | None, target: float) -> s
     if not r["reached"]:
         return (f"{head}: target {target:.3f} NOT reached in {r['trained_s']:.0f} s of training ({best}); "
                 f"{r.get('tokens', 0)} tokens, {r.get('steps', 0)} steps, start-up {r.get('startup_s', '-')} s")
-    ratios = [f"{other['wall_s'] / r['wall_s']:.2f}x faster than {name}" for name, other in
+    ratios = [f"{r['wall_s'] / other['wall_s']:.2f}x the time of {name}" for name, other in
               (("dense on this line", dense), ("unshaped dense", unshaped))
               if other is not None and other is not r and other.get("reached")]
     step = f"{r['s_per_step'] * 1000:.0f} ms a step" if r.get("s_per_step") else "-"
