@@ -103,6 +103,7 @@ def test_imports_are_frozen_once_and_a_block_that_imports_nothing_freezes_nothin
         frozen = gc.get_freeze_count()
         with allocator.imports_without_collections():
             kept_alive = [[n] for n in range(1000)]  # the process's own objects, nothing imported
-        assert gc.isenabled() and gc.get_freeze_count() == frozen and kept_alive
+        # none of the 1,000 made permanent; the count may drop: a frozen object can still die meanwhile
+        assert gc.isenabled() and gc.get_freeze_count() <= frozen and kept_alive
     finally:
         gc.unfreeze()
