@@ -148,3 +148,28 @@ def test_an_ack_waits_behind_the_bytes_already_on_the_way_from_us():
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
     assert d.counts["timeouts"] == 1, d.counts  # the first: nothing was ahead of it
     assert second.key in seen["acked"], seen
+
+
+def test_a_gradient_survives_one_stream_error_and_is_lost_on_the_second():
+    """A relayed connection closed at its circuit's limit ended the streams on it while the peer lived:
+    its gradients were lost at the first error (19 in 150 s through a relay). One error is retried on a
+    fresh lease now; a second means the peer is gone, with its graph."""
+    class FailingLease(FakeLease):
+        async def write_frame(self, message, payload=b"", *, timeout=None, stall=None) -> None:
+            if self.pool.errors_left:
+                self.pool.errors_left -= 1
+                raise trio.BrokenResourceError("the relay closed the circuit")
+            await super().write_frame(message, payload, timeout=timeout, stall=stall)
+
+    async def main():
+        for errors, acked, lost in ((1, 1, 0), (2, 0, 1)):
+            d, _, pool, seen = deliverer()
+            pool.errors_left = errors
+            pool.lease = contextlib.asynccontextmanager(lambda *a, pool=pool, **k: _yield(FailingLease(pool)))
+            await d.backward(send(Backward, 1, 3, to=PEERS[0]))
+            assert (len(seen["acked"]), len(seen["lost"])) == (acked, lost), (errors, seen)
+
+    async def _yield(lease):
+        yield lease
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))

@@ -34,7 +34,8 @@ big for one frame) is a *local* error: it is found before any peer is tried, log
 once with its sizes, and the micro-batch is lost; no peer is failed or backed off for it.
 
 A gradient has exactly one destination, the peer that holds the micro-batch's graph, so it is
-retried on ``Busy`` and on a timeout (the receiver drops a duplicate) and lost on an error. Every
+retried on ``Busy`` and on a timeout (the receiver drops a duplicate), and once on an error (a relayed
+connection closed at its circuit's limit ends its streams, the peer lives on); a second error loses it. Every
 loss is reported (``on_lost``) and counted; none raises out of here. Imports neither torch nor the model.
 """
 
@@ -71,6 +72,9 @@ NO_CANDIDATE_WAIT = 15.0  # seconds a forward waits for a live candidate (a back
 #                          circuit) of the next stage before it is lost: the router's staleness bound
 ROOM_WAIT = 30.0  # seconds a forward waits for room in a live candidate's window before it is lost
 BACKWARD_TRIES = 6  # Busy replies, timeouts or full circuits a gradient waits out before it is lost
+# stream errors a gradient survives: its one destination's connection may end under it while the peer
+# lives (a relayed connection closed at its circuit's limit: the next lease dials a fresh one)
+BACKWARD_ERRORS = 2
 BUSY_WAIT_CAP = 1.0  # seconds: the longest a sender sleeps on a Busy's retry-after hint
 IDLE_POLL = 0.05  # seconds between looks for a candidate when there is none
 ACK_READ_GRACE = 1.0  # seconds past the ack deadline the read itself may run (the watch cancels it first)
@@ -147,6 +151,7 @@ class Deliverer:
         if not self._sendable(send):
             return
         assert send.to is not None  # StageCore routes every gradient to one peer
+        errors = 0
         for _ in range(BACKWARD_TRIES):
             reply = await self._attempt(send.to, send)
             if isinstance(reply.message, Ack):
@@ -157,12 +162,13 @@ class Deliverer:
                 await trio.sleep(min(BUSY_WAIT_CAP, reply.message.retry_after_ms / 1000))
                 continue
             self._failed(send.to, reply.failure)
-            if reply.failure is Failure.ERROR:  # the peer is gone: its graph with it
+            errors += reply.failure is Failure.ERROR
+            if errors >= BACKWARD_ERRORS:  # the peer is gone: its graph with it
                 break
-            # no progress within the deadline (the one peer that can take it may be slow), or a
-            # full relay circuit (a fresh one is on its way): the receiver drops a copy it
-            # already took, so trying again never trains it twice
-            if reply.failure is Failure.CIRCUIT:
+            # no progress within the deadline (the one peer that can take it may be slow), a full relay
+            # circuit or a connection that ended under it (a fresh one is on its way): the receiver drops
+            # a copy it already took, so trying again never trains it twice
+            if reply.failure is not Failure.TIMEOUT:
                 await trio.sleep(BUSY_WAIT_CAP)
         self._lost(send, "the peer holding its graph did not take it")
 
