@@ -113,6 +113,14 @@ def link_lab_available() -> str | None:
     return None
 
 
+def delay_line_available() -> str | None:
+    """None when delayed lines can be built here (a link lab and TAP devices), else why not."""
+    reason = link_lab_available()
+    if reason is None and not os.path.exists("/dev/net/tun"):
+        reason = "delayed lines need TAP devices (/dev/net/tun is missing)"
+    return reason
+
+
 class LinkLab(NamespaceLab):
     """Hosts on shaped lines onto one bridge; use as a context manager (teardown on exit)."""
 

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import pytest
 
-from p2pswarm.testing.linklab import link_lab_available
+from p2pswarm.testing.linklab import delay_line_available
 from p2pswarm.testing.linkswarm import run_link_arm
 
-REASON = link_lab_available()
+REASON = delay_line_available()  # the home line has 30 ms each way
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
 
 UNTRAINED_BPB = 8.0  # bits/byte of a uniform guess over 256 byte values: a fresh model's loss (7.93 measured)
