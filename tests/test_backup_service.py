@@ -129,7 +129,8 @@ def test_a_holder_fetches_checks_and_serves_a_backup_and_a_mover_loads_it(tmp_pa
         moving = service(pools[2], mover, mover_map)
         await moving.check_once()  # (it holds nothing itself: duties of another peer)
         mover_map.set([record(holder, 0, backups=held_by.claims())])
-        state, info = await moving.fetch_freshest(STAGE)
+        assert await moving.fetch_freshest(STAGE, newer_than=3) is None and moving.bytes_fetched == 0
+        state, info = await moving.fetch_freshest(STAGE, newer_than=0)  # what a loader asks: past round 0
         assert (info["holder"], info["round"], info["bytes"]) == (holder, 3, len(data))
         assert state["round"] == 3 and torch.equal(state["start"], torch.full((param_count(SPEC, STAGE),), 0.25))
         assert held_by.bytes_served == len(data) and moving.bytes_fetched == len(data)

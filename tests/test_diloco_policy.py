@@ -63,8 +63,9 @@ def test_a_starting_peer_tries_a_neighbour_then_a_backup_then_its_own_file():
     assert load_sources(neighbours=True, backups=False, disk=False) == (Source.NEIGHBOUR,)
     assert load_sources(neighbours=False, backups=False, disk=False) == ()
     # a stage whose replicas are all at outer round 0: its agreed weights are the seeded initial ones
-    assert load_sources(neighbours=True, backups=True, disk=True, fresh=True) == (Source.DISK,)
-    assert load_sources(neighbours=True, backups=True, disk=False, fresh=True) == ()
+    # (a backup is still tried: the loader fetches only one past round 0, which a lying record cannot hide)
+    assert load_sources(neighbours=True, backups=True, disk=True, fresh=True) == (Source.BACKUP, Source.DISK)
+    assert load_sources(neighbours=True, backups=False, disk=False, fresh=True) == ()
 
 
 def test_neighbours_are_tried_latest_round_first_and_never_ourselves():

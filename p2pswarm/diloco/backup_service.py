@@ -268,8 +268,9 @@ class BackupService:
 
     # --- a mover's load ------------------------------------------------------------------------------
 
-    async def fetch_freshest(self, stage: int) -> tuple[dict, dict] | None:
-        """The freshest verified backup of ``stage`` and {"holder", "round", "bytes", "seconds"}; None if none."""
+    async def fetch_freshest(self, stage: int, newer_than: int = -1) -> tuple[dict, dict] | None:
+        """The freshest verified backup of ``stage`` past outer round ``newer_than`` and {"holder", "round",
+        "bytes", "seconds"}; None if none."""
         stages = await self._stage_map.current(wait=STAGE_MAP_WAIT)
         self._observe(stages)
         claims = [(r.peer_id, c) for records in stages.values() for r in records for c in r.backups
@@ -277,7 +278,7 @@ class BackupService:
         own = [(self.me, self._held[stage].claim)] if stage in self._held else []
         chosen = choose_backups(stage, claims + own, self.ledger)
         chosen += [mine for mine in own if mine not in chosen]  # ours was checked when we took it: a last resort
-        for holder, claim in chosen:
+        for holder, claim in (c for c in chosen if c[1].round > newer_than):
             started = trio.current_time()
             try:
                 if holder == self.me:

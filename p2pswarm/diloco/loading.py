@@ -91,9 +91,9 @@ class StageLoader:
         (``policy.load_sources``); where it came from (None: our initial weights are kept)."""
         with trio.move_on_after(CATCH_UP_WAIT):
             await self._stage_map.refresh_stages([self.stage])
-        records = [r for r in self._stage_map.stages.get(self.stage, []) if r.peer_id != self.me]
+        records = self._stage_map.stages.get(self.stage, [])
         neighbours = neighbours_by_round(records, self.me, self._stage_map.workers().get(self.stage, ()))
-        fresh = bool(records) and max(r.capacity.outer_round for r in records) == 0
+        fresh = all(r.capacity.outer_round == 0 for r in records if r.peer_id != self.me)
         for source in load_sources(neighbours=bool(neighbours), backups=self._backups is not None,
                                    disk=self.store is not None, fresh=fresh):
             if source is Source.NEIGHBOUR:
@@ -103,7 +103,7 @@ class StageLoader:
             if loaded is not None:
                 return loaded
         log.info("stage %d starts from its initial weights (%s)", self.stage,
-                 "its replicas are at outer round 0" if fresh else "no replica, backup or snapshot to load")
+                 "its replicas are at outer round 0" if fresh and neighbours else "no replica, backup or snapshot to load")
         await self.refresh_agreed()
         return None
 
@@ -143,7 +143,7 @@ class StageLoader:
 
     async def _load_from_backup(self) -> dict | None:
         """No replica to load from: the freshest verified backup of our stage that a peer holds."""
-        found = await self._backups.fetch_freshest(self.stage)
+        found = await self._backups.fetch_freshest(self.stage, newer_than=0)  # round 0's: the seeded weights
         if found is None:
             return None
         state, info = found

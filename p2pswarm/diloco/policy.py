@@ -82,9 +82,10 @@ def load_sources(*, neighbours: bool, backups: bool, disk: bool, fresh: bool = F
     ``fresh``: every neighbour announces outer round 0, so the stage's agreed weights are still the
     initial ones, which every peer makes alike from the run's seed (``model.transformer.part_seed``):
     loading them would only move megabytes over a starting swarm's lines (minutes on a thin one).
-    Only our own file may hold more. A neighbour that lied about its round is met at its first
-    outer round and caught up with then (``should_catch_up``)."""
-    present = {Source.NEIGHBOUR: neighbours and not fresh, Source.BACKUP: backups and not fresh, Source.DISK: disk}
+    A backup past round 0 (the loader fetches no other) and our own file may hold more: a record
+    that lies about its round must not make a peer moving into a dead stage drop its backup. A live
+    neighbour that lied is met at its first outer round and caught up with then (``should_catch_up``)."""
+    present = {Source.NEIGHBOUR: neighbours and not fresh, Source.BACKUP: backups, Source.DISK: disk}
     return tuple(source for source in Source if present[source])
 
 
