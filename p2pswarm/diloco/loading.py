@@ -102,8 +102,8 @@ class StageLoader:
                 loaded = await (self._load_from_backup() if source is Source.BACKUP else self._load_from_disk())
             if loaded is not None:
                 return loaded
-        log.info("stage %d starts from its initial weights (%s)", self.stage,
-                 "its replicas are at outer round 0" if fresh and neighbours else "no replica, backup or snapshot to load")
+        why = "its replicas are at outer round 0" if fresh and neighbours else "no replica, backup or snapshot to load"
+        log.info("stage %d starts from its initial weights (%s)", self.stage, why)
         await self.refresh_agreed()
         return None
 
