@@ -110,9 +110,8 @@ class PoolStream(ByteStream):
     async def write(self, data: bytes) -> None:
         if self.ledger is not None:
             self.ledger.record(self.conn, sent=len(data))  # counted before: a cut write may have gone out
-        view = memoryview(data)  # in pieces: the connection's other streams get a turn between them
-        for at in range(0, len(data), WRITE_CHUNK):
-            await super().write(bytes(view[at:at + WRITE_CHUNK]) if len(data) > WRITE_CHUNK else data)
+        for at in range(0, len(data), WRITE_CHUNK):  # in pieces: the connection's other streams get turns
+            await super().write(data[at:at + WRITE_CHUNK])
             if self.watch is not None:
                 scope, stall = self.watch
                 scope.deadline = trio.current_time() + stall  # bytes moved: the stall deadline starts again

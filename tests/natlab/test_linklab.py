@@ -11,7 +11,7 @@ import pytest
 from p2pswarm.testing.linklab import LinkLab, delay_line_available, link_lab_available, round_trips, transfer_mbit
 from p2pswarm.testing.natlab import netns_names
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(30)
 
 UP_MBIT = 20
 NBYTES = 6_000_000  # ~2.4 s at 20 Mbit/s: long enough that the 64 KiB burst is noise
