@@ -263,6 +263,7 @@ def test_a_payload_arriving_slowly_but_steadily_is_taken_a_stalled_or_trickled_o
     payload now arrives while its bytes keep moving (no stall of STALL_DEADLINE) within the time at the
     slowest frame rate; a stalled one, and a byte-at-a-time trickle, are still cut. Scaled down 10x here."""
     monkeypatch.setattr(pool_inbound, "STALL_DEADLINE", 0.5)
+    monkeypatch.setattr(budget_module, "READ_GRAIN", 10)
     monkeypatch.setattr(budget_module, "FRAME_DEADLINE_BASE", 0.5)
     monkeypatch.setattr(budget_module, "SLOWEST_FRAME_RATE", 100)  # B/s: 60 bytes within 1.1 s
 
@@ -289,7 +290,8 @@ def test_a_payload_arriving_slowly_but_steadily_is_taken_a_stalled_or_trickled_o
         host, _ = clients[0]
         assert not await send_paced(host, server, b"s" * 60, [(10, 0.15)] * 6)  # 0.9 s, steady: taken
         assert await send_paced(host, server, b"t" * 60, [(30, 0.0), (30, 1.0)])  # a 1 s stall: cut
-        assert await trickle(await header(host, server, b"u" * 200), b"u" * 200, gap=0.05)  # 20 B/s: cut at 2.5 s
+        # a trickle at 20 B/s on a 100 kB claim: cut by its rate within a second, not after the claim's 1,000 s
+        assert await trickle(await header(host, server, b"u" * 100_000), b"u" * 200, gap=0.05)
         assert [f[1:] for f in receiver.frames] == [("paced", 60, True)]
         assert server_pool.stats.inbound_refused == 2
 

@@ -13,7 +13,7 @@ the frames read but not yet handled. What bounds that channel is the byte budget
    first bytes came the rest of the header must come within ``HEADER_DEADLINE``: a byte now and
    then keeps no stream, and its sender slot, for good;
 3. it reads the payload while its bytes keep moving (none for ``budget.STALL_DEADLINE``: a stall) and
-   within ``arrival_deadline(n)`` in all, the time at a thin line's slowest frame rate: a
+   keep up with a thin line's slowest frame rate (``arrival_deadline`` of the bytes so far): a
    frame on a 0.2 Mbit/s line arrives; a stalled or trickling sender is reset;
 4. the handler task calls ``handler(peer, message, payload)`` frames in order, releases the
    reservation when the handler returns, and writes the handler's reply (if any) whole on the
@@ -37,6 +37,7 @@ import trio
 
 from p2pswarm import wire
 from p2pswarm.errors import DialError, LocalProtocolError, ProtocolError, RemoteProtocolError
+from p2pswarm.net import budget
 from p2pswarm.net.budget import STALL_DEADLINE, InboundBudget, Ticket, Verdict, arrival_deadline, frame_deadline
 from p2pswarm.net.streams import ByteStream
 
@@ -67,20 +68,20 @@ class InboundPool(Protocol):
 
 async def read_moving(stream: ByteStream, n: int) -> bytes:
     """Exactly ``n`` bytes while they keep moving (step 3 of the module docstring): trio.TooSlowError when
-    a read stalls or the whole overruns its deadline, RemoteProtocolError when the stream ends first."""
-    chunks, got = [], 0
-    with trio.move_on_after(arrival_deadline(n)) as whole:
-        while got < n:
-            with trio.move_on_after(STALL_DEADLINE) as step:
-                chunk = await stream.read(n - got)
-            if step.cancelled_caught:
-                raise trio.TooSlowError(f"a payload stalled {STALL_DEADLINE:g} s at {got} of {n} bytes")
-            if not chunk:  # a reset peer looks like a clean EOF, so EOF here is an error
-                raise RemoteProtocolError(f"stream ended after {got} of {n} bytes")
-            chunks.append(chunk)
-            got += len(chunk)
-    if whole.cancelled_caught:
-        raise trio.TooSlowError(f"a frame's payload took over {arrival_deadline(n):.0f} s: {got} of {n} bytes came")
+    a read stalls or the payload falls behind the slowest frame rate (each read is due by the time its
+    bytes so far plus one read grain take at that rate: a trickle on a 64 MiB claim is cut in seconds,
+    not after the whole claim's hours), RemoteProtocolError when the stream ends first."""
+    chunks, got, began = [], 0, trio.current_time()
+    while got < n:
+        due = min(trio.current_time() + STALL_DEADLINE, began + arrival_deadline(min(n, got + budget.READ_GRAIN)))
+        with trio.move_on_at(due) as step:
+            chunk = await stream.read(n - got)
+        if step.cancelled_caught:
+            raise trio.TooSlowError(f"a payload stalled or fell behind the slowest frame rate at {got} of {n} bytes")
+        if not chunk:  # a reset peer looks like a clean EOF, so EOF here is an error
+            raise RemoteProtocolError(f"stream ended after {got} of {n} bytes")
+        chunks.append(chunk)
+        got += len(chunk)
     return b"".join(chunks)
 
 
