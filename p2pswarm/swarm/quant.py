@@ -16,8 +16,8 @@ Layout (``wire.QUANTIZED_BITS``, checked by ``wire.check_tensor`` before decodin
 row-major order, each as its scale (a little-endian float32) followed by its integers: one int8 each
 for ``q8``; for ``q4`` two a byte, value + 8 in a nibble, low nibble first, the last byte padded
 with a zero nibble. A vector's bytes are contiguous, so a reader may slice a frame by positions.
-Decoding is total: bytes of the right length decode, except scales that are negative or not finite
-(``RemoteProtocolError``).
+Decoding is total: bytes of the right length decode, except scales that are negative, not finite, or so
+large that a multiple of them would overflow float32 (``RemoteProtocolError``).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from p2pswarm import wire
 from p2pswarm.errors import LocalProtocolError, RemoteProtocolError
 
 _SCALES = np.dtype("<f4")  # little-endian on every host
+_LARGEST = float(np.finfo(np.float32).max)  # a scale times qmax must stay finite
 
 
 def qmax(bits: int) -> int:
@@ -74,6 +75,8 @@ def decode(encoding: str, shape: tuple[int, ...], payload: bytes) -> torch.Tenso
     scales = np.ascontiguousarray(packed[:, :wire.SCALE_BYTES]).view(_SCALES).reshape(-1)
     if not bool(np.isfinite(scales).all()) or bool((scales < 0).any()):
         raise RemoteProtocolError(f"{encoding} frame: a scale that is negative or not finite")
+    if scales.size and float(scales.max()) * qmax(bits) > _LARGEST:  # no encoder makes one: its product overflows
+        raise RemoteProtocolError(f"{encoding} frame: a scale past the largest float32 / {qmax(bits)}")
     data = packed[:, wire.SCALE_BYTES:]
     if bits == 8:
         ints = np.ascontiguousarray(data).view(np.int8)
