@@ -252,6 +252,15 @@ def tokenizer_file(run: RunSpec | None, vocab: int) -> Path | None:
                       f"tokenizer goes into the export")
 
 
+def fixed_parts(run: RunSpec | None, spec):
+    """A subspace run's fixed basis and embedding (``model.subspace``), which its export folds in; else None."""
+    if run is None or not run.subspace:
+        return None
+    from p2pswarm.model import subspace  # torch
+
+    return subspace.build(spec, run.seed, run.subspace)
+
+
 def heldout_figure(swarm: dict | None, rounds: list[int]) -> tuple[float | None, str]:
     """The swarm's held-out bits per byte of exactly these per-stage outer rounds, and where it came from."""
     if swarm is None:
@@ -290,7 +299,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     card = Card(identity or "unknown", run_name, tokens, bpb, note,
                 datetime.now(UTC).isoformat(timespec="seconds"), source)
     written = hf_export.write_export(out, spec, snapshots, card, tokenizer_file=tokenizer_file(run, spec.vocab),
-                                     force=args.force)
+                                     force=args.force, fixed=fixed_parts(run, spec))
     progress(f"wrote {out}: {spec.name}, outer rounds {rounds}, {written.weight_bytes / MB:.1f} MB of weights, "
              f"{len(written.files)} files, in {time.monotonic() - started:.1f} s")
     return 0

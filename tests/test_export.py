@@ -305,3 +305,25 @@ def test_export_tries_the_peers_its_node_counts_as_working_before_a_higher_claim
     stages = {"model": "tiny-lm/1", "n_stages": 1, "stages": {"0": {"peers": [
         peer("claimer", 99, False), peer("old", 3, True), peer("new", 5, True)]}}}
     assert [name for name, _ in stage_peers(stages, "api")[0]] == ["new", "old", "claimer"]
+
+
+def test_a_subspace_run_exports_a_plain_llama_with_its_projections_folded_in(tmp_path, capsys):
+    """A subspace model (model/subspace.py) needs its run file: with it, transformers computes our logits."""
+    path = tmp_path / "sub.toml"
+    path.write_text('name = "sub"\nmodel = "tiny-lm/2"\nseed = 3\n[wire]\nsubspace = 16\n')
+    run = load_run(str(path))
+    stages = build_model(run.spec(), run.seed, run.subspace)
+    with torch.no_grad():
+        for stage in stages:  # away from the start, out of the span too: as AdamW leaves them
+            for p in stage.parameters():
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.02)
+    for module in stages:
+        directory = tmp_path / "snapshots" / f"tiny-lm-2-{run.identity}-stage{module.stage}"
+        state = snapshot_state(module, 1)
+        state["engine"]["subspace"] = run.subspace
+        SnapshotStore(directory).save(encode_state(state), round=1, step=1)
+    assert export("--snapshots", str(tmp_path / "snapshots"), "--out", str(tmp_path / "bare")) == 1
+    assert "constrained to 16 directions" in one_error_line(capsys)
+    out = tmp_path / "hf"
+    assert export("--snapshots", str(tmp_path / "snapshots"), "--out", str(out), "--run", str(path)) == 0
+    assert_same_logits(out, stages, 256)

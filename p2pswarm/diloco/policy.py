@@ -80,7 +80,7 @@ def load_sources(*, neighbours: bool, backups: bool, disk: bool, fresh: bool = F
     own file. None of them: we keep our initial weights (the first replica of a stage).
 
     ``fresh``: every neighbour announces outer round 0, so the stage's agreed weights are still the
-    initial ones, which every peer makes alike from the run's seed (``model.transformer.part_seed``):
+    initial ones, which every peer makes alike from the run's seed (``model.seeding.part_seed``):
     loading them would only move megabytes over a starting swarm's lines (minutes on a thin one).
     A backup past round 0 (the loader fetches no other) and our own file may hold more: a record
     that lies about its round must not make a peer moving into a dead stage drop its backup. A live

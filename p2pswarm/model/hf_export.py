@@ -45,6 +45,8 @@ from p2pswarm.model.hf_names import hf_name
 if TYPE_CHECKING:
     import torch
 
+    from p2pswarm.model.subspace import Subspace
+
 SHARD_BYTES = 5 * 10**9  # transformers' own default max_shard_size ("5GB"): one file below it, shards above
 MAX_ROUND_SPREAD = 1  # stages' outer rounds may differ by this much (module docstring: the rule)
 STATE_FORMAT = 1  # the snapshot state layout this reads (diloco.service.STATE_FORMAT)
@@ -70,6 +72,7 @@ class StageSnapshot:
     layout: tuple[tuple[str, tuple[int, ...]], ...]  # (our name, shape) of each weight, in ``start``'s order
     source: str  # "peer ID" or a file's path: for messages and the card
     run: str | None = None  # the run identity (hex) when known (an API, a snapshot directory's name)
+    subspace: int = 0  # directions of a subspace-constrained model (model.subspace); 0: a plain one
 
 
 def stage_snapshot(state: Any, source: str, run: str | None = None) -> StageSnapshot:
@@ -93,7 +96,11 @@ def stage_snapshot(state: Any, source: str, run: str | None = None) -> StageSnap
     if sum(_prod(shape) for _, shape in layout) != start.numel():
         raise ConfigError(f"{source}: {start.numel()} agreed weights for a module of "
                           f"{sum(_prod(shape) for _, shape in layout)}")
-    return StageSnapshot(model, stage, diloco["rounds"], engine["step"], engine["tokens"], start, layout, source, run)
+    subspace = engine.get("subspace", 0)
+    if type(subspace) is not int or subspace < 0:
+        raise ConfigError(f"{source}: a subspace of {subspace!r} directions")
+    return StageSnapshot(model, stage, diloco["rounds"], engine["step"], engine["tokens"], start, layout, source, run,
+                         subspace)
 
 
 def vocab_of(snapshots: Sequence[StageSnapshot], spec: ModelSpec) -> int:
@@ -282,13 +289,19 @@ def _write_json(path: Path, doc: dict) -> None:
     _write_file(path, (json.dumps(doc, indent=2, sort_keys=False) + "\n").encode())
 
 
-def _write_weights(temp: Path, spec: ModelSpec, snapshots: Sequence[StageSnapshot], shard_bytes: int) -> int:
-    """The safetensors file(s) (and the index when sharded); returns the bytes of weights written."""
+def _write_weights(temp: Path, spec: ModelSpec, snapshots: Sequence[StageSnapshot], shard_bytes: int,
+                   fixed: Subspace | None) -> int:
+    """The safetensors file(s) (and the index when sharded); returns the bytes of weights written. A
+    subspace model's weights (``fixed``: its fixed parts) are written with their projections folded in."""
     flats = {s.stage: s.start for s in snapshots}
     shards = plan_shards(weight_slices(spec, snapshots), shard_bytes)
     names, weight_map, total = shard_names(len(shards)), {}, 0
     for shard, file_name in zip(shards, names):
         tensors = {s.name: flats[s.stage][s.offset:s.offset + _prod(s.shape)].view(s.shape).clone() for s in shard}
+        if fixed is not None:
+            from p2pswarm.model.subspace import effective_weights  # torch
+
+            tensors = effective_weights(tensors, fixed)
         _save_shard(tensors, temp / file_name)
         weight_map.update({s.name: file_name for s in shard})
         total += sum(s.nbytes for s in shard)
@@ -313,8 +326,12 @@ class Written:
 
 def write_export(out: Path, spec: ModelSpec, snapshots: Sequence[StageSnapshot], card: Card, *,
                  tokenizer_file: Path | None = None, force: bool = False,
-                 shard_bytes: int = SHARD_BYTES) -> Written:
-    """The HF directory at ``out``, whole or not at all (module docstring); ConfigError, one line, on failure."""
+                 shard_bytes: int = SHARD_BYTES, fixed: Subspace | None = None) -> Written:
+    """The HF directory at ``out``, whole or not at all (module docstring); ConfigError, one line, on failure.
+    ``fixed``: a subspace model's fixed parts (``model.subspace.build`` of its run), folded into its weights."""
+    if (fixed.rank if fixed is not None else 0) != max(s.subspace for s in snapshots):
+        raise ConfigError(f"the snapshots are of a model constrained to {max(s.subspace for s in snapshots)} "
+                          f"directions: its run file is needed (--run) to export it")
     out = Path(out)
     check_out_dir(out, force)
     try:
@@ -322,7 +339,7 @@ def write_export(out: Path, spec: ModelSpec, snapshots: Sequence[StageSnapshot],
     except OSError as exc:
         raise ConfigError(f"--out {out}: cannot create a directory beside it ({exc.strerror})") from None
     try:
-        weight_bytes = _write_weights(temp, spec, snapshots, shard_bytes)
+        weight_bytes = _write_weights(temp, spec, snapshots, shard_bytes, fixed)
         _write_json(temp / "config.json", config_json(spec))
         _write_json(temp / "generation_config.json", generation_config_json(spec))
         _write_tokenizer(temp, spec, tokenizer_file)

@@ -46,7 +46,6 @@ This module imports torch; only ``p2pswarm/model/`` and the compute engine impor
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -56,20 +55,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from p2pswarm.errors import ConfigError
+from p2pswarm.model import subspace
 from p2pswarm.model.catalog import ModelSpec
-
-INIT_STD = 0.02  # GPT-2's and Llama's init scale: keeps the initial logits near uniform (loss ~ ln vocab)
-SEED_BYTES = 8  # bytes of the sha256 digest that seed a generator (torch takes a 64-bit seed)
-
-
-def part_seed(model_name: str, seed: int, part: str) -> int:
-    """A stable 63-bit seed for one part of a model: identical on every machine and Python run."""
-    digest = hashlib.sha256(f"p2pswarm-init\x00{model_name}\x00{seed}\x00{part}".encode()).digest()
-    return int.from_bytes(digest[:SEED_BYTES], "big") >> 1  # keep it non-negative for manual_seed
-
-
-def _generator(model_name: str, seed: int, part: str) -> torch.Generator:
-    return torch.Generator(device="cpu").manual_seed(part_seed(model_name, seed, part))
+from p2pswarm.model.seeding import INIT_STD, _generator
 
 
 class _RMSNormFunction(torch.autograd.Function):
@@ -222,10 +210,13 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(spec)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                past: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, tuple | None]:
+                past: tuple[torch.Tensor, torch.Tensor] | None = None,
+                basis: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple | None]:
+        """With ``basis`` (a subspace-constrained model) each residual write is projected onto its span."""
         attended, kv = self.self_attn(self.input_layernorm(x), cos, sin, past)
-        x = x + attended
-        return x + self.mlp(self.post_attention_layernorm(x)), kv
+        x = x + (attended if basis is None else subspace.project(attended, basis))
+        written = self.mlp(self.post_attention_layernorm(x))
+        return x + (written if basis is None else subspace.project(written, basis)), kv
 
     def reset_parameters(self, generator: torch.Generator, n_layers: int) -> None:
         """N(0, 0.02) matrices, residual writes scaled down by depth, norms at 1."""
@@ -243,7 +234,7 @@ class DecoderLayer(nn.Module):
 class StageModule(nn.Module):
     """The layers of one stage of ``spec``, with the embedding on stage 0 and the head on the last."""
 
-    def __init__(self, spec: ModelSpec, stage: int) -> None:
+    def __init__(self, spec: ModelSpec, stage: int, sub: subspace.Subspace | None = None) -> None:
         super().__init__()
         if not 0 <= stage < spec.n_stages:
             raise ConfigError(f"model {spec.name} has stages 0..{spec.last_stage}, not {stage}")
@@ -256,6 +247,9 @@ class StageModule(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(self.start, self.end))
         self.norm = RMSNorm(spec.width, spec.norm_eps) if self.is_last else None
         self.lm_head = nn.Linear(spec.width, spec.vocab, bias=False) if self.is_last else None
+        # a subspace-constrained model's fixed parts (model.subspace): buffers, never weights nor state
+        self.register_buffer("sub_basis", None if sub is None else sub.basis.clone(), persistent=False)
+        self.register_buffer("sub_fixed", None if sub is None else sub.fixed.clone(), persistent=False)
 
     def reset_parameters(self, seed: int) -> None:
         """Set every weight from (model name, seed, part): see the module docstring."""
@@ -272,23 +266,32 @@ class StageModule(nn.Module):
                 self.norm.weight.fill_(1.0)
                 self.lm_head.weight.normal_(0.0, INIT_STD, generator=_generator(name, seed, "head"))
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, ids: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids [B, T] (stage 0) or hidden states [B, T, width] → hidden states, or logits (last stage).
 
-        With ``cache``: a cached decode of one sequence (module docstring); the cache is extended."""
+        With ``cache``: a cached decode of one sequence (module docstring); the cache is extended.
+        A subspace-constrained model (``model.subspace``) takes and returns its coordinates [B, T, rank]
+        instead of hidden states, and a stage after the first needs the micro-batch's token ``ids``."""
         if cache is not None:
             return self._decode(x, cache)
+        width = self.spec.width if self.sub_basis is None else self.sub_basis.shape[1]
         if self.is_first:
-            x = self._embed(x)
-        elif x.dim() != 3 or x.shape[-1] != self.spec.width or not x.is_floating_point():
-            raise ValueError(f"stage {self.stage} takes hidden states [batch, seq, {self.spec.width}], "
+            ids, x = x, self._embed(x)
+        elif x.dim() != 3 or x.shape[-1] != width or not x.is_floating_point():
+            raise ValueError(f"stage {self.stage} takes hidden states [batch, seq, {width}], "
                              f"not {x.dtype} {tuple(x.shape)}")
+        elif self.sub_basis is not None:
+            if ids is None or ids.shape != x.shape[:2]:
+                raise ValueError(f"stage {self.stage} of a subspace model needs the token ids of its input")
+            x = subspace.from_coords(x, ids, self.sub_basis, self.sub_fixed)
         cos, sin = rotary(self.spec, x.shape[1], x.device)
         for layer in self.layers:
-            x = layer(x, cos, sin)[0]
+            x = layer(x, cos, sin, basis=self.sub_basis)[0]
         if self.is_last:
             assert self.norm is not None and self.lm_head is not None  # the last stage has them
-            x = self.lm_head(self.norm(x))
+            return self.lm_head(self.norm(x))
+        if self.sub_basis is not None:
+            x = subspace.to_coords(x, ids, self.sub_basis, self.sub_fixed)
         return x
 
     def _decode(self, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
@@ -302,7 +305,7 @@ class StageModule(nn.Module):
         layers = []
         for i, layer in enumerate(self.layers):
             held = cache.layers[i] if cache.layers else self._empty_kv(x)
-            x, kv = layer(x, cos, sin, held)
+            x, kv = layer(x, cos, sin, held, self.sub_basis)
             layers.append(kv)
         cache.layers, cache.length = layers, past + n
         if self.is_last:
@@ -321,6 +324,8 @@ class StageModule(nn.Module):
         if not 0 < seq <= self.spec.context:
             raise ValueError(f"sequence length {seq} is outside 1..{self.spec.context} of {self.spec.name}")
         assert self.embed_tokens is not None  # only the first stage embeds
+        if self.sub_basis is not None:
+            return subspace.embed(self.embed_tokens.weight, ids, self.sub_basis, self.sub_fixed)
         return self.embed_tokens(ids)
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -332,25 +337,32 @@ class StageModule(nn.Module):
             raise ValueError(f"stage {self.stage} of {self.spec.name} is not the last stage; it has no loss")
         return F.cross_entropy(logits.reshape(-1, self.spec.vocab).float(), targets.reshape(-1))
 
+    def fixed_parts(self) -> subspace.Subspace | None:
+        """A subspace-constrained model's fixed basis and embedding (on the host), or None."""
+        if self.sub_basis is None or self.sub_fixed is None:
+            return None
+        return subspace.Subspace(self.sub_basis.cpu(), self.sub_fixed.cpu())
+
     def param_count(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
 
-def build_stage(spec: ModelSpec, stage: int, seed: int) -> StageModule:
-    """Stage ``stage`` of ``spec`` with its initial weights, a pure function of (spec.name, seed, stage)."""
-    module = StageModule(spec, stage)
+def build_stage(spec: ModelSpec, stage: int, seed: int, rank: int = 0) -> StageModule:
+    """Stage ``stage`` of ``spec`` with its initial weights, a pure function of (spec.name, seed, stage);
+    ``rank`` > 0: constrained to a subspace of that many directions (``model.subspace``)."""
+    module = StageModule(spec, stage, subspace.build(spec, seed, rank) if rank else None)
     module.reset_parameters(seed)
     return module
 
 
-def build_model(spec: ModelSpec, seed: int) -> list[StageModule]:
+def build_model(spec: ModelSpec, seed: int, rank: int = 0) -> list[StageModule]:
     """Every stage of ``spec``, in order: for tests, benchmarks and single-machine training."""
-    return [build_stage(spec, stage, seed) for stage in range(spec.n_stages)]
+    return [build_stage(spec, stage, seed, rank) for stage in range(spec.n_stages)]
 
 
 def run_stages(stages: Sequence[StageModule], ids: torch.Tensor) -> torch.Tensor:
     """Token ids through stages 0..S-1 in turn: the logits of the whole model."""
     x = ids
     for module in stages:
-        x = module(x)
+        x = module(x, ids=ids)  # a subspace model's later stages rebuild their input from the ids
     return x

@@ -29,6 +29,8 @@ is that file. Layout (every key but ``name`` and ``model`` has the default shown
     [wire]                        # what crosses a stage boundary (swarm/quant.py); left out of the
     activations = "dense"         # identity while "dense": dense (batch.dtype), q8 or q4
     gradients = "dense"           # the gradients sent back, chosen on their own
+    subspace = 0                  # K > 0: the model's residual writes span K fixed directions, and a
+                                  # boundary carries K numbers a token (model/subspace.py); 0: off
 
     [diloco]                      # the outer-round settings that must match between replicas
     inner_steps = 500             # H
@@ -129,6 +131,7 @@ class RunSpec:
     eval_batches: int = DEFAULT_EVAL_BATCHES  # the held-out set's size (tests that need no precise figure: fewer)
     activations: str = DENSE  # [wire]: how activations cross a stage boundary
     gradients: str = DENSE  # [wire]: how their gradients come back
+    subspace: int = 0  # [wire]: directions of a subspace-constrained model (model/subspace.py); 0: a plain one
     inner_steps: int = dls.INNER_STEPS
     outer_lr: float = dls.OUTER_LR
     momentum: float = dls.OUTER_MOMENTUM
@@ -144,6 +147,8 @@ class RunSpec:
         for boundary in ("activations", "gradients"):  # dense, the default: the identities runs had before
             if values[boundary] == DENSE:
                 del values[boundary]
+        if not values["subspace"]:
+            del values["subspace"]
         values["betas"] = list(self.betas)
         values["spec"] = dataclasses.asdict(self.spec())  # the model's dimensions, as this version builds it
         return {"format": RUN_FORMAT, **values}
@@ -233,7 +238,7 @@ _TABLES: dict[str, dict[str, type]] = {
     "optimizer": {"lr": float, "betas": list, "eps": float, "weight_decay": float, "grad_clip": float,
                   "accumulate": int, "warmup_steps": int, "decay_steps": int, "min_lr_ratio": float},
     "batch": {"rows": int, "context": int, "dtype": str, "eval_batches": int},
-    "wire": {"activations": str, "gradients": str},
+    "wire": {"activations": str, "gradients": str, "subspace": int},
     "diloco": {"inner_steps": int, "outer_lr": float, "momentum": float, "codec": str, "aggregator": str},
 }
 _REQUIRED = ("name", "model")
@@ -337,6 +342,8 @@ def _problem(run: RunSpec, model: ModelSpec) -> tuple[str, str] | None:
         ("batch.eval_batches", 1 <= run.eval_batches <= MAX_EVAL_BATCHES, f"must be within [1, {MAX_EVAL_BATCHES}]"),
         ("wire.activations", run.activations in BOUNDARY_CODECS, f"must be one of {', '.join(BOUNDARY_CODECS)}"),
         ("wire.gradients", run.gradients in BOUNDARY_CODECS, f"must be one of {', '.join(BOUNDARY_CODECS)}"),
+        ("wire.subspace", 0 <= run.subspace <= model.width, f"must be within [0, {model.width}] (the width "
+                                                             f"of {model.name}; 0: off)"),
     ]
     for key, ok, why in checks:
         if not ok:
@@ -368,7 +375,8 @@ def format_run(run: RunSpec) -> str:
         f"optimizer     AdamW lr {run.lr:g}, betas {run.betas[0]:g}/{run.betas[1]:g}, eps {run.eps:g}, weight decay "
         f"{run.weight_decay:g} on matrices, clip {run.grad_clip:g}, accumulate {run.accumulate}; {schedule}",
         f"micro-batch   {run.rows} x {run.context} tokens, {run.dtype} on the wire "
-        f"(activations {run.activations}, gradients {run.gradients})",
+        f"(activations {run.activations}, gradients {run.gradients}"
+        f"{f', a subspace of {run.subspace} directions' if run.subspace else ''})",
         f"diloco        H {run.inner_steps}, outer lr {run.outer_lr:g}, momentum {run.momentum:g}, codec {run.codec}, "
         f"{run.aggregator}",
     ])

@@ -58,6 +58,7 @@ class TrainConfig:
     activation_dtype: str = DEFAULT_DTYPE  # what hidden states and their gradients travel as
     activation_codec: str = "dense"  # how hidden states cross a boundary: dense (activation_dtype), q8, q4
     gradient_codec: str = "dense"  # and their gradients (run file [wire])
+    subspace: int = 0  # directions of a subspace-constrained model (run file [wire], model/subspace.py); 0: off
     eval_batches: int = DEFAULT_EVAL_BATCHES  # held-out micro-batches per evaluation round (the run's held-out set)
     predict_weights: bool = PREDICT_WEIGHTS  # forwards run on the weights predicted for when their gradient lands
 
@@ -68,6 +69,7 @@ def train_config(run: RunSpec) -> TrainConfig:
                        seed=run.seed, betas=run.betas, eps=run.eps, warmup_steps=run.warmup_steps,
                        decay_steps=run.decay_steps, min_lr_ratio=run.min_lr_ratio, rows=run.rows, seq=run.context,
                        activation_dtype=run.dtype, activation_codec=run.activations, gradient_codec=run.gradients,
+                       subspace=run.subspace,
                        eval_batches=run.eval_batches)
 
 

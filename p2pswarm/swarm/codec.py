@@ -3,7 +3,10 @@
 The one place tensors become bytes and bytes become tensors, for training, evaluation and
 inference alike. A run chooses how activations and their gradients cross a boundary (run file
 ``[wire]``): dense in its dtype, or quantized per token (``swarm.quant``); a frame's ``dtype``
-names its encoding, and a peer takes only the encoding its run names:
+names its encoding, and a peer takes only the encoding its run names. A subspace run
+(``model.subspace``) sends the K coordinates of each hidden state instead (the engine's module
+computes them: ``Layout.width`` is K), and its forwards carry their token ids: the targets'
+window one token longer (``_window``), from which the receiver takes ids and targets:
 
 - ``tensor_to_frame`` / ``frame_to_tensor``: a tensor as a ``wire.TensorFrame`` and its payload
   (row-major, little-endian, on any host) and back; ``to_wire`` / ``from_wire`` the same as
@@ -59,12 +62,14 @@ class Layout:
     me: str = ""  # our peer id: an evaluation's chain
     activations: str = DENSE  # how activations travel: DENSE (in ``dtype``) or a wire.QUANTIZED_BITS key
     gradients: str = DENSE  # how their gradients travel
+    carries_ids: bool = False  # a subspace model: a forward's targets window starts one token earlier (its ids)
 
     @classmethod
     def of(cls, spec, stage: int, config, run: bytes, me: str) -> Layout:
-        """The layout of ``stage`` of ``spec`` as a ``TrainConfig`` has it travel."""
-        return cls(stage, spec.width, spec.context, spec.vocab, config.activation_dtype, run, me,
-                   config.activation_codec, config.gradient_codec)
+        """The layout of ``stage`` of ``spec`` as a ``TrainConfig`` has it travel: a subspace model's
+        frames are its coordinates (``model.subspace``), ``config.subspace`` wide."""
+        return cls(stage, config.subspace or spec.width, spec.context, spec.vocab, config.activation_dtype, run, me,
+                   config.activation_codec, config.gradient_codec, bool(config.subspace))
 
     def encoding(self, message: type) -> str:
         """The frame dtype a Forward (or Backward) of this run carries."""
@@ -167,11 +172,26 @@ def decode_work(kind: str, message: Forward | Backward, payload: bytes, layout: 
     if kind == "backward":
         return eng.Work("backward", key, from_wire(message.dtype, shape, tensor_bytes, layout.dtype), None)
     assert isinstance(message, Forward)  # classify: a Backward is "backward", a Forward "forward" or "eval"
-    targets = targets_from_bytes(target_bytes, shape[0], shape[1], layout.vocab) if target_bytes else None
+    ids = None
+    if layout.carries_ids:  # the window of ids and targets: ids = window[:, :-1], targets = window[:, 1:]
+        window = targets_from_bytes(target_bytes, shape[0], shape[1] + 1, layout.vocab)
+        ids, targets = window[:, :-1], window[:, 1:]
+    else:
+        targets = targets_from_bytes(target_bytes, shape[0], shape[1], layout.vocab) if target_bytes else None
     tensor = from_wire(message.dtype, shape, tensor_bytes, layout.dtype)
     if kind == "forward":
-        return eng.Work("forward", key, tensor, targets, message.step)
-    return eng.Work("eval", key, tensor, targets, message.step, message.rounds)
+        return eng.Work("forward", key, tensor, targets, message.step, ids=ids)
+    return eng.Work("eval", key, tensor, targets, message.step, message.rounds, ids=ids)
+
+
+def _window(work: eng.Work, layout: Layout) -> torch.Tensor:
+    """The tokens a forward carries on: its targets, or for a subspace model its ids and the last target."""
+    assert work.targets is not None  # admission: a forward always has them past stage 0, feeding at stage 0
+    if not layout.carries_ids:
+        return work.targets
+    ids = work.tensor if layout.stage == 0 else work.ids
+    assert ids is not None  # decode_work gives a subspace model's forward its ids
+    return torch.cat((ids.cpu(), work.targets[:, -1:].cpu()), dim=1)
 
 
 def encode_outputs(job: Job, out: eng.Output, layout: Layout, step: int,
@@ -185,7 +205,7 @@ def encode_outputs(job: Job, out: eng.Output, layout: Layout, step: int,
     if out.forward is not None:
         priority = Priority.TRAINING_FORWARD if work.kind == "forward" else Priority.INFERENCE
         dtype, shape, data = to_wire(to_host(out.forward), layout.activations)
-        targets = targets_to_bytes(work.targets, layout.vocab)
+        targets = targets_to_bytes(_window(work, layout), layout.vocab)
         header = {"session": work.key[0], "micro_batch": work.key[1], "stage": layout.stage + 1,
                   "priority": int(priority), "dtype": dtype, "shape": shape, "targets": len(targets), "run": layout.run}
         if work.kind == "eval":  # the chain and the outer rounds it was evaluated on so far

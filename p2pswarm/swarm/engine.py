@@ -72,6 +72,7 @@ class Work:
     step: int = 0  # the sender's step; on an evaluation, the round
     # on an evaluation: the outer round each stage before us evaluated (activation.Forward)
     rounds: tuple[int, ...] = ()
+    ids: torch.Tensor | None = None  # a subspace model's input token ids [batch, seq] past stage 0 (model.subspace)
 
 
 @dataclass(frozen=True)
@@ -96,8 +97,9 @@ class StageEngine:
             torch.cuda.set_device(self.device)  # this (the compute) thread's current device, for good
         self.wire_dtype = wire_dtype(config.activation_dtype)
         self._staging = Staging(self.device)
-        self.module = build_stage(spec, stage, config.seed).to(self.device)  # built on the CPU: the same
-        self.is_first, self.is_last = self.module.is_first, self.module.is_last  # weights on any device
+        # built on the CPU: the same weights on any device
+        self.module = build_stage(spec, stage, config.seed, config.subspace).to(self.device)
+        self.is_first, self.is_last = self.module.is_first, self.module.is_last
         self.params: dict[str, torch.Tensor] = dict(self.module.named_parameters())
         self.optimizer = torch.optim.AdamW(param_groups(self.module, config.weight_decay), lr=config.lr,
                                            betas=config.betas, eps=config.eps)
@@ -136,7 +138,7 @@ class StageEngine:
         x = self._input(work.tensor)
         x = x if self.is_first else x.requires_grad_(True)
         with self._autocast():
-            y = functional_call(self.module, weights, (x,))
+            y = functional_call(self.module, weights, (x,), {"ids": _ids_on(work, self.device)})
             if not self.is_last:
                 self._kept[work.key] = (x, y, weights)
                 return Output(forward=y.detach())
@@ -166,7 +168,8 @@ class StageEngine:
         round_, weights = self._eval_weights(work.rounds[0] if work.rounds else work.step)
         with torch.no_grad(), self._autocast():
             x = self._input(work.tensor)
-            y = self.module(x) if weights is None else functional_call(self.module, weights, (x,))
+            ids = {"ids": _ids_on(work, self.device)}
+            y = self.module(x, **ids) if weights is None else functional_call(self.module, weights, (x,), ids)
             if not self.is_last:
                 return Output(forward=y, round=round_)
             assert work.targets is not None, "admission lets an evaluation reach the last stage only with targets"
@@ -266,7 +269,8 @@ class StageEngine:
         """Weights, optimizer state and counters: what a snapshot or an outer step needs (the
         tensors are the engine's own, on its device: ``host_state_dict`` for a copy to keep)."""
         return {"module": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "step": self.step, "micro_batches": self.micro_batches, "tokens": self.tokens}
+                "step": self.step, "micro_batches": self.micro_batches, "tokens": self.tokens,
+                "subspace": self.config.subspace}  # an export folds a subspace model's projections in
 
     def host_state_dict(self) -> dict:
         """``state_dict`` with every tensor copied to the host: what a snapshot encodes, off this
@@ -306,6 +310,11 @@ def wire_dtype(name: str) -> torch.dtype:
     if name not in WIRE_DTYPES:
         raise ConfigError(f"activation dtype must be one of {', '.join(WIRE_DTYPES)}, not {name!r}")
     return WIRE_DTYPES[name]
+
+
+def _ids_on(work: Work, device: torch.device) -> torch.Tensor | None:
+    """A subspace model's token ids on ``device`` (None where not needed: stage 0, a plain model)."""
+    return None if work.ids is None else work.ids.to(device)
 
 
 def _to_host(node):

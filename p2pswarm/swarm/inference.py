@@ -264,7 +264,7 @@ class InferenceServer:
         if self._module is None:
             from p2pswarm.model.transformer import StageModule  # lazy: torch
 
-            self._module = StageModule(self.spec, self.stage).to(engine.device)
+            self._module = StageModule(self.spec, self.stage, engine.module.fixed_parts()).to(engine.device)
         return self._module
 
     def _weights_of(self, engine, round_: int, held: dict) -> dict:
