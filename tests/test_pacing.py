@@ -82,6 +82,31 @@ def test_small_frames_measure_latency_not_throughput():
     assert link.slack == pytest.approx(0.5 - (SAMPLE_MIN_BYTES - 1) / 1.25e6)  # what the assumed rate does not explain
 
 
+def test_small_frames_acked_back_to_back_measure_a_thin_line():
+    """A subspace run's 13 KB frames queued on a 25 KB/s uplink: acked 0.52 s apart, each after seconds in
+    the queue. The line is learnt, so the deadline of the bytes queued ahead is seconds, not 10 Mbit/s'."""
+    small, rate, now, link = 13_000, 25_000.0, 0.0, Link()
+    for _ in range(4):
+        link = link.sent()
+    for i in range(20):
+        now += small / rate
+        link = link.sent().acked(small, 2.0 + small / rate, now)  # 2 s in the queue, then its transfer
+    assert link.throughput == pytest.approx(rate, rel=0.01)
+    assert link.deadline(8 * small) > 8 * small / rate  # 8 frames ahead: 4.2 s of line
+
+
+def test_a_fast_line_left_idle_by_a_slow_sender_keeps_its_rate():
+    """13 KB frames cut every 0.25 s (the compute's pace) on a fast line: acked in 5 ms each; the time
+    between acks is the sender's pace, not the line's, and the shorter time (5 ms) is what counts."""
+    small, now, link = 13_000, 0.0, Link().sent().sent()
+    for _ in range(20):
+        now += 0.25
+        link = link.sent().acked(small, 0.005, now)
+    assert link.throughput == pytest.approx(small / 0.005, rel=0.01)
+    alone = Link().sent().acked(small, 0.005, 1.0).acked(small, 0.005, 2.0)  # one on the way at a time
+    assert alone.throughput is None
+
+
 def test_aimd_adds_one_per_window_and_halves_on_a_timeout_or_busy():
     link = Link()
     for _ in range(2):  # one window's worth of acks at window 2

@@ -7,7 +7,13 @@ ack comes in time at all (congestion collapse, issue 14). So each peer gets a ``
 from our side only (what a peer claims never enters it):
 
 - **throughput**: an average of ``size / seconds`` over acked frames of at least
-  SAMPLE_MIN_BYTES (small frames say nothing of the link's rate), from send to ack;
+  SAMPLE_MIN_BYTES, from send to ack; a smaller frame alone says nothing of the link's rate (its
+  time is latency), but one acked while others were on the way behind it is a *delivery-rate*
+  sample (as BBR's): its bytes over the shorter of its own send-to-ack time and the time since
+  the ack before it. On a saturated thin line frames are acked one transfer time apart, so the
+  line is measured (a subspace run's 13 KB frames on 25 KB/s: 0.5 s each, not the 10 ms that
+  10 Mbit/s would assume); on a fast line that a slow sender leaves idle, the frame's own
+  send-to-ack time is the shorter one and the sample stays high;
 - **slack**: what the ack latency adds to the transfer time expected at that throughput (the
   receiver's loop, its buffering), smoothed with its variation as TCP does (RFC 6298);
 - **deadline(size)** = ``size / throughput`` x TRANSFER_MARGIN + slack + RTT_K x variation,
@@ -62,6 +68,7 @@ class Link:
     slack_var: float = 0.0  # smoothed variation of that
     window: float = WINDOW_INITIAL  # frames allowed on the way (AIMD)
     on_the_way: int = 0  # frames sent and not yet answered
+    last_ack_at: float | None = None  # when the last ack came (the caller's clock): delivery-rate samples
     acks: int = 0
     timeouts: int = 0
     busies: int = 0
@@ -89,12 +96,14 @@ class Link:
         """A frame is on the way (the caller checked ``has_room``, or it is a gradient: one place to go)."""
         return replace(self, on_the_way=self.on_the_way + 1)
 
-    def acked(self, size: int, seconds: float) -> Link:
-        """An ack ``seconds`` after the first byte of ``size`` bytes: learn, and open the window."""
+    def acked(self, size: int, seconds: float, now: float | None = None) -> Link:
+        """An ack ``seconds`` after the first byte of ``size`` bytes (at ``now`` on the caller's clock,
+        where known): learn, and open the window."""
         seconds = max(0.0, seconds)
         throughput, fastest, queued = self.throughput, self.fastest, False
-        if size >= SAMPLE_MIN_BYTES and seconds > 0:
-            sample = max(MIN_THROUGHPUT, size / seconds)
+        busy = self._busy_time(size, seconds, now)
+        if busy is not None and busy > 0:
+            sample = max(MIN_THROUGHPUT, size / busy)
             throughput = sample if throughput is None else throughput + THROUGHPUT_ALPHA * (sample - throughput)
             queued = fastest is not None and seconds > QUEUE_FACTOR * size / fastest + QUEUE_ALLOWANCE
             fastest = sample if fastest is None else max(fastest, sample)
@@ -107,7 +116,18 @@ class Link:
         step = -1 / self.window if queued else 1 / self.window
         window = min(WINDOW_MAX, max(WINDOW_MIN, self.window + step))
         return replace(self, throughput=throughput, fastest=fastest, slack=slack, slack_var=var, window=window,
-                       on_the_way=max(0, self.on_the_way - 1), acks=self.acks + 1)
+                       on_the_way=max(0, self.on_the_way - 1), acks=self.acks + 1,
+                       last_ack_at=self.last_ack_at if now is None else now)
+
+    def _busy_time(self, size: int, seconds: float, now: float | None) -> float | None:
+        """The seconds a frame's acked bytes measure the link over, or None if it measures nothing:
+        a large frame its send-to-ack time; a small one acked behind others, the shorter of that and
+        the time since the previous ack (module docstring)."""
+        if size >= SAMPLE_MIN_BYTES:
+            return seconds
+        if size <= 0 or now is None or self.last_ack_at is None or self.on_the_way < 2:
+            return None
+        return min(seconds, now - self.last_ack_at)
 
     def busy(self) -> Link:
         """A ``Busy``: the peer is alive but full; have less on the way to it."""

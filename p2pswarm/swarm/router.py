@@ -195,7 +195,7 @@ class Router:
                     size: int = 0) -> None:
         """An ack ``latency`` seconds after the first byte of a ``size``-byte frame: the latency EMA,
         the link's throughput and slack (and its window) learn from it; any backoff ends."""
-        self._set_link(peer, self.link(peer).acked(size, latency))
+        self._set_link(peer, self.link(peer).acked(size, latency, now))
         state = self.peers.get(peer)
         if state is None:
             return
