@@ -15,7 +15,7 @@ the steady step time, and the ratio of its time to the dense arm's on the same l
 dense arm's. The swarm evaluates only every few outer rounds (a tenth of its time, ``EVAL_SHARE``): the
 time to target is known to within one evaluation period, said with each line.
 
-    python bench/time_to_loss.py [--links unshaped,gpu-ratio] [--boundary dense,q8,q4] [--budget 100000]
+    python bench/time_to_loss.py [--links unshaped,gpu-ratio] [--boundary dense,q8,q4,s16q4] [--budget 100000]
         [--limit 600] [--eval-batches 2]
 """
 
@@ -72,8 +72,10 @@ def arm(link: str, boundary: str, target: float, limit: float, eval_batches: int
     from p2pswarm.model.catalog import get_model
     from p2pswarm.testing.linkswarm import MODEL, TRAIN_TIMEOUT, boundary_bytes, check_alive, link_swarm, snapshot
 
+    from p2pswarm.swarm.service import BATCH_ROWS
+
     forward, backward = boundary_bytes(get_model(MODEL), boundary)
-    tokens_per_batch = forward - backward
+    tokens_per_batch = BATCH_ROWS * get_model(MODEL).context
     launched = time.monotonic()
     result: dict = {"link": link, "boundary": boundary, "reached": False,  # forward: the target bytes too
                     "b_per_token": (forward / tokens_per_batch, backward / tokens_per_batch)}
@@ -124,7 +126,7 @@ def line(r: dict, dense: dict | None, unshaped: dict | None, target: float) -> s
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--links", default="unshaped,gpu-ratio", help="link profiles (testing/linklab.PROFILES)")
-    parser.add_argument("--boundary", default="dense,q8,q4", help="stage-boundary encodings ([wire])")
+    parser.add_argument("--boundary", default="dense,q8,q4", help="stage-boundary encodings ([wire]): dense, q8, q4, or sK, sKq8, sKq4 (a subspace of K)")
     parser.add_argument("--budget", type=int, default=100_000, help="tokens the one-process baseline trains")
     parser.add_argument("--limit", type=float, default=600.0, help="seconds of training an arm gets at most")
     parser.add_argument("--eval-batches", type=int, default=2, help="held-out micro-batches (32 rows) a round")

@@ -6,7 +6,9 @@ and with the flags ``p2pswarm demo`` gives its joins. ``run_relayed_arm`` starts
 and stage 1, behind symmetric NATs (no hole punch can work), so every micro-batch crosses a relay.
 
 ``boundary`` (``q8``, ``q4``) trains a run file of ``tiny-lm/2`` with the demo's DiLoCo values
-whose ``[wire]`` sends activations and gradients that way (``swarm/quant.py``) instead of dense.
+whose ``[wire]`` sends activations and gradients that way (``swarm/quant.py``) instead of dense;
+``sKq4`` (``sK``, ``sKq8``) a model constrained to a subspace of K directions whose coordinates
+travel that way (``model/subspace.py``).
 
 Both wait until training runs (stage-0 tokens move), train for ``seconds``, and read each peer's
 ``GET /api/swarm`` at the start and the end of that window (the last stage's training loss too).
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -56,28 +59,41 @@ def join_args(spec: ModelSpec, stage: int, boot_addr: str, peers: int, run: Path
             "--gather", str(DEMO_GATHER_S), "--snapshot-period", str(DEMO_SNAPSHOT_PERIOD)]
 
 
+def parse_boundary(boundary: str) -> tuple[int, str]:
+    """(subspace directions, encoding) of a boundary name: ``q8`` is (0, "q8"), ``s16q4`` (16, "q4"),
+    ``s16`` (16, "dense"); ValueError for anything else."""
+    match = re.fullmatch(r"(?:s(\d+))?(dense|q8|q4)?", boundary)
+    if not boundary or match is None or (match[1] is None and match[2] is None):
+        raise ValueError(f"a boundary is dense, q8, q4, sK, sKq8 or sKq4, not {boundary!r}")
+    return int(match[1] or 0), match[2] or "dense"
+
+
 def boundary_run(workdir: Path, boundary: str, eval_batches: int | None = None) -> Path:
     """A run file: the default run on MODEL with the demo's DiLoCo values, ``boundary`` both ways (and
     ``eval_batches`` held-out micro-batches a round, where given)."""
+    subspace, encoding = parse_boundary(boundary)
     path = workdir / f"tiny-lm-{boundary}.toml"
     batch = "" if eval_batches is None else f"[batch]\neval_batches = {eval_batches}\n"
     path.write_text(f'''name = "tiny-lm-{boundary}"\nmodel = "{MODEL}"\n[diloco]\ninner_steps = {DEMO_INNER_STEPS}
-momentum = {DEMO_OUTER_MOMENTUM}\n{batch}[wire]\nactivations = "{boundary}"\ngradients = "{boundary}"\n''')
+momentum = {DEMO_OUTER_MOMENTUM}\n{batch}[wire]\nactivations = "{encoding}"\ngradients = "{encoding}"
+subspace = {subspace}\n''')
     return path
 
 
 def boundary_bytes(spec: ModelSpec, boundary: str = "dense") -> tuple[int, int]:
     """Payload bytes of one training micro-batch crossing a stage boundary: (forward, backward).
 
-    A forward carries hidden states [rows, context, width] (float32, or quantized per token) plus one
-    target byte per token; the gradient coming back is the same tensor without targets."""
+    A forward carries hidden states [rows, context, width] (float32, or quantized per token; a subspace
+    model's K coordinates instead) plus one target byte per token (a subspace model's window: one more a
+    row); the gradient coming back is the same tensor without targets."""
     from p2pswarm import wire
     from p2pswarm.swarm.service import BATCH_ROWS  # imports torch: only when figures are computed
 
-    tokens = BATCH_ROWS * spec.context
-    bits = wire.QUANTIZED_BITS.get(boundary)
-    tensor = tokens * (wire.quantized_row_bytes(bits, spec.width) if bits else spec.width * FLOAT32_BYTES)
-    return tensor + tokens, tensor
+    subspace, encoding = parse_boundary(boundary)
+    tokens, width = BATCH_ROWS * spec.context, subspace or spec.width
+    bits = wire.QUANTIZED_BITS.get(encoding)
+    tensor = tokens * (wire.quantized_row_bytes(bits, width) if bits else width * FLOAT32_BYTES)
+    return tensor + tokens + (BATCH_ROWS if subspace else 0), tensor
 
 
 def link_bound_tok_s(spec: ModelSpec, profile: LinkProfile, replicas: int = REPLICAS,
@@ -89,8 +105,10 @@ def link_bound_tok_s(spec: ModelSpec, profile: LinkProfile, replicas: int = REPL
     the swarm's is the lower side. None when the profile is unshaped."""
     if profile.up_mbit is None and profile.down_mbit is None:
         return None
+    from p2pswarm.swarm.service import BATCH_ROWS  # imports torch: only when figures are computed
+
     forward, backward = boundary_bytes(spec, boundary)
-    tokens = forward - backward  # one target byte per token
+    tokens = BATCH_ROWS * spec.context
 
     def rate(mbit: float | None, nbytes: int) -> float:
         return float("inf") if mbit is None else mbit * 1e6 / 8 / (nbytes * WIRE_OVERHEAD) * tokens
