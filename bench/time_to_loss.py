@@ -70,9 +70,8 @@ def best_agreed(docs: dict) -> tuple[float, int] | None:
 def arm(link: str, boundary: str, target: float, limit: float, eval_batches: int) -> dict:
     """The 2 x 2 swarm on ``link`` lines with ``boundary`` until its agreed weights reach ``target``."""
     from p2pswarm.model.catalog import get_model
-    from p2pswarm.testing.linkswarm import MODEL, TRAIN_TIMEOUT, boundary_bytes, check_alive, link_swarm, snapshot
-
     from p2pswarm.swarm.service import BATCH_ROWS
+    from p2pswarm.testing.linkswarm import MODEL, TRAIN_TIMEOUT, boundary_bytes, check_alive, link_swarm, snapshot
 
     forward, backward = boundary_bytes(get_model(MODEL), boundary)
     tokens_per_batch = BATCH_ROWS * get_model(MODEL).context
