@@ -25,7 +25,7 @@ from p2pswarm.demo import free_port  # noqa: E402
 from p2pswarm.diloco.checkpoint import SnapshotStore, encode_state  # noqa: E402
 from p2pswarm.diloco.outer import OuterOptimizer  # noqa: E402
 from p2pswarm.errors import ConfigError  # noqa: E402
-from p2pswarm.export import heldout_figure, stage_peers, tokenizer_file  # noqa: E402
+from p2pswarm.export import fixed_parts, heldout_figure, stage_peers, tokenizer_file  # noqa: E402
 from p2pswarm.model import hf_export, hf_files  # noqa: E402
 from p2pswarm.model.catalog import get_model  # noqa: E402
 from p2pswarm.model.tokenizer import FileTokenizer, train_bpe  # noqa: E402
@@ -44,15 +44,16 @@ def snapshot_state(module, round_: int, tokens: int = 1000) -> dict:
     state = {"format": 1, "model": module.spec.name, "stage": module.stage,
              "engine": {"module": {k: v.clone() for k, v in module.state_dict().items()},
                         "optimizer": torch.optim.AdamW(module.parameters()).state_dict(), "step": 7 * round_,
-                        "micro_batches": 3, "tokens": tokens},
+                        "micro_batches": 3, "tokens": tokens,
+                        "subspace": 0 if module.sub_basis is None else module.sub_basis.shape[1]},
              "diloco": outer.state_dict(), "feedback": {}}
     for tensor in state["engine"]["module"].values():  # a replica's own progress since the round: not exported
         tensor.add_(0.5)
     return state
 
 
-def trained_stages(spec, seed: int = 3):
-    stages = build_model(spec, seed)
+def trained_stages(spec, seed: int = 3, rank: int = 0):
+    stages = build_model(spec, seed, rank)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for stage in stages:
@@ -95,8 +96,8 @@ def one_error_line(capsys) -> str:
 
 @pytest.fixture(scope="module")
 def tiny():
-    run = load_run("tiny-lm")
-    return run, trained_stages(run.spec())
+    run = load_run("tiny-lm")  # a subspace run (its [wire]): the export folds the projections in
+    return run, trained_stages(run.spec(), run.seed, run.subspace)
 
 
 def test_export_from_snapshot_dirs_loads_in_transformers(tmp_path, tiny, capsys):
@@ -123,7 +124,8 @@ def test_sharded_beyond_the_shard_size(tmp_path, tiny):
     snapshots = [hf_export.stage_snapshot(snapshot_state(m, 2), f"stage {m.stage}", run.identity) for m in stages]
     spec = hf_export.check_stages(snapshots)
     card = hf_export.Card(run.identity, run.name, 1000, 1.5, "test", "now", "test")
-    written = hf_export.write_export(tmp_path / "hf", spec, snapshots, card, shard_bytes=300_000)
+    written = hf_export.write_export(tmp_path / "hf", spec, snapshots, card, shard_bytes=300_000,
+                                     fixed=fixed_parts(run, spec))
     shards = [name for name in written.files if name.endswith(".safetensors")]
     assert len(shards) > 2 and "model.safetensors" not in shards
     index = json.loads((tmp_path / "hf" / hf_export.INDEX_NAME).read_text())

