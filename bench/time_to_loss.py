@@ -125,7 +125,8 @@ def line(r: dict, dense: dict | None, unshaped: dict | None, target: float) -> s
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--links", default="unshaped,gpu-ratio", help="link profiles (testing/linklab.PROFILES)")
-    parser.add_argument("--boundary", default="dense,q8,q4", help="stage-boundary encodings ([wire]): dense, q8, q4, or sK, sKq8, sKq4 (a subspace of K)")
+    parser.add_argument("--boundary", default="dense,q8,q4", help="stage-boundary encodings ([wire]): dense, q8, q4, "
+                        "or sK, sKq8, sKq4 (a subspace of K)")
     parser.add_argument("--budget", type=int, default=100_000, help="tokens the one-process baseline trains")
     parser.add_argument("--limit", type=float, default=600.0, help="seconds of training an arm gets at most")
     parser.add_argument("--eval-batches", type=int, default=2, help="held-out micro-batches (32 rows) a round")

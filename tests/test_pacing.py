@@ -88,7 +88,7 @@ def test_small_frames_acked_back_to_back_measure_a_thin_line():
     small, rate, now, link = 13_000, 25_000.0, 0.0, Link()
     for _ in range(4):
         link = link.sent()
-    for i in range(20):
+    for _ in range(20):
         now += small / rate
         link = link.sent().acked(small, 2.0 + small / rate, now)  # 2 s in the queue, then its transfer
     assert link.throughput == pytest.approx(rate, rel=0.01)
