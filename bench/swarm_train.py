@@ -224,8 +224,9 @@ def main() -> int:
                         help="comma list of link profiles (unshaped, dc100, home, weak) or relayed: one lab arm each")
     parser.add_argument("--links-only", action="store_true", help="run only the --links arms")
     parser.add_argument("--boundary", default="dense", metavar="NAMES",
-                        help="comma list of stage-boundary encodings for the --links arms: dense, q8, q4 "
-                             "(run file [wire]; one lab arm per link and encoding)")
+                        help="comma list of stage-boundary encodings for the --links arms: dense, q8, q4, "
+                             "or sK, sKq8, sKq4 (a subspace of K; run file [wire]; one lab arm per link and "
+                             "encoding)")
     parser.add_argument("--arms", default=",".join(ARMS), metavar="SxR,...",
                         help=f"ablation arms, stages x replicas (default {','.join(ARMS)})")
     parser.add_argument("--no-delay-arm", action="store_true", help="skip the 2x2 arm with 50 ms links")
@@ -251,8 +252,13 @@ def main() -> int:
     if not args.links_only:
         main_arms(args.seconds, arms, not args.no_delay_arm)
     boundaries = [b.strip() for b in args.boundary.split(",") if b.strip()]
-    if any(b not in ("dense", "q8", "q4") for b in boundaries):
-        parser.error(f"--boundary: each is dense, q8 or q4, not {args.boundary!r}")
+    from p2pswarm.testing.linkswarm import parse_boundary
+
+    for boundary in boundaries:
+        try:
+            parse_boundary(boundary)
+        except ValueError as exc:
+            parser.error(f"--boundary: {exc}")
     if links:
         link_arms(links, args.seconds, boundaries)
     return 0
