@@ -26,6 +26,7 @@ from p2pswarm.swarm.pacing import (
     DEADLINE_CEILING,
     DEADLINE_FLOOR,
     INITIAL_SLACK,
+    MAX_BACKOFF,
     SAMPLE_MIN_BYTES,
     WINDOW_INITIAL,
     WINDOW_MAX,
@@ -105,6 +106,20 @@ def test_a_fast_line_left_idle_by_a_slow_sender_keeps_its_rate():
     assert link.throughput == pytest.approx(small / 0.005, rel=0.01)
     alone = Link().sent().acked(small, 0.005, 1.0).acked(small, 0.005, 2.0)  # one on the way at a time
     assert alone.throughput is None
+
+
+def test_a_timeout_backs_the_deadline_off_until_an_ack():
+    """RFC 6298 5.5: a path slower than the deadline gets twice the time at each timeout, up to
+    MAX_BACKOFF, and the first ack brings it back; an error is no reason to wait longer."""
+    link = Link()
+    base = link.deadline(13_000)
+    late = link.timed_out().timed_out()
+    assert late.deadline(13_000) == pytest.approx(4 * base)
+    for _ in range(10):
+        late = late.timed_out()
+    assert late.deadline(13_000) == pytest.approx(min(DEADLINE_CEILING, MAX_BACKOFF * base))
+    assert late.sent().acked(13_000, 3.0).backoff == 1.0
+    assert link.timed_out(late=False).deadline(13_000) == base
 
 
 def test_aimd_adds_one_per_window_and_halves_on_a_timeout_or_busy():

@@ -17,9 +17,13 @@ from our side only (what a peer claims never enters it):
 - **slack**: what the ack latency adds to the transfer time expected at that throughput (the
   receiver's loop, its buffering), smoothed with its variation as TCP does (RFC 6298);
 - **deadline(size)** = ``size / throughput`` x TRANSFER_MARGIN + slack + RTT_K x variation,
-  within [DEADLINE_FLOOR, DEADLINE_CEILING]. The driver counts it from the first byte and does
-  not fail a peer while the frame's bytes are still moving (``sender``): the deadline bounds
-  how long a peer may make *no* progress, so a hung peer is found within one deadline;
+  at least DEADLINE_FLOOR, times the **backoff** (1; doubled by each timeout up to MAX_BACKOFF, 1
+  again on an ack, as RFC 6298 5.5 backs off its timer), at most DEADLINE_CEILING. The driver
+  counts it from the first byte and does not fail a peer while the frame's bytes are still moving
+  (``sender``): the deadline bounds how long a peer may make *no* progress, so a hung peer is
+  found within one deadline. Without the backoff a path slower than its deadline (a stream that
+  takes seconds to open on a 0.2 Mbit/s line) failed every attempt, and no ack ever came to
+  teach the link otherwise;
 - **window**: frames allowed on the way to the peer (sent, not yet answered), additive increase
   by one frame per window of acks, halved on a timeout or a ``Busy`` (AIMD), within
   [WINDOW_MIN, WINDOW_MAX]. An ack that took over QUEUE_FACTOR times what the fastest rate seen
@@ -51,6 +55,7 @@ SLACK_BETA = 1 / 4  # RFC 6298 gain of its variation
 RTT_K = 4  # RFC 6298: deadline = transfer + srtt + 4 * rttvar
 DEADLINE_FLOOR = 1.0  # seconds (RFC 6298's minimum RTO): a GC pause or a busy 2-core loop never fails a healthy peer
 DEADLINE_CEILING = 60.0  # seconds: at MIN_THROUGHPUT a 512 KiB frame still fits
+MAX_BACKOFF = 8.0  # RFC 6298 5.5: each timeout doubles the deadline, up to this factor, until an ack
 QUEUE_FACTOR = 3.0  # an ack this many times slower than the link's best means a queue of our own frames
 QUEUE_ALLOWANCE = 0.05  # seconds of loop and scheduling noise never counted as a queue
 WINDOW_INITIAL = 2.0  # frames on the way to a new peer
@@ -67,6 +72,7 @@ class Link:
     slack: float | None = None  # smoothed seconds an ack adds to the expected transfer
     slack_var: float = 0.0  # smoothed variation of that
     window: float = WINDOW_INITIAL  # frames allowed on the way (AIMD)
+    backoff: float = 1.0  # the deadline's factor: doubled by each timeout (RFC 6298 5.5), 1 again on an ack
     on_the_way: int = 0  # frames sent and not yet answered
     last_ack_at: float | None = None  # when the last ack came (the caller's clock): delivery-rate samples
     acks: int = 0
@@ -86,7 +92,7 @@ class Link:
         """Seconds an attempt of ``size`` bytes may go without progress before the peer is failed."""
         slack = INITIAL_SLACK if self.slack is None else self.slack + RTT_K * self.slack_var
         seconds = TRANSFER_MARGIN * self.transfer_time(size) + slack
-        return min(DEADLINE_CEILING, max(DEADLINE_FLOOR, seconds))
+        return min(DEADLINE_CEILING, max(DEADLINE_FLOOR, seconds) * self.backoff)
 
     @property
     def has_room(self) -> bool:
@@ -116,7 +122,7 @@ class Link:
         step = -1 / self.window if queued else 1 / self.window
         window = min(WINDOW_MAX, max(WINDOW_MIN, self.window + step))
         return replace(self, throughput=throughput, fastest=fastest, slack=slack, slack_var=var, window=window,
-                       on_the_way=max(0, self.on_the_way - 1), acks=self.acks + 1,
+                       on_the_way=max(0, self.on_the_way - 1), acks=self.acks + 1, backoff=1.0,
                        last_ack_at=self.last_ack_at if now is None else now)
 
     def _busy_time(self, size: int, seconds: float, now: float | None) -> float | None:
@@ -134,10 +140,13 @@ class Link:
         return replace(self, window=max(WINDOW_MIN, self.window / 2), on_the_way=max(0, self.on_the_way - 1),
                        busies=self.busies + 1)
 
-    def timed_out(self) -> Link:
-        """No progress within the deadline (or an error): halve the window, as TCP does on a loss."""
+    def timed_out(self, late: bool = True) -> Link:
+        """No progress within the deadline (``late``) or an error: halve the window, as TCP does on a loss;
+        a late one also doubles the deadline until the next ack (RFC 6298 5.5): a deadline that fits no
+        answer on this path would otherwise fail every attempt alike, and no ack would ever teach it."""
+        backoff = min(MAX_BACKOFF, self.backoff * 2) if late else self.backoff
         return replace(self, window=max(WINDOW_MIN, self.window / 2), on_the_way=max(0, self.on_the_way - 1),
-                       timeouts=self.timeouts + 1)
+                       timeouts=self.timeouts + 1, backoff=backoff)
 
     def doc(self, size: int) -> dict[str, Any]:
         """For /api/swarm: the deadline in force for a ``size``-byte frame, throughput, window."""

@@ -212,7 +212,7 @@ class Router:
     def observe_failure(self, peer: str, now: float, kind: Failure = Failure.TIMEOUT) -> float:
         """No progress within the deadline, or an error: back the peer off and halve its window;
         returns the time the backoff ends."""
-        self._set_link(peer, self.link(peer).timed_out())
+        self._set_link(peer, self.link(peer).timed_out(late=kind is Failure.TIMEOUT))
         state = self.peers.get(peer)
         if state is None:
             return now
