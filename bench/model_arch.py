@@ -38,7 +38,8 @@ from torch import nn
 
 from p2pswarm.model.catalog import ModelSpec, get_model
 from p2pswarm.model.corpus import batches, heldout_batches, stdlib_corpus
-from p2pswarm.model.transformer import INIT_STD, _generator, build_stage
+from p2pswarm.model.seeding import INIT_STD, part_generator
+from p2pswarm.model.transformer import build_stage
 from p2pswarm.swarm.evaluation import EVAL_BATCHES, EVAL_ROWS
 
 ROUND_STEPS = 20  # steps an arm takes before the other's turn: short turns share the machine's noise
@@ -97,14 +98,14 @@ class Gpt2Model(nn.Module):
         self.norm = nn.LayerNorm(spec.width)
         self.head = nn.Linear(spec.width, spec.vocab, bias=False)
         with torch.no_grad():
-            generator = _generator(spec.family, seed, "embed")
+            generator = part_generator(spec.family, seed, "embed")
             self.embed.weight.normal_(0.0, INIT_STD, generator=generator)
             self.pos.weight.normal_(0.0, INIT_STD, generator=generator)
             for layer, block in enumerate(self.blocks):
-                block.reset_parameters(_generator(spec.family, seed, f"block/{layer}"), spec.n_layers)
+                block.reset_parameters(part_generator(spec.family, seed, f"block/{layer}"), spec.n_layers)
             self.norm.weight.fill_(1.0)
             self.norm.bias.zero_()
-            self.head.weight.normal_(0.0, INIT_STD, generator=_generator(spec.family, seed, "head"))
+            self.head.weight.normal_(0.0, INIT_STD, generator=part_generator(spec.family, seed, "head"))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.embed(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device))

@@ -20,5 +20,12 @@ def part_seed(model_name: str, seed: int, part: str) -> int:
     return int.from_bytes(digest[:SEED_BYTES], "big") >> 1  # keep it non-negative for manual_seed
 
 
-def _generator(model_name: str, seed: int, part: str) -> torch.Generator:
+def part_generator(model_name: str, seed: int, part: str) -> torch.Generator:
+    """The generator that draws one part's initial weights."""
     return torch.Generator(device="cpu").manual_seed(part_seed(model_name, seed, part))
+
+
+def initial_embedding(family: str, seed: int, vocab: int, width: int) -> torch.Tensor:
+    """Stage 0's initial token embedding [vocab, width], N(0, INIT_STD): the one draw of it, which a
+    subspace model's every stage also holds as its fixed embedding (``model.subspace``)."""
+    return torch.empty(vocab, width).normal_(0.0, INIT_STD, generator=part_generator(family, seed, "embed"))

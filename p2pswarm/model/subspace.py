@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from p2pswarm.model.catalog import ModelSpec
-from p2pswarm.model.seeding import INIT_STD, _generator  # the same draw as stage 0's initial embedding
+from p2pswarm.model.seeding import initial_embedding, part_generator
 
 MIN_RANK = 1
 WRITES = ("self_attn.o_proj.weight", "mlp.down_proj.weight")  # a layer's residual writes, by parameter name
@@ -59,9 +59,8 @@ def build(spec: ModelSpec, seed: int, rank: int) -> Subspace:
     """The subspace of ``rank`` directions of (``spec``'s family, ``seed``): identical on every machine."""
     if not MIN_RANK <= rank <= spec.width:
         raise ValueError(f"a subspace of {spec.name} has 1 to {spec.width} directions, not {rank}")
-    fixed = torch.empty(spec.vocab, spec.width).normal_(0.0, INIT_STD,
-                                                         generator=_generator(spec.family, seed, "embed"))
-    gaussian = torch.randn(spec.width, rank, generator=_generator(spec.family, seed, f"subspace/{rank}"),
+    fixed = initial_embedding(spec.family, seed, spec.vocab, spec.width)
+    gaussian = torch.randn(spec.width, rank, generator=part_generator(spec.family, seed, f"subspace/{rank}"),
                            dtype=torch.float64)
     basis, _ = torch.linalg.qr(gaussian)  # orthonormal columns
     return Subspace(basis.to(torch.float32).contiguous(), fixed)
@@ -99,7 +98,7 @@ def effective_weights(weights: dict[str, torch.Tensor], sub: Subspace) -> dict[s
         w = weight.to(torch.float64)
         if name.endswith(WRITES):
             out[name] = (projector @ w).to(weight.dtype)
-        elif name == "model.embed_tokens.weight" or name == "embed_tokens.weight":
+        elif name.endswith("embed_tokens.weight"):
             base = sub.fixed.to(torch.float64)
             out[name] = (base + (w - base) @ projector).to(weight.dtype)
     return out

@@ -57,7 +57,7 @@ from torch import nn
 from p2pswarm.errors import ConfigError
 from p2pswarm.model import subspace
 from p2pswarm.model.catalog import ModelSpec
-from p2pswarm.model.seeding import INIT_STD, _generator
+from p2pswarm.model.seeding import INIT_STD, initial_embedding, part_generator
 
 
 class _RMSNormFunction(torch.autograd.Function):
@@ -257,14 +257,14 @@ class StageModule(nn.Module):
         with torch.no_grad():
             if self.is_first:
                 assert self.embed_tokens is not None  # the first stage has it
-                self.embed_tokens.weight.normal_(0.0, INIT_STD, generator=_generator(name, seed, "embed"))
+                self.embed_tokens.weight.copy_(initial_embedding(name, seed, self.spec.vocab, self.spec.width))
             for layer, block in zip(range(self.start, self.end), self.layers):
                 assert isinstance(block, DecoderLayer)  # what __init__ put there
-                block.reset_parameters(_generator(name, seed, f"block/{layer}"), self.spec.n_layers)
+                block.reset_parameters(part_generator(name, seed, f"block/{layer}"), self.spec.n_layers)
             if self.is_last:
                 assert self.norm is not None and self.lm_head is not None  # the last stage has them
                 self.norm.weight.fill_(1.0)
-                self.lm_head.weight.normal_(0.0, INIT_STD, generator=_generator(name, seed, "head"))
+                self.lm_head.weight.normal_(0.0, INIT_STD, generator=part_generator(name, seed, "head"))
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None, ids: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids [B, T] (stage 0) or hidden states [B, T, width] → hidden states, or logits (last stage).
