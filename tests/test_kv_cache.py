@@ -99,3 +99,18 @@ def test_the_training_forward_is_unchanged_by_a_cached_decode_on_the_same_module
     assert torch.equal(before, after)
     after.sum().backward()  # the training forward still has a graph
     assert stages[0].embed_tokens.weight.grad is not None
+
+
+def test_a_subspace_model_decodes_with_full_hidden_states_to_its_training_logits():
+    """Generation passes full hidden states between a subspace model's stages (model/subspace.py): the
+    same function as its training forward, which passes coordinates and token ids."""
+    from p2pswarm.model.transformer import run_stages
+
+    stages = build_model(MHA, seed=3, rank=8)
+    ids = _ids(MHA.context)
+    with torch.no_grad():
+        full = run_stages(stages, ids)
+        prefix = 9
+        cached = _cached_logits(stages, ids, list(range(prefix, MHA.context)))
+    expected = full[:, [prefix - 1, *range(prefix, MHA.context)]]
+    assert (cached - expected).abs().max().item() <= TOLERANCE
