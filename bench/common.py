@@ -181,12 +181,13 @@ def run_client_server(script: str, serve, client, report, *client_args) -> None:
     report(results, *client_args)
 
 
-def one_process(model: str, eval_batches: int | None = None, rank: int = 0):
+def one_process(model: str, eval_batches: int | None = None, rank: int = 0, seed: int = 0):
     """The demo's run (``tiny-lm``'s optimizer and micro-batches) on ``model`` in one process, as the
     benchmarks' baselines train it: a namespace of ``spec``, ``config``, ``stages``, ``params``, ``opt``
-    (AdamW over the run's parameter groups), ``batches`` (the stdlib corpus, seed 1) and ``evaluate()``
+    (AdamW over the run's parameter groups), ``batches`` (the stdlib corpus, seed 1 by default) and ``evaluate()``
     (held-out bits/byte on the swarm's held-out set: its first ``eval_batches`` micro-batches, default
-    the run's); ``rank`` > 0: the model constrained to a subspace of that many directions."""
+    the run's); ``rank`` > 0: the model constrained to a subspace of that many directions; ``seed``: the
+    initial weights' (the batches take ``seed + 1``)."""
     from types import SimpleNamespace
 
     import torch
@@ -201,7 +202,7 @@ def one_process(model: str, eval_batches: int | None = None, rank: int = 0):
 
     config = train_config(load_run("tiny-lm"))
     spec = get_model(model)
-    stages = build_model(spec, 0, rank)
+    stages = build_model(spec, seed, rank)
     groups = [g for m in stages for g in param_groups(m, config.weight_decay)]
     corpus = stdlib_corpus()
     rows = (eval_batches or EVAL_BATCHES) * EVAL_ROWS
@@ -215,4 +216,4 @@ def one_process(model: str, eval_batches: int | None = None, rank: int = 0):
 
     return SimpleNamespace(spec=spec, config=config, stages=stages, params=[p for m in stages for p in m.parameters()],
                            opt=torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps),
-                           batches=batches(corpus, 0, 1, spec.context, config.rows, seed=1), evaluate=evaluate)
+                           batches=batches(corpus, 0, 1, spec.context, config.rows, seed=seed + 1), evaluate=evaluate)
