@@ -94,12 +94,11 @@ def effective_weights(weights: dict[str, torch.Tensor], sub: Subspace) -> dict[s
     out = dict(weights)
     basis = sub.basis.to(torch.float64)
     projector = basis @ basis.T
-    for name, weight in weights.items():
-        w = weight.to(torch.float64)
+    for name, weight in weights.items():  # only the writes and the embedding change: the rest as they are
         if name.endswith(WRITES):
-            out[name] = (projector @ w).to(weight.dtype)
+            out[name] = (projector @ weight.to(torch.float64)).to(weight.dtype)
         elif name.endswith("embed_tokens.weight"):
             base = sub.fixed.to(torch.float64)
-            out[name] = (base + (w - base) @ projector).to(weight.dtype)
+            out[name] = (base + (weight.to(torch.float64) - base) @ projector).to(weight.dtype)
     return out
 
