@@ -1,8 +1,9 @@
 """The score of a stage-boundary codec on a line: wall time until the swarm's agreed weights reach a target loss.
 
 Bytes are not the score (Pluralis' NanoGPT: 6.4x fewer bytes bought 1.62x in time, because reaching the
-target took 3.1x more steps); time to a target loss is. First one process trains tiny-lm/2 with the demo's
-run (bench/common.one_process) for ``--budget`` tokens; its held-out loss at the end is the **target**
+target took 3.1x more steps); time to a target loss is. First one process trains a plain (not subspace)
+tiny-lm/2 with the demo's optimizer and micro-batches (bench/common.one_process) for ``--budget`` tokens;
+its held-out loss at the end is the **target**, the same for every arm
 (bits/byte on the first ``--eval-batches`` held-out micro-batches, the set the swarm evaluates too). Then
 each arm, one after the other, is the demo's 2 x 2 swarm in the link lab (``testing/linkswarm.link_swarm``:
 every join on its own line of the profile, with its latency), with a run file of the demo's DiLoCo values,
