@@ -245,5 +245,5 @@ def test_a_snapshot_is_hashed_once_per_version_and_never_on_the_loop(monkeypatch
 
     fetched = trio.run(main)
     assert fetched.data == data and (fetched.round, fetched.step) == (4, 40)
-    assert server.requests == 3 and server.served == len(data)
+    assert server.requests > 1 and server.served == len(data)  # chunk by chunk (fetch_pace.py sizes them)
     assert len(hashed) == 2 and all(thread != loop[0] for _, thread in hashed)  # one per side

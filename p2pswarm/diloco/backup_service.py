@@ -5,7 +5,8 @@ Every BACKUP_CHECK_S the service reads the stage map, records the (round, digest
 stage's replicas announce (``AgreedLedger``), computes its duties (``backup_duties``: the stages
 whose backup it holds, never its own), and for each duty whose announced round is
 ``every_rounds`` past the held one fetches that digest from a replica announcing it
-(``snapshots.fetch_snapshot(digest=...)``: the bytes must hash to it), decodes it, checks it
+(``snapshots.fetch_snapshot(digest=...)``: the bytes must hash to it; paced to BACKUP_SHARE of the
+line's time and resumed where a cut try stopped, ``fetch_pace.py``), decodes it, checks it
 (``check_backup``: that stage, that round, vectors of the stage's size) and, if it fits the
 budget, stores it (``directory``, atomically; memory only without one) and announces it
 (``claims``, put in our record by the node). It keeps the newest copy of each stage (and, in
@@ -39,6 +40,7 @@ from p2pswarm.diloco import checkpoint, snapshots
 from p2pswarm.diloco.backups import (
     BACKUP_COPIES,
     BACKUP_EVERY_ROUNDS,
+    BACKUP_SHARE,
     AgreedLedger,
     BackupBudget,
     backup_duties,
@@ -97,6 +99,7 @@ class BackupService:
         #                                                   until the next, so a fetch in progress completes
         self._server: snapshots.SnapshotServer | None = None
         self._over_budget_logged: set[int] = set()
+        self.partials = snapshots.PartialFetches()  # refreshes cut short: the next try at that digest resumes
         self.bytes_fetched = self.bytes_served = 0
         self.refused: Counter = Counter()  # why, counted
         self.recent_refusals: collections.deque = collections.deque(maxlen=RECENT_REFUSALS)
@@ -172,19 +175,22 @@ class BackupService:
         announcing = [r.peer_id for r in records if r.agreed == newest and r.peer_id != self.me]
         for peer in sorted(announcing, key=lambda peer: _spread(self.me, peer)):  # holders ask different replicas
             try:
-                data, _ = await self._fetch_checked(peer, stage, round_, digest)
+                data, _ = await self._fetch_checked(peer, stage, round_, digest, share=BACKUP_SHARE)
             except (DialError, ProtocolError) as exc:
                 self._refuse(peer, stage, exc)
                 continue
             await self._hold(stage, data, round_, peer)
             return
 
-    async def _fetch_checked(self, peer: str, stage: int, round_: int, digest: bytes) -> tuple[bytes, dict]:
-        """The bytes of ``stage``'s backup ``digest`` from ``peer`` and its decoded state, checked."""
+    async def _fetch_checked(self, peer: str, stage: int, round_: int, digest: bytes,
+                             share: float = 1.0) -> tuple[bytes, dict]:
+        """The bytes of ``stage``'s backup ``digest`` from ``peer`` and its decoded state, checked; ``share``:
+        of the line's time the fetch may take (a refresh: BACKUP_SHARE; a mover's load: all of it)."""
         max_bytes = backup_max_bytes(self.model, stage)
         fetched = await snapshots.fetch_snapshot(self._pool, peer, self.model.name, stage,
-                                                 run=self.run_spec.run_bytes, max_bytes=max_bytes, digest=digest)
-        self.bytes_fetched += len(fetched.data)
+                                                 run=self.run_spec.run_bytes, max_bytes=max_bytes, digest=digest,
+                                                 partials=self.partials, share=share)
+        self.bytes_fetched += len(fetched.data) - fetched.resumed_at
         data = bytes(fetched.data)
         state = await trio.to_thread.run_sync(self._decode_checked, data, stage, round_)
         return data, state

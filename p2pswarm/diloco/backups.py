@@ -40,6 +40,7 @@ BACKUP_FORMAT = 1  # the layout of a backup's state tree; a new layout gets a ne
 BACKUP_KIND = "backup"  # tells a backup from a hot snapshot (whose tree has "engine")
 BACKUP_COPIES = 2  # holders per stage: one can be gone when the stage's last replica goes too
 BACKUP_EVERY_ROUNDS = 1  # refresh at every outer round: a lost stage loses at most the round in progress
+BACKUP_SHARE = 0.5  # of a line's time a refresh's fetch may take (fetch_pace.py): training keeps the rest
 DEFAULT_BACKUP_BUDGET_MB = 2048  # disk for held backups: a couple of small-tier stages' start and momentum
 KEEP_ROUNDS = 8  # announcements remembered per replica: a backup up to 8 rounds old can still be checked
 MAX_TRACKED_REPLICAS = 64  # replicas remembered per stage (the oldest-seen forgotten first): bounds memory

@@ -77,6 +77,7 @@ class StageLoader:
         self.server = snapshots.SnapshotServer(spec.name, stage, self.make_snapshot, run=run_id)
         self.last_snapshot: dict | None = None
         self.agreed_backup: snapshots.Snapshot | None = None  # our stage's agreed backup (backups.py)
+        self.partials = snapshots.PartialFetches()  # loads cut short: a later one of that version resumes
 
     @property
     def _outer(self) -> OuterOptimizer:
@@ -113,7 +114,7 @@ class StageLoader:
             try:
                 fetched = await snapshots.fetch_snapshot(
                     self._pool, peer, self.spec.name, self.stage, run=self.run_id,
-                    max_bytes=plan.snapshot_plan(self.spec, self.stage).total_bytes)
+                    max_bytes=plan.snapshot_plan(self.spec, self.stage).total_bytes, partials=self.partials)
                 state = await trio.to_thread.run_sync(checkpoint.decode_state, fetched.data)
                 rebased = await self.load_state(state, ours=False, rebase=rebase)
             except (DialError, ProtocolError) as exc:

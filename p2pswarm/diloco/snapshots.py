@@ -36,12 +36,14 @@ import functools
 import hashlib
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import trio
 
 from p2pswarm import wire
 from p2pswarm.dht.records import MAX_MODEL_CHARS, MAX_STAGES, RUN_BYTES, UNNAMED_RUN_BYTES
+from p2pswarm.diloco.fetch_pace import MAX_CHUNK_BYTES, ChunkPace
 from p2pswarm.errors import DialError, RemoteProtocolError
 from p2pswarm.run import plan
 
@@ -49,25 +51,26 @@ log = logging.getLogger(__name__)
 
 PROTOCOL_ID = "/p2pswarm/snapshot/1.0.0"
 DIGEST_BYTES = 32  # sha256
-CHUNK_BYTES = 4 * 1024 * 1024  # bytes per reply: a few frames per stage, well under the 64 MiB frame limit
+CHUNK_BYTES = MAX_CHUNK_BYTES  # the largest reply, 4 MiB: well under the 64 MiB frame limit
 MAX_SNAPSHOT_BYTES = plan.MAX_SNAPSHOT_BYTES  # the largest snapshot a client accepts (checkpoint's limit)
 FRESH_S = 5.0  # a snapshot made this recently is served as is: many joiners cost one serialisation
 KEEP_VERSIONS = 2  # versions kept for transfers in progress while a newer one is made
-FETCH_TIMEOUT = 60.0  # a whole fetch of a small snapshot: 100 MB at a relay's 3 MiB/s fits well within it
-MIN_FETCH_RATE = 3 * 1024 * 1024  # bytes/s: a bigger snapshot gets total / this (a relay's pace) instead
-CHUNK_TIMEOUT = 20.0  # one reply
+FETCH_TIMEOUT = 60.0  # a whole fetch of a small snapshot (a bigger one: fetch_pace.ChunkPace.allowed)
+CHUNK_TIMEOUT = 20.0  # one reply: a chunk is sized to take about 1 s (fetch_pace.py)
+MAX_PARTIALS = 2  # cut fetches kept to resume (PartialFetches): each holds at most one snapshot's bytes
 KEEP_AGREED = 2  # agreed backups served by digest: the newest, and the one before while a holder fetches it
 
 
-@wire.message("snapshot.get")
+@wire.message("snapshot.get", version=2)
 class Get(wire.Message):
-    """Ask for bytes of a snapshot of ``stage`` of ``model`` from ``offset``."""
+    """Ask for ``length`` bytes (0: CHUNK_BYTES) of a snapshot of ``stage`` of ``model`` from ``offset``."""
 
     model: str
     stage: int
     digest: bytes  # b"": the newest version; else the version being fetched
     offset: int
     run: bytes = UNNAMED_RUN_BYTES  # the asker's run identity: a replica of another run serves it nothing
+    length: int = 0  # the most bytes to send back (the client's pace, fetch_pace.py); 0: CHUNK_BYTES
 
     def check(self, payload_len: int) -> None:
         if payload_len:
@@ -79,6 +82,8 @@ class Get(wire.Message):
             raise RemoteProtocolError(f"{self.TYPE}: a digest of {len(self.digest)} bytes")
         if not 0 <= self.offset < MAX_SNAPSHOT_BYTES:
             raise RemoteProtocolError(f"{self.TYPE}: offset {self.offset} out of range")
+        if not 0 <= self.length <= CHUNK_BYTES:
+            raise RemoteProtocolError(f"{self.TYPE}: length {self.length} out of range")
 
 
 @wire.message("snapshot.part")
@@ -182,7 +187,7 @@ def part_reply(model: str, message: Get, snapshot: Snapshot):
     """The reply to ``message`` from ``snapshot`` (stage ``message.stage`` of ``model``): a part, or bad-offset."""
     if message.offset >= len(snapshot.data):
         return wire.ErrorReply("bad-offset", f"offset {message.offset} beyond {len(snapshot.data)} bytes")
-    chunk = snapshot.data[message.offset:message.offset + CHUNK_BYTES]
+    chunk = snapshot.data[message.offset:message.offset + (message.length or CHUNK_BYTES)]
     reply = Part(model, message.stage, snapshot.round, snapshot.step, snapshot.digest, len(snapshot.data),
                  message.offset)
     return reply, chunk
@@ -195,48 +200,117 @@ class Fetched:
     step: int
     peer: str
     seconds: float
+    resumed_at: int = 0  # the bytes an earlier, cut attempt had fetched (PartialFetches)
+
+
+@dataclass
+class Partial:
+    """A fetch in progress: the first reply (digest, total, round, step), the bytes so far, their hash."""
+
+    model: str
+    stage: int
+    run: bytes
+    first: Part | None = None
+    data: bytearray = field(default_factory=bytearray)
+    hasher: Any = None  # hashlib's sha256 of ``data``, None before the first byte
+
+
+class PartialFetches:
+    """Fetches cut short (a dropped stream, a stall), kept so the next attempt at the same version resumes
+    at the byte it reached instead of byte 0; at most ``MAX_PARTIALS``, the oldest forgotten first. The
+    bytes are checked against the digest only once whole, whoever sent them: a peer that sent bad ones
+    fails that check and the partial is dropped."""
+
+    def __init__(self) -> None:
+        self._kept: list[Partial] = []
+
+    def take(self, model: str, stage: int, run: bytes, digest: bytes) -> Partial | None:
+        """The kept fetch of that version (``digest`` empty: of any version of that stage), removed; or None."""
+        for partial in reversed(self._kept):
+            assert partial.first is not None  # only fetches that got a reply are kept
+            if (partial.model, partial.stage, partial.run) == (model, stage, run) and \
+                    (not digest or partial.first.digest == digest):
+                self._kept.remove(partial)
+                return partial
+        return None
+
+    def keep(self, partial: Partial) -> None:
+        if partial.first is not None and partial.data:
+            self._kept = [*self._kept, partial][-MAX_PARTIALS:]
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+
+class _VersionGone(DialError):
+    """The server no longer keeps the version a resumed fetch was at."""
 
 
 async def fetch_snapshot(pool, peer: str, model: str, stage: int, *, timeout: float = FETCH_TIMEOUT,
                          run: bytes = UNNAMED_RUN_BYTES, max_bytes: int = MAX_SNAPSHOT_BYTES,
-                         digest: bytes = b"") -> Fetched:
+                         digest: bytes = b"", partials: PartialFetches | None = None, share: float = 1.0) -> Fetched:
     """The newest snapshot of ``stage`` from ``peer`` (``digest``: that version, e.g. an agreed backup), checked
     whole; DialError or RemoteProtocolError (also when the peer answers with another version than ``digest``).
 
     ``max_bytes``: the most the asker's stage can take (``plan.snapshot_plan``); a bigger claim is
     refused at its first reply, so no peer makes a small stage's joiner buffer the largest tier's.
 
-    ``timeout`` bounds a small snapshot's fetch; a bigger one gets ``total / MIN_FETCH_RATE`` (every
-    chunk still within CHUNK_TIMEOUT). The chunks go into one buffer that grows as they arrive (never
-    a buffer sized by the peer's claim before its bytes came) and are hashed as they come, each
-    update in a worker thread: a snapshot takes its own size in memory once, not twice.
+    Chunk sizes, pauses (``share`` of the line's time) and the whole fetch's deadline (``timeout`` for a
+    small snapshot) follow ``fetch_pace``. With ``partials``, a fetch cut by a DialError (a stall, a
+    dropped stream) is kept there, and a later fetch of the same version (of any, without ``digest``:
+    back to the newest if the server no longer keeps it) goes on from where it stopped. The chunks go
+    into one buffer that grows as they arrive (never a buffer sized by the peer's claim before its
+    bytes came) and are hashed as they come, each update in a worker thread: a snapshot takes its own
+    size in memory once, not twice.
     """
-    started = trio.current_time()
-    data, hasher = bytearray(), None
-    first: Part | None = None
+    resumed = partials.take(model, stage, run, digest) if partials is not None else None
+    progress = resumed or Partial(model, stage, run)
+    try:
+        try:
+            return await _transfer(pool, peer, progress, digest, max_bytes, ChunkPace(share), timeout)
+        except _VersionGone:
+            if resumed is None or digest:
+                raise
+            progress = Partial(model, stage, run)  # that version is gone: the newest, from byte 0
+            return await _transfer(pool, peer, progress, digest, max_bytes, ChunkPace(share), timeout)
+    except DialError:
+        if partials is not None:
+            partials.keep(progress)
+        raise
+
+
+async def _transfer(pool, peer: str, progress: Partial, digest: bytes, max_bytes: int, pace: ChunkPace,
+                    timeout: float) -> Fetched:
+    model, stage, run = progress.model, progress.stage, progress.run
+    started, resumed_at = trio.current_time(), len(progress.data)
     with trio.move_on_after(timeout) as scope:
         async with pool.lease(peer, PROTOCOL_ID) as stream:
-            while first is None or len(data) < first.total:
-                await stream.write_frame(Get(model, stage, first.digest if first else digest, len(data), run))
-                reply, payload = await stream.read_frame(max_payload=CHUNK_BYTES, timeout=CHUNK_TIMEOUT)
-                first = _check_part(reply, first, len(data), model, stage)
+            while progress.first is None or len(progress.data) < progress.first.total:
+                first, length, asked = progress.first, pace.next_length(), trio.current_time()
+                await stream.write_frame(Get(model, stage, first.digest if first else digest, len(progress.data),
+                                             run, length))
+                reply, payload = await stream.read_frame(max_payload=length, timeout=CHUNK_TIMEOUT)
+                if isinstance(reply, wire.ErrorReply) and reply.code == "gone" and first is not None:
+                    raise _VersionGone(f"snapshot {first.digest.hex()[:12]} from {peer}: {reply.detail}")
+                first = progress.first = _check_part(reply, first, len(progress.data), model, stage)
                 if digest and first.digest != digest:
                     raise RemoteProtocolError(f"snapshot from {peer}: asked for version {digest.hex()[:12]}, "
                                               f"got {first.digest.hex()[:12]}")
                 if first.total > max_bytes:
                     raise RemoteProtocolError(f"snapshot from {peer} claims {first.total} bytes; a snapshot of "
                                               f"{model} stage {stage} takes at most {max_bytes}")
-                if not data:  # the first reply says how big the snapshot is: its fetch's deadline
-                    scope.deadline = started + max(timeout, first.total / MIN_FETCH_RATE)
-                data += payload
-                hasher = await trio.to_thread.run_sync(_hashed, hasher, payload)  # O(chunk), off the loop
+                scope.deadline = started + pace.allowed(timeout, first.total - resumed_at)
+                progress.data += payload
+                progress.hasher = await trio.to_thread.run_sync(_hashed, progress.hasher, payload)  # off the loop
+                await trio.sleep(pace.observe(len(payload), trio.current_time() - asked))
     if scope.cancelled_caught:
         raise DialError(f"snapshot of stage {stage} from {peer}: not complete within "
-                        f"{scope.deadline - started:.0f} s")
-    assert hasher is not None and first is not None  # the loop read at least one part
-    if hasher.digest() != first.digest:
+                        f"{scope.deadline - started:.0f} s ({len(progress.data)} bytes)")
+    first = progress.first
+    assert progress.hasher is not None and first is not None  # the loop read at least one part
+    if progress.hasher.digest() != first.digest:
         raise RemoteProtocolError(f"snapshot from {peer} does not match its digest")
-    return Fetched(data, first.round, first.step, peer, trio.current_time() - started)
+    return Fetched(progress.data, first.round, first.step, peer, trio.current_time() - started, resumed_at)
 
 
 def _hashed(hasher, chunk: bytes):
