@@ -72,7 +72,15 @@ def arm(link: str, boundary: str, target: float, limit: float, eval_batches: int
     """The 2 x 2 swarm on ``link`` lines with ``boundary`` until its agreed weights reach ``target``."""
     from p2pswarm.model.catalog import get_model
     from p2pswarm.swarm.service import BATCH_ROWS
-    from p2pswarm.testing.linkswarm import MODEL, TRAIN_TIMEOUT, boundary_bytes, check_alive, link_swarm, snapshot
+    from p2pswarm.testing.linkswarm import (
+        MODEL,
+        TRAIN_TIMEOUT,
+        boundary_bytes,
+        check_alive,
+        link_swarm,
+        log_figures,
+        snapshot,
+    )
 
     forward, backward = boundary_bytes(get_model(MODEL), boundary)
     tokens_per_batch = BATCH_ROWS * get_model(MODEL).context
@@ -101,6 +109,7 @@ def arm(link: str, boundary: str, target: float, limit: float, eval_batches: int
             if started is not None and time.monotonic() - started > limit:
                 break
             time.sleep(POLL)
+        result.update(log_figures(swarm, list(stages)))
         trained_s = time.monotonic() - started if started else 0.0
         result["s_per_step"] = trained_s / result["steps"] if result.get("steps") else None
         result["trained_s"] = round(trained_s, 1)
@@ -108,6 +117,12 @@ def arm(link: str, boundary: str, target: float, limit: float, eval_batches: int
 
 
 def line(r: dict, dense: dict | None, unshaped: dict | None, target: float) -> str:
+    return _reach(r, dense, unshaped, target) + (
+        f"; stage health reported degraded or down {r.get('degraded_reports', '-')} times, backups taken "
+        f"{r.get('backups_held', '-')} ({r.get('backup_fetches_cut', '-')} fetches cut)")
+
+
+def _reach(r: dict, dense: dict | None, unshaped: dict | None, target: float) -> str:
     fwd, back = r["b_per_token"]
     best = "none evaluated" if not r.get("best") else f"best agreed {r['best'][0]:.3f} at outer round {r['best'][1]}"
     head = f"{r['link']} {r['boundary']}: {fwd:.0f} / {back:.0f} B per token forward / back"

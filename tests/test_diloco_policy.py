@@ -6,16 +6,20 @@ from collections import Counter
 from types import SimpleNamespace
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 pytest.importorskip("torch")
 
 from p2pswarm.diloco import policy, status
 from p2pswarm.diloco.policy import (
+    GATHER_ROUND_SHARE,
     STRIKE_ROUNDS,
     STRIKES,
     Move,
     Source,
     believed_ahead,
+    gather_seconds,
     load_sources,
     neighbours_by_round,
     next_move,
@@ -112,3 +116,14 @@ def test_the_attacking_peer_replaces_the_one_contribution_seam(monkeypatch):
     sent = contribution.encode_contribution(pseudo, ((0, 4), (4, 8)), "float32", None)
     for mine, theirs in zip(honest, sent, strict=True):
         assert torch.equal(compression.decode(theirs, "float32", 4), -10 * compression.decode(mine, "float32", 4))
+
+
+@given(configured=st.floats(0.0, 600.0), last=st.none() | st.floats(0.0, 1e6), more=st.floats(0.0, 1e6))
+def test_a_gather_waits_at_least_the_configured_time_and_a_share_of_a_slow_round(configured, last, more):
+    waited = gather_seconds(configured, last)
+    assert waited >= configured
+    if last is None:
+        assert waited == configured  # the first round: nothing measured
+    else:
+        assert waited >= GATHER_ROUND_SHARE * last
+        assert gather_seconds(configured, last + more) >= waited  # a slower round never waits less

@@ -52,3 +52,64 @@ def test_a_replica_further_behind_or_at_prepare_loads_the_whole_state():
                 await behind.loader.load_state(state, ours=False, rebase=rebase)
             assert torch.equal(behind.outer.start, before) and behind.outer.rounds == 0
     trio.run(main)
+
+
+def rejoin_setup(agreed_round: int | None):
+    """A replica left out of round 1 and the neighbour that finished it (serving that round's agreed
+    backup); the left-out one's stage map shows the neighbour announcing ``agreed_round``'s backup."""
+    from types import SimpleNamespace
+
+    from p2pswarm import wire
+    from p2pswarm.model.catalog import get_model, param_count
+
+    left_out, neighbour = replicas(2, param_count(get_model("tiny-lm/2"), STAGE))  # a backup is checked whole
+    asked = []
+
+    async def serve(peer, message, payload):
+        asked.append(message)
+        if not message.digest:  # the hot snapshot (the stand-in engine cannot make one)
+            return wire.ErrorReply("gone", "no hot snapshot here")
+        return await neighbour.loader.server.on_frame(peer, message, payload)
+
+    async def prepare():
+        neighbour.outer.load_state_dict(snapshot_of(neighbour, rounds=1)["diloco"])
+        await neighbour.loader.refresh_agreed()
+        backup = neighbour.loader.agreed_backup
+        agreed = None if agreed_round is None else (agreed_round, backup.digest)
+        left_out.loader._pool.handlers[neighbour.me] = serve
+        left_out.loader._stage_map.stages = {STAGE: [SimpleNamespace(peer_id=neighbour.me, agreed=agreed)]}
+        return backup
+
+    return left_out, neighbour, asked, prepare
+
+
+def test_a_replica_one_round_behind_rejoins_from_the_rounds_agreed_backup():
+    """On a thin line the hot snapshot (weights, AdamW's moments, start, momentum: 6 copies of the
+    stage) never arrived before its version was replaced; the round's agreed backup (start and
+    momentum) is what a rebase needs, a third of the bytes, and it stays served by digest."""
+    async def main():
+        left_out, neighbour, asked, prepare = rejoin_setup(agreed_round=1)
+        backup = await prepare()
+        engine = left_out.swarm.engine
+        engine.step = 40
+        start, live = left_out.outer.start.clone(), flatten(engine.params).clone()
+        info = await left_out.loader.rejoin(neighbour.me)
+        assert info["rebased"] and info["round"] == 1 and info["bytes"] == len(backup.data)
+        assert asked and all(m.digest == backup.digest for m in asked)  # never the hot snapshot
+        assert torch.equal(left_out.outer.start, neighbour.outer.start)
+        assert torch.equal(left_out.outer.momentum, neighbour.outer.momentum)
+        assert left_out.outer.rounds == 1 and left_out.outer.round_started_step == 40
+        assert torch.allclose(flatten(engine.params) - left_out.outer.start, live - start, atol=1e-6)
+        assert left_out.loader.agreed_backup.digest == backup.digest  # it now announces what the others do
+    trio.run(main)
+
+
+@pytest.mark.parametrize("agreed_round", [None, 2])
+def test_without_that_rounds_backup_announced_a_rejoin_asks_for_the_hot_snapshot(agreed_round):
+    async def main():
+        left_out, neighbour, asked, prepare = rejoin_setup(agreed_round)
+        await prepare()
+        before = left_out.outer.start.clone()
+        assert await left_out.loader.rejoin(neighbour.me) is None  # (the stand-in serves no hot snapshot)
+        assert [m.digest for m in asked] == [b""] and torch.equal(left_out.outer.start, before)
+    trio.run(main)

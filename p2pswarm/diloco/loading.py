@@ -9,6 +9,8 @@
   (the first replica of a stage); the order is ``policy.load_sources``;
 - **a peer that fell behind** (left out of a round, or meeting a replica at a later round) loads
   that replica's snapshot (``catch_up``), rebased on its own progress when it missed one round;
+  for one round it takes the round's agreed backup instead when the replica announces it
+  (``rejoin``: a third of the bytes, served by digest for two rounds, resumable);
 - **every** ``snapshot_period`` it writes its state atomically to ``--data-dir`` (last 5 kept:
   ``checkpoint.SnapshotStore``), and it makes the hot snapshots its ``SnapshotServer`` serves;
 - **after every outer round and every load** it encodes the stage's *agreed backup* (start,
@@ -57,6 +59,12 @@ class Replica(Protocol):
     outer: OuterOptimizer | None
     residual: torch.Tensor | None
     state_lock: trio.Lock
+
+
+def _decode_backup(data, spec, stage: int, run: str, round_: int) -> dict:
+    """Worker thread: an agreed backup's bytes decoded (total) and checked as that round's of our stage."""
+    return backup_core.check_backup(checkpoint.decode_state(data, max_bytes=backup_core.backup_max_bytes(spec, stage)),
+                                    spec, stage, run, round_)
 
 
 def outer_config(settings: DilocoSettings) -> OuterConfig:
@@ -127,6 +135,41 @@ class StageLoader:
             return {"peer": peer, "round": fetched.round, "step": fetched.step, "bytes": len(fetched.data),
                     "seconds": round(fetched.seconds, 2), "rebased": rebased}
         return None
+
+    async def rejoin(self, peer: str) -> dict | None:
+        """``peer`` says it is ahead of us: if it is one round ahead and announces that round's agreed
+        backup, fetch that by digest and rebase on it (``load_state``: the rebase needs only the round's
+        start and momentum, a third of a hot snapshot's bytes, and a backup stays served for two rounds
+        and resumes where a cut fetch stopped, where a hot snapshot's version is replaced within
+        seconds); else its hot snapshot (``catch_up``). Where it came from; None: nothing loaded."""
+        with trio.move_on_after(CATCH_UP_WAIT):
+            await self._stage_map.refresh_stages([self.stage])
+        record = next((r for r in self._stage_map.stages.get(self.stage, []) if r.peer_id == peer), None)
+        agreed = record.agreed if record is not None else None
+        if agreed is None or agreed[0] != self._outer.rounds + 1:
+            return await self.catch_up([peer], rebase=True)
+        round_, digest = agreed
+        try:
+            fetched = await snapshots.fetch_snapshot(
+                self._pool, peer, self.spec.name, self.stage, run=self.run_id, digest=digest,
+                max_bytes=backup_core.backup_max_bytes(self.spec, self.stage), partials=self.partials)
+            decode = functools.partial(_decode_backup, fetched.data, self.spec, self.stage, self.run_id.hex(), round_)
+            state = await trio.to_thread.run_sync(decode)
+        except (DialError, ProtocolError) as exc:
+            log.warning("could not load the agreed backup of round %d from %s: %s; its snapshot instead",
+                        round_, peer, exc)
+            return await self.catch_up([peer], rebase=True)
+        momentum = state.get("momentum", torch.zeros_like(state["start"]))
+        outer_state = {"start": state["start"], "momentum": momentum, "rounds": round_,
+                       "round_started_step": 0, "config": dataclasses.asdict(outer_config(self.settings))}
+        async with self.replica.state_lock:
+            await self.replica.swarm.with_engine(lambda engine: self._rebase(engine, outer_state))
+        await self.refresh_agreed()
+        self.counts["catch_ups"] += 1
+        log.info("rebased stage %d on the agreed backup of outer round %d from %s: %.1f MB in %.1f s", self.stage,
+                 round_, peer, len(fetched.data) / 1e6, fetched.seconds)
+        return {"peer": peer, "round": round_, "bytes": len(fetched.data), "seconds": round(fetched.seconds, 2),
+                "rebased": True}
 
     async def _load_from_disk(self) -> dict | None:
         assert self.store is not None  # load_sources offers the disk only with a store

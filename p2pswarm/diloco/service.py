@@ -89,6 +89,7 @@ class DilocoService:
         self._pending: dict | None = None  # the open round's own data: weights at the close, pseudo-gradient
         self._buffers: contribution.Buffers | None = None  # what _pending's tensors live in
         self._started_at, self._sent_before, self._received_before = 0.0, 0, 0  # the open round's start
+        self._ready_at: float | None = None  # when we were last ready for a round: a round's length (gather)
         self._bulk_locks: dict[str, trio.Lock] = {}  # one Part or Result at a time to a peer (_send_bulk)
 
     # --- life cycle ------------------------------------------------------------------------------
@@ -132,7 +133,7 @@ class DilocoService:
             assert self._behind is not None  # what these moves answer
             (peer, _), self._behind = self._behind, None
             if move is Move.CATCH_UP:  # not caught up meanwhile by our own round
-                self.loaded_from = await self.loader.catch_up([peer], rebase=True) or self.loaded_from
+                self.loaded_from = await self.loader.rejoin(peer) or self.loaded_from
         elif move is Move.TICK:
             assert self.round is not None  # a round is open
             self._do(self.round, self.round.tick(now))
@@ -141,13 +142,16 @@ class DilocoService:
                 await self._stage_map.refresh_stages(neighbour_stages(self.spec, self.stage))  # now: the
                 #   neighbours' records attest which of our replicas work (a replica that just joined included)
             now, expected = trio.current_time(), self._replicas()
-            timing = RoundTiming(gather_s=self.settings.gather_s, agree_s=AGREE_S, reduce_s=REDUCE_S)
+            last = now - self._ready_at if self._ready_at is not None else None
+            timing = RoundTiming(gather_s=policy.gather_seconds(self.settings.gather_s, last), agree_s=AGREE_S,
+                                 reduce_s=REDUCE_S)
+            self._ready_at = now
             self.round = OuterRound(me=self.me, stage=self.stage, round=outer.rounds, numel=outer.numel,
                                     codec=self.settings.codec, expected=expected, now=now, timing=timing,
                                     expected_bytes=msgs.expected_bytes)
             self._started_at, self._sent_before, self._received_before = now, self.bytes_sent, self.bytes_received
-            log.info("outer round %d: ready after %d inner steps, gathering with %d known replica(s)",
-                     outer.rounds, outer.inner_steps_done(self.swarm.engine.step), len(expected))
+            log.info("outer round %d: ready after %d inner steps, gathering with %d known replica(s) for up to %.0f s",
+                     outer.rounds, outer.inner_steps_done(self.swarm.engine.step), len(expected), timing.gather_s)
             self._do(self.round, self.round.start(now))
 
     def _replicas(self) -> frozenset[str]:

@@ -152,6 +152,19 @@ def mean_loss(docs: dict[str, Doc]) -> float | None:
     return sum(losses) / len(losses) if losses else None
 
 
+HEALTH_REPORT = re.compile(r"stage \d+ is (?:degraded|down): [^\n]*\(was healthy")  # dht.health: a level fell
+BACKUP_HELD = re.compile(r"holding the backup of stage")  # backup_service: a refresh completed
+BACKUP_UNREACHABLE = re.compile(r"backup of stage \d+ from \S+ unreachable")  # a refresh cut short (resumed next)
+
+
+def log_figures(swarm: LabSwarm, names: list[str]) -> dict[str, int]:
+    """What the peers' logs say happened: a stage reported degraded or down after it was healthy (every
+    peer being alive in these arms, each one is a false report), backups taken, backup fetches cut short."""
+    text = "\n".join(swarm.log_tail(name, 10**8) for name in names)
+    return {"degraded_reports": len(HEALTH_REPORT.findall(text)), "backups_held": len(BACKUP_HELD.findall(text)),
+            "backup_fetches_cut": len(BACKUP_UNREACHABLE.findall(text))}
+
+
 def check_alive(swarm: LabSwarm) -> None:
     for name, node in swarm.nodes.items():
         if node.process.poll() is not None:
@@ -218,6 +231,7 @@ def run_link_arm(profile: LinkProfile | str, seconds: float, workdir: Path, boun
     began = time.monotonic()
     with link_swarm(profile, Path(workdir), boundary, lifetime=TRAIN_TIMEOUT + seconds + 120) as (swarm, stages, get):
         result = measure(swarm, stages, get, seconds)
+        result.update(log_figures(swarm, list(stages)))
     return {"arm": profile.name, "up_mbit": profile.up_mbit, "down_mbit": profile.down_mbit,
             "delay_ms": profile.delay_ms, "boundary": boundary,
             "link_bound_tok_s": link_bound_tok_s(get_model(MODEL), profile, boundary=boundary), **result,
@@ -242,6 +256,7 @@ def run_relayed_arm(seconds: float, workdir: Path) -> dict:
             ready = swarm.wait_relayed(list(stages), RELAY_TIMEOUT)
             relayed = all(d.get("circuit_addrs") for d in ready.values())
             result = measure(swarm, stages, lambda n: swarm.get(n, "/api/swarm", timeout=API_TIMEOUT), seconds)
+            result.update(log_figures(swarm, list(stages)))
             relay_doc = swarm.stats("relay").get("relay", {})
         finally:
             stop_all([node.process for node in swarm.nodes.values()])
