@@ -9,10 +9,12 @@ from contextlib import AsyncExitStack
 
 import pytest
 import trio
+import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from p2pswarm import wire
+from p2pswarm.dht.records import UNNAMED_RUN_BYTES as UNNAMED
 from p2pswarm.diloco import snapshots
 from p2pswarm.diloco.snapshots import CHUNK_BYTES, DIGEST_BYTES, Get, Part, Snapshot, SnapshotServer, fetch_snapshot
 from p2pswarm.errors import DialError, RemoteProtocolError
@@ -309,3 +311,29 @@ def test_a_reply_longer_than_asked_is_refused():
             await fetch_snapshot(pool, server, "m", 1)
 
     with_server(test, make, Ignores)
+
+
+def test_a_version_in_use_outlives_newer_ones_until_no_transfer_asks_for_it():
+    """On a 0.2 Mbit/s line a joiner's fetch takes minutes, while the disk loop makes a version every
+    period: the version it fetches is kept while it keeps asking for it, and only then let go."""
+    made = []
+
+    async def make():
+        made.append(Snapshot(os.urandom(100), len(made), 0, trio.current_time()))
+        return made[-1]
+
+    async def main():
+        server = SnapshotServer("m", 1, make)
+        first = await server.newest()
+        for _ in range(4):  # newer versions, the first still being fetched
+            await trio.sleep(snapshots.FRESH_S + 0.1)
+            part, _ = await server.on_frame("p", Get("m", 1, first.digest, 10, UNNAMED, 10), b"")
+            assert part.digest == first.digest
+            await server.newest()
+        await trio.sleep(snapshots.IN_USE_S)
+        await server.newest()  # no transfer asked for it within IN_USE_S: let go
+        reply = await server.on_frame("p", Get("m", 1, first.digest, 10, UNNAMED, 10), b"")
+        assert isinstance(reply, wire.ErrorReply) and reply.code == "gone"
+        assert len(server._versions) == snapshots.KEEP_VERSIONS
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
