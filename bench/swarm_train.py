@@ -213,6 +213,8 @@ def link_line(result: dict, unshaped: float | None) -> str:
     return (f"link {result['arm']} ({line}, {boundary} boundary): {rate:.0f} tok/s ({ratio}), {limit}, {ack}, "
             f"timeouts {timeouts} "
             f"per 100 sends ({sent:.0f} sent), duplicates {duplicates}, lost {_total(delivery, 'lost'):.0f}, "
+            f"control ping p50/max {result.get('control_rtt_ms_p50')}/{result.get('control_rtt_ms_max')} ms "
+            f"({result.get('control_pings_failed', '-')} of {result.get('control_pings', '-')} failed), "
             f"stage health reported degraded or down {result.get('degraded_reports', '-')} times, backups taken "
             f"{result.get('backups_held', '-')} ({result.get('backup_fetches_cut', '-')} fetches cut), "
             f"compute-busy since start {busy}; {result['tokens']} tokens in {result['seconds']:.0f} s after "

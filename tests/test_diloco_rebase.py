@@ -54,7 +54,7 @@ def test_a_replica_further_behind_or_at_prepare_loads_the_whole_state():
     trio.run(main)
 
 
-def rejoin_setup(agreed_round: int | None):
+def rejoin_setup(agreed_round: int | None, rounds: int = 1):
     """A replica left out of round 1 and the neighbour that finished it (serving that round's agreed
     backup); the left-out one's stage map shows the neighbour announcing ``agreed_round``'s backup."""
     from types import SimpleNamespace
@@ -72,7 +72,7 @@ def rejoin_setup(agreed_round: int | None):
         return await neighbour.loader.server.on_frame(peer, message, payload)
 
     async def prepare():
-        neighbour.outer.load_state_dict(snapshot_of(neighbour, rounds=1)["diloco"])
+        neighbour.outer.load_state_dict(snapshot_of(neighbour, rounds=rounds)["diloco"])
         await neighbour.loader.refresh_agreed()
         backup = neighbour.loader.agreed_backup
         agreed = None if agreed_round is None else (agreed_round, backup.digest)
@@ -83,29 +83,31 @@ def rejoin_setup(agreed_round: int | None):
     return left_out, neighbour, asked, prepare
 
 
-def test_a_replica_one_round_behind_rejoins_from_the_rounds_agreed_backup():
+@pytest.mark.parametrize("rounds", [1, 3])
+def test_a_replica_behind_rejoins_from_the_agreed_backup_of_its_replicas_round(rounds):
     """On a thin line the hot snapshot (weights, AdamW's moments, start, momentum: 6 copies of the
     stage) never arrived before its version was replaced; the round's agreed backup (start and
-    momentum) is what a rebase needs, a third of the bytes, and it stays served by digest."""
+    momentum) is what a rebase needs, a third of the bytes, and it stays served by digest. A fetch
+    that outlasts rounds leaves the replica several behind: it rebases all the same."""
     async def main():
-        left_out, neighbour, asked, prepare = rejoin_setup(agreed_round=1)
+        left_out, neighbour, asked, prepare = rejoin_setup(agreed_round=rounds, rounds=rounds)
         backup = await prepare()
         engine = left_out.swarm.engine
         engine.step = 40
         start, live = left_out.outer.start.clone(), flatten(engine.params).clone()
         info = await left_out.loader.rejoin(neighbour.me)
-        assert info["rebased"] and info["round"] == 1 and info["bytes"] == len(backup.data)
+        assert info["rebased"] and info["round"] == rounds and info["bytes"] == len(backup.data)
         assert asked and all(m.digest == backup.digest for m in asked)  # never the hot snapshot
         assert torch.equal(left_out.outer.start, neighbour.outer.start)
         assert torch.equal(left_out.outer.momentum, neighbour.outer.momentum)
-        assert left_out.outer.rounds == 1 and left_out.outer.round_started_step == 40
+        assert left_out.outer.rounds == rounds and left_out.outer.round_started_step == 40
         assert torch.allclose(flatten(engine.params) - left_out.outer.start, live - start, atol=1e-6)
         assert left_out.loader.agreed_backup.digest == backup.digest  # it now announces what the others do
     trio.run(main)
 
 
-@pytest.mark.parametrize("agreed_round", [None, 2])
-def test_without_that_rounds_backup_announced_a_rejoin_asks_for_the_hot_snapshot(agreed_round):
+@pytest.mark.parametrize("agreed_round", [None, 0])
+def test_without_a_later_rounds_backup_announced_a_rejoin_asks_for_the_hot_snapshot(agreed_round):
     async def main():
         left_out, neighbour, asked, prepare = rejoin_setup(agreed_round)
         await prepare()

@@ -337,3 +337,21 @@ def test_a_version_in_use_outlives_newer_ones_until_no_transfer_asks_for_it():
         assert len(server._versions) == snapshots.KEEP_VERSIONS
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_an_agreed_backup_in_use_outlives_newer_rounds():
+    async def main():
+        server = SnapshotServer("m", 1, None)
+        agreed = [Snapshot(os.urandom(100), round_, 0, 0.0) for round_ in range(5)]
+        server.add_agreed(agreed[0])
+        for newer in agreed[1:]:
+            part, _ = await server.on_frame("p", Get("m", 1, agreed[0].digest, 10, UNNAMED, 10), b"")
+            assert part.digest == agreed[0].digest
+            server.add_agreed(newer)
+            await trio.sleep(1.0)
+        assert [a.round for a in server._agreed] == [0, 3, 4]
+        await trio.sleep(snapshots.IN_USE_S)
+        server.add_agreed(Snapshot(os.urandom(100), 5, 0, 0.0))
+        assert [a.round for a in server._agreed] == [4, 5]
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))

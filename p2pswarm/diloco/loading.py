@@ -137,16 +137,18 @@ class StageLoader:
         return None
 
     async def rejoin(self, peer: str) -> dict | None:
-        """``peer`` says it is ahead of us: if it is one round ahead and announces that round's agreed
-        backup, fetch that by digest and rebase on it (``load_state``: the rebase needs only the round's
-        start and momentum, a third of a hot snapshot's bytes, and a backup stays served for two rounds
-        and resumes where a cut fetch stopped, where a hot snapshot's version is replaced within
-        seconds); else its hot snapshot (``catch_up``). Where it came from; None: nothing loaded."""
+        """``peer`` says it is ahead of us: if it announces the agreed backup of a later round than ours,
+        fetch that by digest and rebase on it (``_rebase``: the round's start and momentum, a third of a
+        hot snapshot's bytes; a backup in use stays served and a cut fetch resumes, where a hot
+        snapshot's version is replaced within seconds); else its hot snapshot (``catch_up``). Our
+        progress since our own last round goes on top even when we missed several rounds (on a thin
+        line a fetch outlasts rounds; that progress then enters the next round late, as asynchronous
+        DiLoCo takes a stale contribution). Where it came from; None: nothing loaded."""
         with trio.move_on_after(CATCH_UP_WAIT):
             await self._stage_map.refresh_stages([self.stage])
         record = next((r for r in self._stage_map.stages.get(self.stage, []) if r.peer_id == peer), None)
         agreed = record.agreed if record is not None else None
-        if agreed is None or agreed[0] != self._outer.rounds + 1:
+        if agreed is None or agreed[0] <= self._outer.rounds:
             return await self.catch_up([peer], rebase=True)
         round_, digest = agreed
         try:

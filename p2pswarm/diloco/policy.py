@@ -143,10 +143,10 @@ def result_check(members: int) -> aggregation.VerifyConfig:
 
 
 def gather_seconds(configured: float, last_round_s: float | None) -> float:
-    """How long a ready replica waits for the others: ``configured``, or GATHER_ROUND_SHARE of its own
-    last round (from ready to ready) where that is longer. Replicas drift apart by a share of a round,
-    not by fixed seconds: on a 0.2 Mbit/s line, where 40 inner steps took over a minute, the replicas
-    were ready 13 s apart, a 10 s gather left one out of every round, and each time it loaded a state
-    that its replica's uplink could not carry in time. A ready replica keeps training while it waits,
-    so waiting longer costs only staleness."""
+    """How long a ready replica waits for the others: ``configured``, or GATHER_ROUND_SHARE of its own last
+    round (from ready to ready; the first from the start of training) where that is longer. Replicas
+    drift apart by a share of a round, not by fixed seconds: on a 0.2 Mbit/s line, where 40 inner steps
+    took over a minute, the replicas were ready 13 s apart, a 10 s gather left one out of every round,
+    and each time it loaded a state that its replica's uplink could not carry in time. A ready replica
+    keeps training while it waits, so waiting longer costs only staleness."""
     return configured if last_round_s is None else max(configured, GATHER_ROUND_SHARE * last_round_s)

@@ -89,7 +89,7 @@ class DilocoService:
         self._pending: dict | None = None  # the open round's own data: weights at the close, pseudo-gradient
         self._buffers: contribution.Buffers | None = None  # what _pending's tensors live in
         self._started_at, self._sent_before, self._received_before = 0.0, 0, 0  # the open round's start
-        self._ready_at: float | None = None  # when we were last ready for a round: a round's length (gather)
+        self._ready_at: float | None = None  # when we were last ready for a round (or began): its length (gather)
         self._bulk_locks: dict[str, trio.Lock] = {}  # one Part or Result at a time to a peer (_send_bulk)
 
     # --- life cycle ------------------------------------------------------------------------------
@@ -116,6 +116,7 @@ class DilocoService:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             nursery.start_soon(self.loader.run_snapshots)
+            self._ready_at = trio.current_time()  # training starts: the first round's length counts from here
             while True:
                 await self._step_rounds()
                 with trio.move_on_after(TICK):

@@ -6,7 +6,7 @@ engine's weights and optimizer, the DiLoCo start weights, momentum and round; ``
 encodes it, no pickle) and loads it. The serving side makes a fresh snapshot on demand, at most
 once per ``FRESH_S``, and keeps the last ``KEEP_VERSIONS`` so a transfer in progress survives a
 newer one, and an older one a transfer asked for within ``IN_USE_S`` (a fetch over a thin line
-outlasts many versions).
+outlasts many versions; so it is for the agreed backups).
 
 Exchange (request and reply frames on a pooled stream):
 
@@ -56,7 +56,7 @@ CHUNK_BYTES = MAX_CHUNK_BYTES  # the largest reply, 4 MiB: well under the 64 MiB
 MAX_SNAPSHOT_BYTES = plan.MAX_SNAPSHOT_BYTES  # the largest snapshot a client accepts (checkpoint's limit)
 FRESH_S = 5.0  # a snapshot made this recently is served as is: many joiners cost one serialisation
 KEEP_VERSIONS = 2  # versions kept for transfers in progress while a newer one is made
-IN_USE_S = 60.0  # an older version a transfer asked for this recently is kept too (one, the latest asked)
+IN_USE_S = 60.0  # an older version (hot or agreed) a transfer asked for this recently is kept too (one of each)
 FETCH_TIMEOUT = 60.0  # a whole fetch of a small snapshot (a bigger one: fetch_pace.ChunkPace.allowed)
 CHUNK_TIMEOUT = 20.0  # one reply: a chunk is sized to take about 1 s (fetch_pace.py)
 MAX_PARTIALS = 2  # cut fetches kept to resume (PartialFetches): each holds at most one snapshot's bytes
@@ -153,21 +153,22 @@ class SnapshotServer:
             if not self._versions or now - self._versions[-1].made_at > FRESH_S:
                 snapshot = await self._make()
                 await trio.to_thread.run_sync(lambda: snapshot.digest)  # hashed once, off the loop
-                self._versions = self._kept([*self._versions, snapshot], trio.current_time())
+                self._versions = self._kept([*self._versions, snapshot], KEEP_VERSIONS)
             return self._versions[-1]
 
-    def _kept(self, versions: list[Snapshot], now: float) -> list[Snapshot]:
-        """The newest KEEP_VERSIONS, and the version a transfer asked for within IN_USE_S if it is older:
-        on a thin line one fetch outlasts many new versions (the disk loop makes one every period)."""
-        newest = versions[-KEEP_VERSIONS:]
-        in_use = [v for v in versions[:-KEEP_VERSIONS] if self._in_use.get(v.digest, -IN_USE_S) > now - IN_USE_S]
-        self._in_use = {d: t for d, t in self._in_use.items() if any(v.digest == d for v in in_use + newest)}
-        return in_use[-1:] + newest
+    def _kept(self, versions: list[Snapshot], keep: int) -> list[Snapshot]:
+        """The newest ``keep`` of ``versions``, and the older one a transfer asked for within IN_USE_S:
+        on a thin line one fetch outlasts many new versions (the disk loop makes one every period, and
+        an outer round a new agreed backup)."""
+        now = trio.current_time()
+        self._in_use = {digest: at for digest, at in self._in_use.items() if at > now - IN_USE_S}
+        in_use = [v for v in versions[:-keep] if v.digest in self._in_use]
+        return in_use[-1:] + versions[-keep:]
 
     def add_agreed(self, snapshot: Snapshot) -> None:
         """Serve ``snapshot`` (our stage's agreed backup, its digest computed) by digest from now on."""
         if all(kept.digest != snapshot.digest for kept in self._agreed):
-            self._agreed = [*self._agreed, snapshot][-KEEP_AGREED:]
+            self._agreed = self._kept([*self._agreed, snapshot], KEEP_AGREED)
 
     async def on_frame(self, peer: str, message, payload: bytes):
         if not isinstance(message, Get):
@@ -185,8 +186,7 @@ class SnapshotServer:
             snapshot = next((v for v in kept if v.digest == message.digest), None)
             if snapshot is None:
                 return wire.ErrorReply("gone", "that snapshot version is no longer kept; ask for the newest")
-            if snapshot in self._versions:
-                self._in_use[snapshot.digest] = trio.current_time()
+            self._in_use[snapshot.digest] = trio.current_time()
         else:
             snapshot = await self.newest()
         reply = part_reply(self.model, message, snapshot)

@@ -11,7 +11,10 @@ whose ``[wire]`` sends activations and gradients that way (``swarm/quant.py``) i
 travel that way (``model/subspace.py``).
 
 Both wait until training runs (stage-0 tokens move), train for ``seconds``, and read each peer's
-``GET /api/swarm`` at the start and the end of that window (the last stage's training loss too).
+``GET /api/swarm`` at the start and the end of that window (the last stage's training loss too);
+every CONTROL_PING_S of it they ping a stage-0 and a last-stage peer each way over the connection
+training uses (the control plane's round trip while bulk fills the uplinks), and at the end they
+read the peers' logs (``log_figures``).
 Counters of ``delivery`` and ``counts`` are read generically (every numeric key, so new ones appear
 without a change here) and summed per stage over the window; keys with ``_ms`` in their name are
 latencies, reported at the window's end as the worst (max) of the stage's peers. Every process is
@@ -43,6 +46,7 @@ RELAY_TIMEOUT = 120.0  # PRIVATE verdict (~25 s) and a reservation round
 POLL = 2.0  # each look starts one small python per peer: keep it light on 2 cores
 API_TIMEOUT = 5.0  # a peer busy computing on a loaded 2-core machine answers late
 COUNTER_SECTIONS = ("delivery", "counts")
+CONTROL_PING_S = 10.0  # a control-plane ping each way this often during a window (control_pings)
 
 Doc = dict  # one peer's GET /api/swarm
 DocGetter = Callable[[str], Doc]  # peer name -> its /api/swarm JSON ({} when it does not answer)
@@ -190,11 +194,34 @@ def measure(swarm: LabSwarm, stages: dict[str, int], get_doc: DocGetter, seconds
         if started or t0 - began > TRAIN_TIMEOUT:  # never started: the window still runs and reports zeros
             break
         time.sleep(POLL)
+    rtts: list[float | None] = []
     while time.monotonic() - t0 < seconds:
         check_alive(swarm)
+        if len(rtts) < 2 * (time.monotonic() - t0) // CONTROL_PING_S + 2:
+            rtts += control_pings(swarm, stages)
         time.sleep(min(POLL, max(0.0, seconds - (time.monotonic() - t0))))
     t1, end = snapshot(stages, get_doc)
-    return {**window(start, end, stages, t1 - t0), "training_started": started, "wait_s": round(t0 - began, 1)}
+    measured = sorted(r for r in rtts if r is not None)
+    control = {"control_rtt_ms_p50": measured[len(measured) // 2] if measured else None,
+               "control_rtt_ms_max": measured[-1] if measured else None, "control_pings": len(rtts),
+               "control_pings_failed": len(rtts) - len(measured)}
+    return {**window(start, end, stages, t1 - t0), **control, "training_started": started,
+            "wait_s": round(t0 - began, 1)}
+
+
+def control_pings(swarm: LabSwarm, stages: dict[str, int]) -> list[float | None]:
+    """One ``/api/ping`` each way between a stage-0 and a last-stage peer on the connection training
+    uses (fresh=0): the control plane's round trip while activations and gradients fill both uplinks;
+    None for a ping that failed."""
+    first = min(n for n, s in stages.items() if s == 0)
+    last = min(n for n, s in stages.items() if s == max(stages.values()))
+    rtts: list[float | None] = []
+    for src, dst in ((first, last), (last, first)):
+        if not swarm.nodes[dst].peer_id:
+            swarm.stats(dst)
+        reply = swarm.ping(src, dst, fresh=False) if swarm.nodes[dst].peer_id else {}
+        rtts.append(reply.get("rtt_ms"))
+    return rtts
 
 
 @contextlib.contextmanager
