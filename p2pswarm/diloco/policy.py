@@ -30,7 +30,7 @@ STRIKES = 3  # a peer whose contributions we refused in this many of the last ST
 STRIKE_ROUNDS = 10  # ...is left out of our groups (its Hellos get our status, nothing more)
 RESULT_MIN_PROJECTION = -1.0  # an aggregate may not undo more than all of our own step (honest: >= -0.6)
 RESULT_MAX_NORM_RATIO = aggregation.MAX_NORM_RATIO  # honest: <= 3 (a mean of shards within 3x of ours); -10x of 2: ~5
-GATHER_ROUND_SHARE = 0.25  # a ready replica waits up to this share of its own last round (gather_seconds)
+GATHER_ROUND_SHARE = 0.5  # a ready replica waits up to this share of its own last round (gather_seconds)
 
 
 class Move(enum.Enum):
@@ -146,7 +146,7 @@ def gather_seconds(configured: float, last_round_s: float | None) -> float:
     """How long a ready replica waits for the others: ``configured``, or GATHER_ROUND_SHARE of its own last
     round (from ready to ready; the first from the start of training) where that is longer. Replicas
     drift apart by a share of a round, not by fixed seconds: on a 0.2 Mbit/s line, where 40 inner steps
-    took over a minute, the replicas were ready 13 s apart, a 10 s gather left one out of every round,
+    took over a minute, the replicas were ready 13 to 29 s apart, a 10 s gather left one out of a round,
     and each time it loaded a state that its replica's uplink could not carry in time. A ready replica
     keeps training while it waits, so waiting longer costs only staleness."""
     return configured if last_round_s is None else max(configured, GATHER_ROUND_SHARE * last_round_s)
