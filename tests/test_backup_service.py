@@ -15,7 +15,7 @@ import trio
 from p2pswarm.dht.records import BackupClaim, Capacity, StageRecord
 from p2pswarm.diloco import snapshots
 from p2pswarm.diloco.backup_service import BackupService, Held
-from p2pswarm.diloco.backups import check_backup, digest, encode_backup
+from p2pswarm.diloco.backups import BACKUP_LINE_SHARE, check_backup, digest, encode_backup
 from p2pswarm.diloco.service import DilocoService
 from p2pswarm.errors import DialError
 from p2pswarm.identity import generate_identity
@@ -67,6 +67,9 @@ class FakeStageMap:
 
 
 def service(pool, me: str, stage_map, **kwargs) -> BackupService:
+    """A holder that refreshes whenever a round is due (``line_share`` 1: these tests check what a
+    refresh takes and refuses, not how often it may run: ``refresh_due``'s properties do that)."""
+    kwargs.setdefault("line_share", 1.0)
     return BackupService(pool=pool, stage_map=stage_map, model=SPEC, run=RUN, me=me,
                          directory=kwargs.pop("directory", None), budget_bytes=kwargs.pop("budget_bytes", BUDGET),
                          **kwargs)
@@ -217,6 +220,29 @@ def test_a_backup_over_the_budget_is_neither_held_nor_announced():
         await small.check_once()
         await small.check_once()
         assert small.claims() == () and small.refused["over_budget"] == 2 and small.doc()["held"] == []
+
+    swarm_of(2, test)
+
+
+def test_a_holder_does_not_fetch_a_stage_again_before_its_last_fetch_is_paid_for():
+    """A fetch that took s seconds keeps that stage's next refresh off the line for s x 9 (BACKUP_LINE_SHARE
+    0.1): here the second check, at once, fetches nothing even though the backup was not held."""
+    data = backup_bytes(2)
+
+    async def test(pools, ids):
+        replica, holder = ids
+        replica_side = service(pools[0], replica, FakeStageMap())
+        replica_side.stage = STAGE
+        replica_side.attach_server(replica_server(data, 2))
+        replica_side.register()
+        paced = service(pools[1], holder, FakeStageMap([record(replica, STAGE, agreed=(2, digest(data))),
+                                                         record(holder, 0)]), budget_bytes=len(data) - 1,
+                        line_share=BACKUP_LINE_SHARE)
+        paced.stage = 0
+        await paced.check_once()
+        fetched = paced.bytes_fetched
+        await paced.check_once()
+        assert fetched == len(data) and paced.bytes_fetched == fetched and paced.refused["over_budget"] == 1
 
     swarm_of(2, test)
 

@@ -269,3 +269,19 @@ def test_struck_replicas_are_remembered_up_to_a_bound():
                        100.0 + batch)
         assert ledger.newest(1) == (batch, b"t" * 32)
     assert len(ledger.struck) == MAX_STRUCK and "a" not in ledger.struck and "b" not in ledger.struck
+
+
+@given(durations=st.lists(st.floats(0.0, 3600.0, allow_subnormal=False), min_size=1, max_size=20),
+       tick=st.floats(0.1, 30.0))
+def test_refreshes_keep_a_line_busy_at_most_their_share_of_the_time(durations, tick):
+    from p2pswarm.diloco.backups import BACKUP_LINE_SHARE, refresh_due
+
+    assert refresh_due(0.0, None)  # nothing fetched yet: due
+    now, busy, last = 0.0, 0.0, None
+    for seconds in durations:  # each refresh as soon as it is due, checked every tick
+        while not refresh_due(now, last):
+            now += tick
+        now, busy, last = now + seconds, busy + seconds, (now + seconds, seconds)
+    while not refresh_due(now, last):
+        now += tick
+    assert busy <= BACKUP_LINE_SHARE * now + 1e-6 * now + 1e-9  # over the whole time, including the last wait

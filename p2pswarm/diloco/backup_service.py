@@ -6,7 +6,8 @@ stage's replicas announce (``AgreedLedger``), computes its duties (``backup_duti
 whose backup it holds, never its own), and for each duty whose announced round is
 ``every_rounds`` past the held one fetches that digest from a replica announcing it
 (``snapshots.fetch_snapshot(digest=...)``: the bytes must hash to it; paced to BACKUP_SHARE of the
-line's time and resumed where a cut try stopped, ``fetch_pace.py``), decodes it, checks it
+line's time and resumed where a cut try stopped, ``fetch_pace.py``; not again before ``refresh_due``),
+decodes it, checks it
 (``check_backup``: that stage, that round, vectors of the stage's size) and, if it fits the
 budget, stores it (``directory``, atomically; memory only without one) and announces it
 (``claims``, put in our record by the node). It keeps the newest copy of each stage (and, in
@@ -40,6 +41,7 @@ from p2pswarm.diloco import checkpoint, snapshots
 from p2pswarm.diloco.backups import (
     BACKUP_COPIES,
     BACKUP_EVERY_ROUNDS,
+    BACKUP_LINE_SHARE,
     BACKUP_SHARE,
     AgreedLedger,
     BackupBudget,
@@ -47,6 +49,7 @@ from p2pswarm.diloco.backups import (
     backup_max_bytes,
     check_backup,
     choose_backups,
+    refresh_due,
 )
 from p2pswarm.errors import DialError, ProtocolError, RemoteProtocolError
 from p2pswarm.files import write_atomic
@@ -87,10 +90,12 @@ class BackupService:
     """Holds, checks, serves and hands out stage backups (module docstring)."""
 
     def __init__(self, *, pool, stage_map, model, run, me: str, directory: Path | None, budget_bytes: int,
-                 copies: int = BACKUP_COPIES, every_rounds: int = BACKUP_EVERY_ROUNDS) -> None:
+                 copies: int = BACKUP_COPIES, every_rounds: int = BACKUP_EVERY_ROUNDS,
+                 line_share: float = BACKUP_LINE_SHARE) -> None:
         self._pool, self._stage_map, self.model, self.run_spec, self.me = pool, stage_map, model, run, me
         self.directory = Path(directory) if directory is not None else None
         self.budget, self.copies, self.every_rounds = BackupBudget(budget_bytes), copies, every_rounds
+        self.line_share = line_share  # of all the time a stage's refreshes may take (refresh_due)
         self.stage: int | None = None  # our own stage (the node sets it): never held as a backup
         self.ledger = AgreedLedger()
         self.duties: frozenset[int] = frozenset()
@@ -100,6 +105,7 @@ class BackupService:
         self._server: snapshots.SnapshotServer | None = None
         self._over_budget_logged: set[int] = set()
         self.partials = snapshots.PartialFetches()  # refreshes cut short: the next try at that digest resumes
+        self._last_fetch: dict[int, tuple[float, float]] = {}  # stage -> (end, seconds) of its last refresh's fetch
         self.bytes_fetched = self.bytes_served = 0
         self.refused: Counter = Counter()  # why, counted
         self.recent_refusals: collections.deque = collections.deque(maxlen=RECENT_REFUSALS)
@@ -171,14 +177,19 @@ class BackupService:
         if newest is None or (held is not None and newest[0] < held.snapshot.round + self.every_rounds
                               and not outvoted):
             return
+        if not refresh_due(trio.current_time(), self._last_fetch.get(stage), self.line_share):
+            return  # the last fetch of it took long: the line is left to training for a while (refresh_due)
         round_, digest = newest
         announcing = [r.peer_id for r in records if r.agreed == newest and r.peer_id != self.me]
         for peer in sorted(announcing, key=lambda peer: _spread(self.me, peer)):  # holders ask different replicas
+            began = trio.current_time()
             try:
                 data, _ = await self._fetch_checked(peer, stage, round_, digest, share=BACKUP_SHARE)
             except (DialError, ProtocolError) as exc:
                 self._refuse(peer, stage, exc)
                 continue
+            finally:
+                self._last_fetch[stage] = (trio.current_time(), trio.current_time() - began)
             await self._hold(stage, data, round_, peer)
             return
 

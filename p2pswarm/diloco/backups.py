@@ -17,6 +17,8 @@ honest replica announces the same sha256 (``StageRecord.agreed``) for a round.
   digests after all its replicas are gone. A replica whose digest for a round is outvoted by the
   others' is struck: none of its announcements counts again.
 - **Choice** (``choose_backups``): trusted claims first, freshest round first.
+- **Pace** (``refresh_due``): a holder's refreshes of a stage take at most BACKUP_LINE_SHARE of the
+  time (each fetch itself takes BACKUP_SHARE of the line's time while it runs, ``fetch_pace``).
 - **Check** (``check_backup``): the decoded state must be that stage's backup of that round, of
   this model and run, with vectors of the stage's parameter count.
 - **Budget** (``BackupBudget``): the bytes the held backups may take on disk.
@@ -41,6 +43,7 @@ BACKUP_KIND = "backup"  # tells a backup from a hot snapshot (whose tree has "en
 BACKUP_COPIES = 2  # holders per stage: one can be gone when the stage's last replica goes too
 BACKUP_EVERY_ROUNDS = 1  # refresh at every outer round: a lost stage loses at most the round in progress
 BACKUP_SHARE = 0.5  # of a line's time a refresh's fetch may take (fetch_pace.py): training keeps the rest
+BACKUP_LINE_SHARE = 0.1  # of all the time, refreshes of one stage's backup take at most (refresh_due)
 DEFAULT_BACKUP_BUDGET_MB = 2048  # disk for held backups: a couple of small-tier stages' start and momentum
 KEEP_ROUNDS = 8  # announcements remembered per replica: a backup up to 8 rounds old can still be checked
 MAX_TRACKED_REPLICAS = 64  # replicas remembered per stage (the oldest-seen forgotten first): bounds memory
@@ -60,6 +63,18 @@ def backup_duties(me: str, members: Mapping[int, Iterable[str]], copies: int = B
         if me in outside[:copies]:
             duties.add(stage)
     return frozenset(duties)
+
+
+def refresh_due(now: float, last: tuple[float, float] | None, share: float = BACKUP_LINE_SHARE) -> bool:
+    """Whether a holder may fetch a stage's backup again at ``now``, given its ``last`` attempt (when it
+    ended, how long it took; None: none yet): not before that duration x (1 / ``share`` - 1) has
+    passed since, so refreshes take at most ``share`` of the time (1: whenever a round is due). On a LAN a fetch takes
+    a fraction of a second and every round's backup is taken; on a 0.2 Mbit/s uplink a tiny-lm stage's
+    5.5 MB take minutes, and refreshing every round kept the serving replica's uplink busy for good."""
+    if last is None:
+        return True
+    ended, seconds = last
+    return now >= ended + max(0.0, seconds) * (1 / share - 1)
 
 
 def _rendezvous(peer: str, stage: int) -> bytes:

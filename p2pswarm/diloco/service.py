@@ -229,7 +229,7 @@ class DilocoService:
         there past the pool's budget wait and be refused (``net/budget.py``)."""
         try:
             async with self._bulk_locks.setdefault(peer, trio.Lock()), \
-                    self._pool.lease(peer, msgs.PROTOCOL_ID) as stream:
+                    self._pool.lease(peer, msgs.PROTOCOL_ID, timeout=REDUCE_S) as stream:  # (a thin line: slow)
                 await stream.write_frame(message, data)
                 self.bytes_sent += len(data)
                 reply, _ = await stream.read_frame(max_payload=0, timeout=REDUCE_S)
