@@ -141,7 +141,7 @@ def test_a_killed_peer_leaves_every_read_of_the_map_record_ttl_after_its_last_an
         announced: dict[str, float] = {}  # peer -> timestamp of its last record
 
         def signer(peer: str, stage: int):
-            def signed_record(_wall_now: float) -> tuple[StageRecord, bytes]:
+            def signed_record(_wall_now: float, _ttl: float = RECORD_TTL) -> tuple[StageRecord, bytes]:
                 start, end = MODEL.stage_range(stage)
                 announced[peer] = virtual_now()
                 return (StageRecord(peer, (f"/ip4/10.0.0.{stage + 1}/tcp/1",), MODEL.name, stage, start, end,
@@ -375,3 +375,31 @@ def test_64_answering_fakes_from_4_addresses_are_neither_chosen_by_nor_invited_b
             nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def test_a_peer_whose_announcements_are_cut_announces_longer_lived_records_until_one_gets_through():
+    """On a 0.2 Mbit/s uplink full of training frames three cut announcements in a row expired a live
+    peer's record everywhere (RECORD_TTL 15 s), and its stage was reported degraded while it trained."""
+    from p2pswarm.dht.discovery import announce_ttl
+    from p2pswarm.dht.records import MAX_TTL
+
+    ttls: list[float] = []
+    slow = [True] * 4 + [False] * 10  # four announcements cut at ANNOUNCE_PERIOD, then the rest in time
+
+    class SlowIndex:
+        async def announce(self, record, signed) -> int:
+            await trio.sleep(2 * ANNOUNCE_PERIOD if slow.pop(0) else 0.1)
+            return 1
+
+    def signed_record(_wall_now: float, ttl: float = RECORD_TTL):
+        ttls.append(ttl)
+        start, end = MODEL.stage_range(0)
+        return StageRecord("p", ("/ip4/10.0.0.1/tcp/1",), MODEL.name, 0, start, end, Capacity(0, 0), 0.0, ttl), b""
+
+    async def main():
+        with trio.move_on_after(6 * ANNOUNCE_PERIOD + 1):
+            await serve_announcements(SlowIndex(), signed_record)
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert ttls[:7] == [RECORD_TTL, 2 * RECORD_TTL, 4 * RECORD_TTL, MAX_TTL, MAX_TTL, RECORD_TTL, RECORD_TTL]
+    assert all(announce_ttl(t, cut=True) <= MAX_TTL for t in ttls)

@@ -27,7 +27,7 @@ from collections.abc import Awaitable, Callable, Iterable
 import trio
 
 from p2pswarm import wire
-from p2pswarm.dht import health, ranking, work
+from p2pswarm.dht import discovery, health, ranking, work
 from p2pswarm.dht.candidates import CHECK_PERIOD, CandidateBook, asks_first
 from p2pswarm.dht.discovery import ANNOUNCE_PERIOD, DEFAULT_K, LOOKUP_TIMEOUT, STAGE_MAP_PERIOD, StageIndex
 from p2pswarm.dht.ranking import Standing
@@ -97,8 +97,7 @@ class StageMap:
 
     def pool(self, stage: int) -> list[StageRecord]:
         """Every fresh record kept for ``stage``, best first, crowded strangers last: the peers we check."""
-        now = self.clock()
-        return ranking.pool(self._fresh(stage, now), _standings(self, now), CHECK_POOL)
+        return ranking.pool(self._fresh(stage, now := self.clock()), _standings(self, now), CHECK_POOL)
 
     @property
     def stages(self) -> dict[int, list[StageRecord]]:
@@ -283,7 +282,7 @@ def _record_doc(record: StageRecord, now: float) -> dict:
             "expires_in_s": round(record.expires_at - now, 1)}
 
 
-async def serve_announcements(index: StageIndex, signed_record: Callable[[float], tuple[StageRecord, bytes]],
+async def serve_announcements(index: StageIndex, signed_record: Callable[[float, float], tuple[StageRecord, bytes]],
                               stage_map: StageMap | None = None) -> None:
     """Announce our stage record every ANNOUNCE_PERIOD, start to start, well before its TTL runs out;
     and sooner (ANNOUNCE_MIN_GAP after the last start at the earliest) when ``stage_map`` has news: a peer
@@ -292,14 +291,15 @@ async def serve_announcements(index: StageIndex, signed_record: Callable[[float]
     A slow announcement (lookups of up to LOOKUP_TIMEOUT each on a loaded machine) never stretches the
     period: it is cut at ANNOUNCE_PERIOD, and the next one starts on time with a fresh timestamp. Were the
     period measured from an announcement's end, two slow ones could leave the stores with no fresh record
-    of a live peer (5 s + 6 s + 5 s + 6 s > RECORD_TTL) and the peer would drop out of every stage map."""
-    level = logging.INFO  # the first announcement is news; the periodic ones go to the debug log
+    of a live peer (5 s + 6 s + 5 s + 6 s > RECORD_TTL) and the peer would drop out of every stage map
+    (and after a cut one the next record lives longer: ``announce_ttl``)."""
+    level, ttl = logging.INFO, discovery.RECORD_TTL  # the first announcement is news (later: the debug log)
     while True:
         started = trio.current_time()
         next_at = started + ANNOUNCE_PERIOD
         if stage_map is not None:
             stage_map.news = trio.Event()  # what happens from now on is in a later announcement
-        record, signed = signed_record(time.time())
+        record, signed = signed_record(time.time(), ttl)
         with trio.move_on_after(ANNOUNCE_PERIOD) as scope:
             try:
                 accepted = await index.announce(record, signed)
@@ -309,8 +309,10 @@ async def serve_announcements(index: StageIndex, signed_record: Callable[[float]
                 log.log(level, "announced stage %d (layers [%d, %d)) of %s: %d store(s) accepted",
                         record.stage, record.start, record.end, record.model, accepted)
                 level = logging.DEBUG
+        ttl = discovery.announce_ttl(ttl, scope.cancelled_caught)  # a slow line: longer-lived records
         if scope.cancelled_caught:
-            log.warning("announcing stage %d took over %.0f s; announcing again now", record.stage, ANNOUNCE_PERIOD)
+            log.warning("announcing stage %d took over %.0f s; again now, the record for %.0f s", record.stage,
+                        ANNOUNCE_PERIOD, ttl)
         with trio.move_on_at(next_at):
             if stage_map is not None:
                 await stage_map.news.wait()

@@ -165,11 +165,11 @@ class NodeState:
                         throughput=round(self.swarm.throughput(), 1) if self.swarm else 0.0,
                         outer_round=self.diloco.outer_round() if self.diloco else 0)
 
-    def signed_record(self, now: float) -> tuple[StageRecord, bytes]:
+    def signed_record(self, now: float, ttl: float = RECORD_TTL) -> tuple[StageRecord, bytes]:
         assert self.nat is not None and self.run is not None and self.stage is not None, \
             "set by run_node and _join_dht before our stage is announced"
         record = stage_record(self.identity.peer_id_text, self.addrs(), tuple(self.nat.public_addrs), self.model,
-                              self.stage, self.capacity(), now, RECORD_TTL, run=self.run.identity,
+                              self.stage, self.capacity(), now, ttl, run=self.run.identity,
                               agreed=self.diloco.agreed_claim() if self.diloco else None,
                               backups=self.backups.claims() if self.backups else (),
                               worked=self.stage_map.work.attested(now) if self.stage_map else ())
