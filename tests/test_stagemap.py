@@ -11,11 +11,12 @@ import time
 import trio
 import trio.testing
 
+from p2pswarm.dht.announcing import serve_announcements
 from p2pswarm.dht.candidates import ANSWER_FRESH
 from p2pswarm.dht.discovery import ANNOUNCE_PERIOD, LOOKUP_TIMEOUT, RECORD_TTL, STAGE_MAP_PERIOD
 from p2pswarm.dht.ranking import Standing
 from p2pswarm.dht.records import UNNAMED_RUN, Capacity, StageRecord, stage_key
-from p2pswarm.dht.stagemap import API_WAIT, StageMap, choose_stage, serve_announcements
+from p2pswarm.dht.stagemap import API_WAIT, StageMap, choose_stage
 from p2pswarm.dht.store import RecordStore, StoredRecord
 from p2pswarm.model.catalog import get_model
 
@@ -403,3 +404,41 @@ def test_a_peer_whose_announcements_are_cut_announces_longer_lived_records_until
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
     assert ttls[:7] == [RECORD_TTL, 2 * RECORD_TTL, 4 * RECORD_TTL, MAX_TTL, MAX_TTL, RECORD_TTL, RECORD_TTL]
     assert all(announce_ttl(t, cut=True) <= MAX_TTL for t in ttls)
+
+
+def test_while_a_stages_lookups_go_unanswered_its_records_are_judged_as_of_the_last_answer_plus_a_grace():
+    """On a 0.2 Mbit/s line a reader's lookups wait seconds behind its training frames and overrun their
+    bound: every record in its map expired at once, every stage read as down while every peer trained,
+    and stage 0 stopped training. Now the records are judged as of the last answer plus LOOKUP_GRACE:
+    a peer that died meanwhile still leaves the map, within RECORD_TTL + LOOKUP_GRACE of its last record."""
+    from p2pswarm.dht.stagemap import LOOKUP_GRACE
+
+    class Unanswered(StoreIndex):
+        answering = True
+
+        async def lookup_stage(self, *args, **kwargs):
+            if not self.answering:
+                await trio.sleep_forever()  # overruns the rebuild's bound: the stage keeps its previous entry
+            return await super().lookup_stage(*args, **kwargs)
+
+    async def main():
+        index = Unanswered(lookup_time=0.1)
+        start, end = MODEL.stage_range(1)
+        record = StageRecord("live", ("/ip4/10.0.0.2/tcp/1",), MODEL.name, 1, start, end, Capacity(0, 0),
+                             virtual_now(), RECORD_TTL)
+        await index.announce(record, b"signed")
+        async with trio.open_nursery() as nursery:
+            stage_map = StageMap(index, MODEL, nursery, clock=virtual_now)
+            assert "live" in peers(await stage_map.current())
+            index.answering = False
+            while virtual_now() < record.timestamp + RECORD_TTL + 2 * STAGE_MAP_PERIOD:
+                assert "live" in peers(await stage_map.current(wait=API_WAIT))  # past its TTL: no answer said so
+                assert stage_map.counts(claimed=True)[1] == 1  # and stage 0 does not stop training on it
+                await trio.sleep(1.0)
+            await trio.sleep_until(record.timestamp - EPOCH + RECORD_TTL + LOOKUP_GRACE - 3 * API_WAIT)
+            assert "live" in peers(await stage_map.current(wait=API_WAIT))
+            await trio.sleep(4 * API_WAIT)
+            assert "live" not in peers(await stage_map.current(wait=API_WAIT))  # RECORD_TTL + LOOKUP_GRACE: gone
+            nursery.cancel_scope.cancel()
+
+    run_virtual(main)

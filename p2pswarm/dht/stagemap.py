@@ -1,4 +1,4 @@
-"""The swarm's stage map as one node sees it, and the announcement of our own stage.
+"""The swarm's stage map as one node sees it (our own stage's announcement: ``announcing``).
 
 The map (which peers serve each stage of the model, with what capacity) is rebuilt on demand,
 when asked and older than STAGE_MAP_PERIOD: a full map costs one lookup per stage, and a node
@@ -27,9 +27,9 @@ from collections.abc import Awaitable, Callable, Iterable
 import trio
 
 from p2pswarm import wire
-from p2pswarm.dht import discovery, health, ranking, work
+from p2pswarm.dht import health, ranking, work
 from p2pswarm.dht.candidates import CHECK_PERIOD, CandidateBook, asks_first
-from p2pswarm.dht.discovery import ANNOUNCE_PERIOD, DEFAULT_K, LOOKUP_TIMEOUT, STAGE_MAP_PERIOD, StageIndex
+from p2pswarm.dht.discovery import DEFAULT_K, LOOKUP_TIMEOUT, STAGE_MAP_PERIOD, StageIndex
 from p2pswarm.dht.ranking import Standing
 from p2pswarm.dht.records import PLAUSIBLE_THROUGHPUT, UNNAMED_RUN, StageRecord
 from p2pswarm.errors import DialError
@@ -41,10 +41,11 @@ STAGE_MAP_BUILD_TIMEOUT = 2 * LOOKUP_TIMEOUT + 1.0  # a closest-peer search and 
 #                                                   bounded, with room to finish rather than be cut
 CHECK_TIMEOUT = 3.0  # connect plus one control round trip; a peer slower than this is no candidate
 MAX_CHECKS_AT_ONCE = 8  # round trips in flight while checking candidates
-ANNOUNCE_MIN_GAP = 1.0  # seconds between two announcements' starts when news comes sooner than the period
 API_WAIT = 1.0  # seconds /api/stages waits for a rebuild before it answers with the map it has
 CHECK_POOL = 3 * DEFAULT_K  # records kept (and checked) per stage: room for newcomers behind a crowd
 MAX_SEEN = 1024  # peers whose newest record ``addrs_of`` remembers (signed records; the expired go first)
+LOOKUP_GRACE = 45.0  # s past a stage's last answered lookup until which its records are judged (_fresh):
+#                     a dead peer leaves a map whose lookups fail within RECORD_TTL + this (MAX_TTL) of its end
 
 
 class StageMap:
@@ -56,6 +57,8 @@ class StageMap:
         self._index, self.model, self._nursery, self.run = index, model, nursery, run
         self.clock = clock  # wall-clock seconds, as records' timestamps are (a test passes a virtual one)
         self._pools: dict[int, list[StageRecord]] = {}  # per stage: the last lookup's CHECK_POOL best
+        self._answered: dict[int, float] = {}  # per stage: when a lookup last answered (``_fresh``)
+        self._unanswered: set[int] = set()  # stages whose last lookup overran its bound (``_fresh``)
         self._seen: dict[str, StageRecord] = {}  # per peer: its newest record any lookup returned (addrs_of)
         self.updated_at = 0.0
         self._rebuilt: trio.Event | None = None  # while a rebuild runs: set when it ends
@@ -64,7 +67,7 @@ class StageMap:
         self.work = work.WorkBook()  # the work we saw peers do first-hand (``saw``)
         self.attested = work.WorkBook()  # peers counted on others' word lately (``workers``): never attesters
         self.roots = frozenset(roots)  # whose attestations we take before we saw any work: our bootstrap peers
-        self.news = trio.Event()  # set when a peer starts working in our book (``serve_announcements``)
+        self.news = trio.Event()  # set when a peer starts working in our book (``announcing``)
 
     def saw(self, peer: str, stage: int, weight: float = 1.0) -> None:
         """``peer`` did verifiable work for ``stage``, seen by us (``dht.work``). A peer new to our book is
@@ -91,9 +94,14 @@ class StageMap:
         return _standings(self, self.clock() if now is None else now)
 
     def _fresh(self, stage: int, now: float) -> list[StageRecord]:
-        """The kept records of ``stage`` not yet expired: a record past its TTL is never shown,
-        even while lookups overrun their bound and leave the pool as it was."""
-        return [r for r in self._pools.get(stage, []) if r.is_fresh(now)]
+        """The kept records of ``stage`` not yet expired. While the stage's lookups go unanswered (they
+        overrun their bound and leave the pool as it was), its records are judged as of the last answer
+        (up to LOOKUP_GRACE before now), not now: on a 0.2 Mbit/s line a reader's lookups wait seconds behind its
+        training frames, and every stage of its map expired at once and blocked its training while
+        every peer trained. A record past its TTL at that time is never shown."""
+        last = self._answered.get(stage)
+        at = now if last is None or stage not in self._unanswered else max(last, now - LOOKUP_GRACE)
+        return [r for r in self._pools.get(stage, []) if r.is_fresh(at)]
 
     def pool(self, stage: int) -> list[StageRecord]:
         """Every fresh record kept for ``stage``, best first, crowded strangers last: the peers we check."""
@@ -133,21 +141,25 @@ class StageMap:
 
     async def refresh_stages(self, stages: list[int]) -> None:
         """Look up ``stages`` and update each in the map as its answer comes in (bounded)."""
+        began = self.clock()
         async def one(stage: int) -> None:
             records = await self._index.lookup_stage(self.model.name, stage, k=CHECK_POOL, standing=self.standings(),
                                                      run=self.run)
             self._keep(stage, [r for r in records if (r.start, r.end) == self.model.stage_range(stage)])
 
-        with trio.move_on_after(STAGE_MAP_BUILD_TIMEOUT):
+        with trio.move_on_after(STAGE_MAP_BUILD_TIMEOUT) as scope:
             async with trio.open_nursery() as nursery:
                 for stage in stages:
                     nursery.start_soon(one, stage)
+        if scope.cancelled_caught:  # the stages not answered in time are judged as of their last answer
+            self._unanswered |= {stage for stage in stages if self._answered.get(stage, -math.inf) < began}
 
     def _keep(self, stage: int, found: list[StageRecord]) -> None:
         """A lookup's answer replaces the stage's pool, but our own and vouched peers' records it
         missed stay until they expire: one store that answered alone (a hostile one serving only
         its identities) or a lookup cut short must not make us forget the peers we work with."""
-        now = self.clock()
+        now = self._answered[stage] = self.clock()
+        self._unanswered.discard(stage)
         self._seen = _remember(self._seen, found, now)
         got, standing = {r.peer_id for r in found}, _standings(self, now)
         kept = [r for r in self._pools.get(stage, []) if r.peer_id not in got and r.is_fresh(now)
@@ -280,45 +292,6 @@ def _record_doc(record: StageRecord, now: float) -> dict:
             "free_memory_mb": cap.free_memory_mb, "flags": cap.flags, "throughput": cap.throughput,
             "outer_round": cap.outer_round, "agreed_round": None if record.agreed is None else record.agreed[0],
             "expires_in_s": round(record.expires_at - now, 1)}
-
-
-async def serve_announcements(index: StageIndex, signed_record: Callable[[float, float], tuple[StageRecord, bytes]],
-                              stage_map: StageMap | None = None) -> None:
-    """Announce our stage record every ANNOUNCE_PERIOD, start to start, well before its TTL runs out;
-    and sooner (ANNOUNCE_MIN_GAP after the last start at the earliest) when ``stage_map`` has news: a peer
-    started working in our book, which our record attests and its replicas are waiting to read.
-
-    A slow announcement (lookups of up to LOOKUP_TIMEOUT each on a loaded machine) never stretches the
-    period: it is cut at ANNOUNCE_PERIOD, and the next one starts on time with a fresh timestamp. Were the
-    period measured from an announcement's end, two slow ones could leave the stores with no fresh record
-    of a live peer (5 s + 6 s + 5 s + 6 s > RECORD_TTL) and the peer would drop out of every stage map
-    (and after a cut one the next record lives longer: ``announce_ttl``)."""
-    level, ttl = logging.INFO, discovery.RECORD_TTL  # the first announcement is news (later: the debug log)
-    while True:
-        started = trio.current_time()
-        next_at = started + ANNOUNCE_PERIOD
-        if stage_map is not None:
-            stage_map.news = trio.Event()  # what happens from now on is in a later announcement
-        record, signed = signed_record(time.time(), ttl)
-        with trio.move_on_after(ANNOUNCE_PERIOD) as scope:
-            try:
-                accepted = await index.announce(record, signed)
-            except Exception:  # one failed round must not stop the node; the next one retries
-                log.exception("announcing stage %d failed; retrying in %.0f s", record.stage, ANNOUNCE_PERIOD)
-            else:
-                log.log(level, "announced stage %d (layers [%d, %d)) of %s: %d store(s) accepted",
-                        record.stage, record.start, record.end, record.model, accepted)
-                level = logging.DEBUG
-        ttl = discovery.announce_ttl(ttl, scope.cancelled_caught)  # a slow line: longer-lived records
-        if scope.cancelled_caught:
-            log.warning("announcing stage %d took over %.0f s; again now, the record for %.0f s", record.stage,
-                        ANNOUNCE_PERIOD, ttl)
-        with trio.move_on_at(next_at):
-            if stage_map is not None:
-                await stage_map.news.wait()
-                await trio.sleep_until(started + ANNOUNCE_MIN_GAP)
-                continue
-        await trio.sleep_until(next_at)
 
 
 async def meet_peers(stage_map: StageMap, connected: set[str], connect: Callable[..., Awaitable[object]],

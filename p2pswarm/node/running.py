@@ -30,6 +30,7 @@ from p2pswarm import __version__, wire
 from p2pswarm.allocator import imports_without_collections
 from p2pswarm.api.serve import open_api_listeners, serve_api
 from p2pswarm.dht.announce import capacity_flags, stage_record
+from p2pswarm.dht.announcing import serve_announcements
 from p2pswarm.dht.discovery import (
     RECORD_TTL,
     StageIndex,
@@ -48,7 +49,6 @@ from p2pswarm.dht.stagemap import (
     control_round_trip,
     meet_peers,
     neighbour_stages,
-    serve_announcements,
     serve_candidate_checks,
 )
 from p2pswarm.dht.store import RecordStore
