@@ -386,11 +386,12 @@ def test_a_peer_whose_announcements_are_cut_announces_longer_lived_records_until
 
     ttls: list[float] = []
     slow = [True] * 4 + [False] * 10  # four announcements cut at ANNOUNCE_PERIOD, then the rest in time
+    taken = [1, 0] + [1] * 8  # (cut ones take nothing) the sixth in time, yet no store took it
 
     class SlowIndex:
         async def announce(self, record, signed) -> int:
             await trio.sleep(2 * ANNOUNCE_PERIOD if slow.pop(0) else 0.1)
-            return 1
+            return taken.pop(0)
 
     def signed_record(_wall_now: float, ttl: float = RECORD_TTL):
         ttls.append(ttl)
@@ -398,11 +399,12 @@ def test_a_peer_whose_announcements_are_cut_announces_longer_lived_records_until
         return StageRecord("p", ("/ip4/10.0.0.1/tcp/1",), MODEL.name, 0, start, end, Capacity(0, 0), 0.0, ttl), b""
 
     async def main():
-        with trio.move_on_after(6 * ANNOUNCE_PERIOD + 1):
+        with trio.move_on_after(8 * ANNOUNCE_PERIOD + 1):
             await serve_announcements(SlowIndex(), signed_record)
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
-    assert ttls[:7] == [RECORD_TTL, 2 * RECORD_TTL, 4 * RECORD_TTL, MAX_TTL, MAX_TTL, RECORD_TTL, RECORD_TTL]
+    assert ttls[:9] == [RECORD_TTL, 2 * RECORD_TTL, 4 * RECORD_TTL, MAX_TTL, MAX_TTL, RECORD_TTL, 2 * RECORD_TTL,
+                        RECORD_TTL, RECORD_TTL]
     assert all(announce_ttl(t, cut=True) <= MAX_TTL for t in ttls)
 
 

@@ -29,7 +29,7 @@ async def serve_announcements(index: StageIndex, signed_record: Callable[[float,
     period: it is cut at ANNOUNCE_PERIOD, and the next one starts on time with a fresh timestamp. Were the
     period measured from an announcement's end, two slow ones could leave the stores with no fresh record
     of a live peer (5 s + 6 s + 5 s + 6 s > RECORD_TTL) and the peer would drop out of every stage map
-    (and after a cut one the next record lives longer: ``announce_ttl``)."""
+    (and after one that no store took, cut or not, the next record lives longer: ``announce_ttl``)."""
     level, ttl = logging.INFO, discovery.RECORD_TTL  # the first announcement is news (later: the debug log)
     while True:
         started = trio.current_time()
@@ -37,6 +37,7 @@ async def serve_announcements(index: StageIndex, signed_record: Callable[[float,
         if stage_map is not None:
             stage_map.news = trio.Event()  # what happens from now on is in a later announcement
         record, signed = signed_record(time.time(), ttl)
+        accepted = 0
         with trio.move_on_after(ANNOUNCE_PERIOD) as scope:
             try:
                 accepted = await index.announce(record, signed)
@@ -46,7 +47,7 @@ async def serve_announcements(index: StageIndex, signed_record: Callable[[float,
                 log.log(level, "announced stage %d (layers [%d, %d)) of %s: %d store(s) accepted",
                         record.stage, record.start, record.end, record.model, accepted)
                 level = logging.DEBUG
-        ttl = discovery.announce_ttl(ttl, scope.cancelled_caught)  # a slow line: longer-lived records
+        ttl = discovery.announce_ttl(ttl, cut=not accepted)  # cut, failed, or no store took it: live longer
         if scope.cancelled_caught:
             log.warning("announcing stage %d took over %.0f s; again now, the record for %.0f s", record.stage,
                         ANNOUNCE_PERIOD, ttl)

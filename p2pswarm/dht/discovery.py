@@ -56,7 +56,8 @@ MIN_ROUTING_PEERS = REPLICATION  # fewer than this and records cannot reach thei
 
 
 def announce_ttl(ttl: float, cut: bool) -> float:
-    """The TTL of our next record, after an announcement that was ``cut`` at ANNOUNCE_PERIOD or not:
+    """The TTL of our next record, after an announcement that was ``cut`` (no store took it: cut at
+    ANNOUNCE_PERIOD, failed, or refused everywhere) or not:
     RECORD_TTL while announcements get through in time; doubled after each cut one, up to MAX_TTL
     (RFC 6298's backoff, for records). On a 0.2 Mbit/s uplink full of training frames the stores' round
     trips wait seconds in its queue: three cut announcements in a row expired a live peer's record in
