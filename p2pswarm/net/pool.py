@@ -135,12 +135,11 @@ class Lease:
 
     async def write_frame(self, message: wire.Message, payload: bytes = b"", *, timeout: float | None = None,
                           stall: float | None = None) -> None:
-        """Write one frame whole within ``timeout``, or with ``stall`` only while its bytes keep moving
-        (no WRITE_CHUNK goes out for ``stall`` seconds: stalled; the default, with the receiver's
-        ``budget.STALL_DEADLINE``: a 345 KB DiLoCo part takes 14 s on a 0.2 Mbit/s uplink, and a fixed
-        deadline at 1 MiB/s failed every one); else retire the stream. DialError if the write fails
-        (``Stalled`` if it stops moving); CircuitExhausted, before any byte, if the stream's relay
-        circuit could not carry it."""
+        """Write one frame whole within ``timeout``, or with ``stall`` only while its bytes keep moving (no
+        WRITE_CHUNK goes out for ``stall`` s: stalled; the default, with the receiver's STALL_DEADLINE: a 345 KB
+        DiLoCo part takes 14 s on a 0.2 Mbit/s uplink, and 5 s + n / (1 MiB/s) failed every one); else retire
+        the stream. DialError if it fails (``Stalled`` if it stops moving); CircuitExhausted, before any byte,
+        if the stream's relay circuit could not carry it."""
         self._check()
         await self._pool.send_frame(self._stream, message, payload, timeout=timeout, stall=stall)
 
