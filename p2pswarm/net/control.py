@@ -38,6 +38,7 @@ import trio
 from p2pswarm import wire
 from p2pswarm.errors import DialError, ProtocolError, RemoteProtocolError
 from p2pswarm.net.connect import Connector, as_peer_id, has_direct
+from p2pswarm.net.control_rtt import RttBook
 from p2pswarm.net.guard import set_protocol_limits
 from p2pswarm.net.limits import ProtocolLimits
 from p2pswarm.net.streams import ByteStream, open_stream
@@ -132,6 +133,7 @@ class ControlService:
         self._opening: dict[str, trio.Lock] = {}
         self._handlers: dict[type[wire.Message], Handler] = {}
         self.stats = ControlStats()
+        self.rtts = RttBook()  # each peer's measured round trip: a request's wait (control_rtt)
         host.set_stream_handler(CONTROL_PROTOCOL, self._on_stream)
         set_protocol_limits(host, CONTROL_PROTOCOL, ProtocolLimits(CONTROL_STREAMS_PER_PEER, CONTROL_IDLE_TIMEOUT))
 
@@ -140,7 +142,8 @@ class ControlService:
 
     async def request(self, peer_id, message: wire.Message, timeout: float = REQUEST_TIMEOUT, *,
                       via_relay: bool = True) -> wire.Message:
-        """Send ``message`` to ``peer_id`` and return its reply; DialError if none comes in time.
+        """Send ``message`` to ``peer_id`` and return its reply; DialError if none comes in time: within
+        ``timeout``, or the round trip measured to that peer where that is longer (``control_rtt``).
 
         ``via_relay=False`` never opens a relayed connection for it (DHT traffic: a server is
         publicly reachable by definition, and circuits are a relay's scarcest resource).
@@ -148,13 +151,17 @@ class ControlService:
         key = str(peer_id)
         peer_id = as_peer_id(peer_id)
         self.stats.requests_sent += 1
+        timeout, began = self.rtts.get(key).timeout(timeout), trio.current_time()  # a slow line: longer
         with trio.move_on_after(timeout):
             try:
-                return await self._exchange(peer_id, key, message, via_relay)
+                reply = await self._exchange(peer_id, key, message, via_relay)
             except DialError:
                 self.stats.requests_failed += 1
                 raise
+            self.rtts.answered(key, trio.current_time() - began)
+            return reply
         self.stats.requests_failed += 1
+        self.rtts.unanswered(key)
         raise DialError(f"{message.TYPE} to {key}: no reply within {timeout:.1f} s")
 
     async def _exchange(self, peer_id, key: str, message: wire.Message, via_relay: bool) -> wire.Message:
