@@ -236,7 +236,8 @@ def _diloco_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-verify", dest="verify", action="store_false",
                        help="do not check each contribution against the others before combining")
     group.add_argument("--gather", type=float, default=dls.GATHER_S, metavar="SEC",
-                       help=f"how long a ready replica waits for the others (default {dls.GATHER_S:.0f} s)")
+                       help=f"how long a ready replica waits for the others (default {dls.GATHER_S:.0f} s; "
+                            "half of its own last round where that is longer)")
     group.add_argument("--snapshot-period", type=float, default=dls.SNAPSHOT_PERIOD, metavar="SEC",
                        help=f"seconds between snapshots in --data-dir (default {dls.SNAPSHOT_PERIOD:.0f}; "
                             "the last 5 are kept)")
