@@ -37,7 +37,7 @@ import trio
 
 from p2pswarm import wire
 from p2pswarm.dht.records import MAX_BACKUP_CLAIMS, BackupClaim
-from p2pswarm.diloco import checkpoint, snapshots
+from p2pswarm.diloco import snapshots
 from p2pswarm.diloco.backups import (
     BACKUP_COPIES,
     BACKUP_EVERY_ROUNDS,
@@ -47,8 +47,8 @@ from p2pswarm.diloco.backups import (
     BackupBudget,
     backup_duties,
     backup_max_bytes,
-    check_backup,
     choose_backups,
+    decode_backup,
     refresh_due,
 )
 from p2pswarm.errors import DialError, ProtocolError, RemoteProtocolError
@@ -208,8 +208,7 @@ class BackupService:
 
     def _decode_checked(self, data: bytes, stage: int, round_: int) -> dict:
         """Worker thread: decode a backup (total: RemoteProtocolError) and check it is what it claims."""
-        state = checkpoint.decode_state(data, max_bytes=backup_max_bytes(self.model, stage))
-        return check_backup(state, self.model, stage, self.run_spec.identity, round_)
+        return decode_backup(data, self.model, stage, self.run_spec.identity, round_)
 
     async def _hold(self, stage: int, data: bytes, round_: int, source: str) -> None:
         sizes = {s: len(h.snapshot.data) for s, h in self._held.items()}

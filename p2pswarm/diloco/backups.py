@@ -209,6 +209,20 @@ def check_backup(state: object, model: ModelSpec, stage: int, run: str, round_: 
     return state
 
 
+def decode_backup(data, model: ModelSpec, stage: int, run: str, round_: int) -> dict:
+    """A backup's bytes decoded (``checkpoint.decode_state``, total) and checked as ``stage``'s backup of
+    ``round_`` (``check_backup``); RemoteProtocolError otherwise. O(stage): a worker thread's job."""
+    return check_backup(checkpoint.decode_state(data, max_bytes=backup_max_bytes(model, stage)), model, stage, run,
+                        round_)
+
+
+def outer_state(state: dict, round_started_step: int, config: dict) -> dict:
+    """The outer optimizer's state (``OuterOptimizer.load_state_dict``) a checked backup holds."""
+    momentum = state["momentum"] if "momentum" in state else torch.zeros_like(state["start"])  # (momentum 0)
+    return {"start": state["start"], "momentum": momentum, "rounds": state["round"],
+            "round_started_step": round_started_step, "config": config}
+
+
 def apply_backup(engine, outer, state: dict, inner_steps: int, config: dict) -> None:
     """On the engine's compute thread: a checked backup ``state`` becomes the engine's weights (its
     start; AdamW's moments, per replica, start afresh) and ``outer``'s start, momentum and round
@@ -216,9 +230,7 @@ def apply_backup(engine, outer, state: dict, inner_steps: int, config: dict) -> 
     LR schedule continues about where the stage was. RemoteProtocolError if it does not fit."""
     step = state["round"] * inner_steps
     try:
-        momentum = state["momentum"] if "momentum" in state else torch.zeros_like(state["start"])  # (momentum 0)
-        outer.load_state_dict({"start": state["start"], "momentum": momentum, "rounds": state["round"],
-                               "round_started_step": step, "config": config})
+        outer.load_state_dict(outer_state(state, step, config))
     except ValueError as exc:  # (nothing changed)
         raise RemoteProtocolError(f"the backup does not fit: {exc}") from None
     engine.step = step

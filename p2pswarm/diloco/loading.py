@@ -9,8 +9,8 @@
   (the first replica of a stage); the order is ``policy.load_sources``;
 - **a peer that fell behind** (left out of a round, or meeting a replica at a later round) loads
   that replica's snapshot (``catch_up``), rebased on its own progress when it missed one round;
-  for one round it takes the round's agreed backup instead when the replica announces it
-  (``rejoin``: a third of the bytes, served by digest for two rounds, resumable);
+  it takes the outer state of the replica's newest agreed backup instead when that is of a later
+  round (``rejoin``: a third of the bytes, kept while in use, resumable), several rounds on too;
 - **every** ``snapshot_period`` it writes its state atomically to ``--data-dir`` (last 5 kept:
   ``checkpoint.SnapshotStore``), and it makes the hot snapshots its ``SnapshotServer`` serves;
 - **after every outer round and every load** it encodes the stage's *agreed backup* (start,
@@ -59,12 +59,6 @@ class Replica(Protocol):
     outer: OuterOptimizer | None
     residual: torch.Tensor | None
     state_lock: trio.Lock
-
-
-def _decode_backup(data, spec, stage: int, run: str, round_: int) -> dict:
-    """Worker thread: an agreed backup's bytes decoded (total) and checked as that round's of our stage."""
-    return backup_core.check_backup(checkpoint.decode_state(data, max_bytes=backup_core.backup_max_bytes(spec, stage)),
-                                    spec, stage, run, round_)
 
 
 def outer_config(settings: DilocoSettings) -> OuterConfig:
@@ -155,15 +149,15 @@ class StageLoader:
             fetched = await snapshots.fetch_snapshot(
                 self._pool, peer, self.spec.name, self.stage, run=self.run_id, digest=digest,
                 max_bytes=backup_core.backup_max_bytes(self.spec, self.stage), partials=self.partials)
-            decode = functools.partial(_decode_backup, fetched.data, self.spec, self.stage, self.run_id.hex(), round_)
+            decode = functools.partial(backup_core.decode_backup, fetched.data, self.spec, self.stage,
+                                       self.run_id.hex(), round_)
             state = await trio.to_thread.run_sync(decode)
         except (DialError, ProtocolError) as exc:
             log.warning("could not load the agreed backup of round %d from %s: %s; its snapshot instead",
                         round_, peer, exc)
             return await self.catch_up([peer], rebase=True)
-        momentum = state.get("momentum", torch.zeros_like(state["start"]))
-        outer_state = {"start": state["start"], "momentum": momentum, "rounds": round_,
-                       "round_started_step": 0, "config": dataclasses.asdict(outer_config(self.settings))}
+        # round_started_step 0: _rebase sets it to our engine's step
+        outer_state = backup_core.outer_state(state, 0, dataclasses.asdict(outer_config(self.settings)))
         async with self.replica.state_lock:
             await self.replica.swarm.with_engine(lambda engine: self._rebase(engine, outer_state))
         await self.refresh_agreed()

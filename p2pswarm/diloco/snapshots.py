@@ -141,7 +141,7 @@ class SnapshotServer:
                  run: bytes = UNNAMED_RUN_BYTES, others: Callable[[int, bytes], Snapshot | None] | None = None) -> None:
         self.model, self.stage, self._make, self.run, self._others = model, stage, make, run, others
         self._versions: list[Snapshot] = []
-        self._in_use: dict[bytes, float] = {}  # a hot version's digest -> when a transfer last asked for it
+        self._in_use: dict[bytes, float] = {}  # a version's digest (hot or agreed) -> when a transfer last asked
         self._agreed: list[Snapshot] = []  # our stage's agreed backups, newest last (digests already computed)
         self._lock = trio.Lock()
         self.served = 0  # bytes sent
