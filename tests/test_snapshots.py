@@ -355,3 +355,36 @@ def test_an_agreed_backup_in_use_outlives_newer_rounds():
         assert [a.round for a in server._agreed] == [4, 5]
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_a_resumed_fetch_that_fails_its_digest_starts_over_and_blames_no_peer():
+    """The bytes before the cut may have come from another peer: the one that sent the rest is not called
+    a liar (a DialError, not a RemoteProtocolError), nothing is kept, and the next try is from byte 0."""
+    data = os.urandom(200_000)
+    requests: list[Get] = []
+
+    class CutsOnce(SnapshotServer):
+        async def on_frame(self, peer, message, payload):
+            requests.append(message)
+            if len(requests) == 3:
+                raise RuntimeError("the stream is cut")
+            return await super().on_frame(peer, message, payload)
+
+    async def make():
+        return Snapshot(data, 2, 50, trio.current_time())
+
+    async def test(pool, server):
+        partials = snapshots.PartialFetches()
+        with pytest.raises(DialError):
+            await fetch_snapshot(pool, server, "m", 1, partials=partials)
+        kept = partials.take("m", 1, snapshots.UNNAMED_RUN_BYTES, b"")
+        kept.data[0] ^= 1  # a byte an earlier peer lied about (hashed as it came)
+        kept.hasher = hashlib.sha256(kept.data)
+        partials.keep(kept)
+        with pytest.raises(DialError, match="resumed at byte"):
+            await fetch_snapshot(pool, server, "m", 1, partials=partials)
+        assert len(partials) == 0
+        fetched = await fetch_snapshot(pool, server, "m", 1, partials=partials)
+        assert bytes(fetched.data) == data and fetched.resumed_at == 0
+
+    with_server(test, make, CutsOnce)

@@ -322,6 +322,9 @@ async def _transfer(pool, peer: str, progress: Partial, digest: bytes, max_bytes
     first = progress.first
     assert progress.hasher is not None and first is not None  # the loop read at least one part
     if progress.hasher.digest() != first.digest:
+        if resumed_at:  # its first bytes came in an earlier try, maybe from another peer: start over, blame none
+            progress.first, progress.data, progress.hasher = None, bytearray(), None  # (nothing left to keep)
+            raise DialError(f"snapshot from {peer}, resumed at byte {resumed_at}, does not match its digest")
         raise RemoteProtocolError(f"snapshot from {peer} does not match its digest")
     return Fetched(progress.data, first.round, first.step, peer, trio.current_time() - started, resumed_at)
 
