@@ -205,18 +205,25 @@ def test_a_stale_copy_announced_as_a_newer_round_is_refused():
     swarm_of(4, test)
 
 
+def holder_owing(pools, ids, data: bytes, **kwargs) -> BackupService:
+    """A replica of STAGE serving ``data`` as its round-2 backup, and the holder (of stage 0, made with
+    ``kwargs``) that owes a backup of STAGE."""
+    replica, holder = ids
+    replica_side = service(pools[0], replica, FakeStageMap())
+    replica_side.stage = STAGE
+    replica_side.attach_server(replica_server(data, 2))
+    replica_side.register()
+    holder_side = service(pools[1], holder, FakeStageMap([record(replica, STAGE, agreed=(2, digest(data))),
+                                                           record(holder, 0)]), **kwargs)
+    holder_side.stage = 0
+    return holder_side
+
+
 def test_a_backup_over_the_budget_is_neither_held_nor_announced():
     data = backup_bytes(2)
 
     async def test(pools, ids):
-        replica, holder = ids
-        replica_side = service(pools[0], replica, FakeStageMap())
-        replica_side.stage = STAGE
-        replica_side.attach_server(replica_server(data, 2))
-        replica_side.register()
-        small = service(pools[1], holder, FakeStageMap([record(replica, STAGE, agreed=(2, digest(data))),
-                                                         record(holder, 0)]), budget_bytes=len(data) - 1)
-        small.stage = 0
+        small = holder_owing(pools, ids, data, budget_bytes=len(data) - 1)
         await small.check_once()
         await small.check_once()
         assert small.claims() == () and small.refused["over_budget"] == 2 and small.doc()["held"] == []
@@ -230,15 +237,7 @@ def test_a_holder_does_not_fetch_a_stage_again_before_its_last_fetch_is_paid_for
     data = backup_bytes(2)
 
     async def test(pools, ids):
-        replica, holder = ids
-        replica_side = service(pools[0], replica, FakeStageMap())
-        replica_side.stage = STAGE
-        replica_side.attach_server(replica_server(data, 2))
-        replica_side.register()
-        paced = service(pools[1], holder, FakeStageMap([record(replica, STAGE, agreed=(2, digest(data))),
-                                                         record(holder, 0)]), budget_bytes=len(data) - 1,
-                        line_share=BACKUP_LINE_SHARE)
-        paced.stage = 0
+        paced = holder_owing(pools, ids, data, budget_bytes=len(data) - 1, line_share=BACKUP_LINE_SHARE)
         await paced.check_once()
         fetched = paced.bytes_fetched
         await paced.check_once()
@@ -279,14 +278,7 @@ def test_a_backup_that_cannot_be_written_is_not_held(tmp_path):
     blocked.write_bytes(b"")  # a file where the backup directory should be: mkdir fails
 
     async def test(pools, ids):
-        replica, holder = ids
-        replica_side = service(pools[0], replica, FakeStageMap())
-        replica_side.stage = STAGE
-        replica_side.attach_server(replica_server(data, 2))
-        replica_side.register()
-        side = service(pools[1], holder, FakeStageMap([record(replica, STAGE, agreed=(2, digest(data))),
-                                                        record(holder, 0)]), directory=blocked / "backups")
-        side.stage = 0
+        side = holder_owing(pools, ids, data, directory=blocked / "backups")
         await side.check_once()
         assert side.claims() == () and side.refused["disk"] == 1
 
