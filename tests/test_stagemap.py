@@ -444,3 +444,50 @@ def test_while_a_stages_lookups_go_unanswered_its_records_are_judged_as_of_the_l
             nursery.cancel_scope.cancel()
 
     run_virtual(main)
+
+
+def test_a_peer_whose_records_reach_no_store_counts_while_we_see_it_work_and_leaves_alive_s_after_its_last():
+    """On a 0.2 Mbit/s line a stage-1 peer's announcements waited behind its training frames and reached no
+    store for a minute: its record expired in stage 0's maps, which read stage 1 as down and stopped training
+    while stage 1 sent them gradients every two seconds. Work seen first-hand keeps its newest record counted
+    (never a claim: a claimant whose record expired is gone at once), until ALIVE_S after its last work, and
+    never past LOOKUP_GRACE after the record's own expiry. Our own record counts whether or not a store took it."""
+    from p2pswarm.dht.stagemap import ALIVE_S, LOOKUP_GRACE
+
+    class NoStore(StoreIndex):
+        async def announce(self, record: StageRecord, signed: bytes) -> int:
+            await trio.sleep_forever()  # a thin line: no store ever hears of it
+            return 0
+
+    def record(peer: str, stage: int) -> StageRecord:
+        start, end = MODEL.stage_range(stage)
+        return StageRecord(peer, (f"/ip4/10.0.0.{stage + 1}/tcp/1",), MODEL.name, stage, start, end, Capacity(0, 0),
+                           virtual_now(), RECORD_TTL)
+
+    async def main():
+        index = NoStore(lookup_time=0.1)
+        worker, claimant = record("worker", 1), record("claimant", 1)
+        for found in (worker, claimant):
+            await StoreIndex.announce(index, found, b"signed")  # their last records that got through
+        async with trio.open_nursery() as nursery:
+            stage_map = StageMap(index, MODEL, nursery, clock=virtual_now)
+            nursery.start_soon(serve_announcements, index, lambda _now, ttl: (record("reader", 0), b""), stage_map)
+            assert peers(await stage_map.current()) == {"worker", "claimant", "reader"}
+            while virtual_now() < worker.expires_at + LOOKUP_GRACE - 3.0:  # it works; no record of it gets through
+                stage_map.saw("worker", 1)
+                await stage_map.current(wait=API_WAIT)
+                assert stage_map.counts() == {0: 1, 1: 1}  # and stage 0 does not stop training:
+                assert stage_map.counts(claimed=True)[1] == 1 + (virtual_now() < claimant.expires_at)
+                assert "claimant" not in peers(stage_map.stages) or virtual_now() < claimant.expires_at
+                await trio.sleep(2.0)
+            last_work = virtual_now() - 2.0
+            while virtual_now() < last_work + ALIVE_S + 2 * STAGE_MAP_PERIOD:  # it died, or its record's grace ended
+                await stage_map.current(wait=API_WAIT)
+                gone = virtual_now() >= min(last_work + ALIVE_S, worker.expires_at + LOOKUP_GRACE)
+                assert ("worker" in peers(stage_map.stages)) is not gone
+                assert stage_map.counts()[1] == (0 if gone else 1)
+                assert stage_map.counts()[0] == 1  # we count ourselves throughout, though no store ever took us
+                await trio.sleep(1.0)
+            nursery.cancel_scope.cancel()
+
+    run_virtual(main)

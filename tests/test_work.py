@@ -162,11 +162,13 @@ class WorkBookMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.book, self.now, self.last = WorkBook(max_workers=8), 0.0, {}
+        self.newest: str | None = None
 
     @rule(peer=st.integers(0, 12), stage=st.integers(0, 2), weight=st.sampled_from([1.0, 8.0]))
     def saw(self, peer, stage, weight):
         self.book.saw(f"p{peer}", stage, self.now, weight)
         self.last[f"p{peer}"] = (self.now, stage)
+        self.newest = f"p{peer}"
         assert self.book.working(self.now)[f"p{peer}"] == stage
 
     @rule(dt=st.floats(0, 3 * WORK_HALF_LIFE))
@@ -184,6 +186,16 @@ class WorkBookMachine(RuleBasedStateMachine):
             weight_bound = 8.0 * len(self.last) * 64  # more than any peer's total events here
             if self.now - at > WORK_HALF_LIFE * 2 * 14 and weight_bound:  # 2^-28 of any sum: far below MIN_WORK
                 assert peer not in working
+
+
+    @invariant()
+    def active_peers_are_those_that_worked_a_moment_ago(self):
+        within = 10.0
+        active = self.book.active(self.now, within)
+        assert all(self.now - self.last[peer][0] <= within and self.last[peer][1] == stage
+                   for peer, stage in active.items())  # never a peer idle for longer, nor in another stage
+        newest = self.newest  # the peer of the last event (the bound may evict others)
+        assert newest is None or self.now - self.last[newest][0] > within or newest in active  # active while it is
 
 
 TestWorkBookMachine = WorkBookMachine.TestCase

@@ -37,6 +37,8 @@ async def serve_announcements(index: StageIndex, signed_record: Callable[[float,
         if stage_map is not None:
             stage_map.news = trio.Event()  # what happens from now on is in a later announcement
         record, signed = signed_record(time.time(), ttl)
+        if stage_map is not None:
+            stage_map.own(record)  # we count ourselves, whether or not a store takes it
         accepted = 0
         with trio.move_on_after(ANNOUNCE_PERIOD) as scope:
             try:

@@ -29,7 +29,7 @@ import trio
 from p2pswarm import wire
 from p2pswarm.dht import health, ranking, work
 from p2pswarm.dht.candidates import CHECK_PERIOD, CandidateBook, asks_first
-from p2pswarm.dht.discovery import DEFAULT_K, LOOKUP_TIMEOUT, STAGE_MAP_PERIOD, StageIndex
+from p2pswarm.dht.discovery import ANNOUNCE_PERIOD, DEFAULT_K, LOOKUP_TIMEOUT, RECORD_TTL, STAGE_MAP_PERIOD, StageIndex
 from p2pswarm.dht.ranking import Standing
 from p2pswarm.dht.records import PLAUSIBLE_THROUGHPUT, UNNAMED_RUN, StageRecord
 from p2pswarm.errors import DialError
@@ -44,6 +44,8 @@ MAX_CHECKS_AT_ONCE = 8  # round trips in flight while checking candidates
 API_WAIT = 1.0  # seconds /api/stages waits for a rebuild before it answers with the map it has
 CHECK_POOL = 3 * DEFAULT_K  # records kept (and checked) per stage: room for newcomers behind a crowd
 MAX_SEEN = 1024  # peers whose newest record ``addrs_of`` remembers (signed records; the expired go first)
+ALIVE_S = RECORD_TTL - ANNOUNCE_PERIOD  # s after a peer's last work we saw in which its expired record counts
+#                 (_alive); no longer: a killed peer still leaves every map RECORD_TTL after its last record
 LOOKUP_GRACE = 45.0  # s past a stage's last answered lookup until which its records are judged (_fresh):
 #                     a dead peer leaves a map whose lookups fail within RECORD_TTL + this (MAX_TTL) of its end
 
@@ -68,6 +70,12 @@ class StageMap:
         self.attested = work.WorkBook()  # peers counted on others' word lately (``workers``): never attesters
         self.roots = frozenset(roots)  # whose attestations we take before we saw any work: our bootstrap peers
         self.news = trio.Event()  # set when a peer starts working in our book (``announcing``)
+
+    def own(self, record: StageRecord) -> None:
+        """Our newest record, as we just signed it (``announcing``): we count ourselves whether or not a
+        store took it. On a thin line no announcement got through for a while, and a peer's map read its
+        own stage as down while it trained in it."""
+        self._seen = _remember(self._seen, [record], self.clock())
 
     def saw(self, peer: str, stage: int, weight: float = 1.0) -> None:
         """``peer`` did verifiable work for ``stage``, seen by us (``dht.work``). A peer new to our book is
@@ -98,10 +106,14 @@ class StageMap:
         overrun their bound and leave the pool as it was), its records are judged as of the last answer
         (up to LOOKUP_GRACE before now), not now: on a 0.2 Mbit/s line a reader's lookups wait seconds behind its
         training frames, and every stage of its map expired at once and blocked its training while
-        every peer trained. A record past its TTL at that time is never shown."""
+        every peer trained. A record past its TTL at that time is never shown, except the newest record of a
+        peer alive a moment ago (``_alive``)."""
         last = self._answered.get(stage)
         at = now if last is None or stage not in self._unanswered else max(last, now - LOOKUP_GRACE)
-        return [r for r in self._pools.get(stage, []) if r.is_fresh(at)]
+        fresh = [r for r in self._pools.get(stage, []) if r.is_fresh(at)]
+        listed = {r.peer_id for r in fresh}
+        alive = _alive(self._seen, [self._index.me, *self.work.active(now, ALIVE_S)], stage, now)
+        return fresh + [r for r in alive if r.peer_id not in listed]
 
     def pool(self, stage: int) -> list[StageRecord]:
         """Every fresh record kept for ``stage``, best first, crowded strangers last: the peers we check."""
@@ -125,19 +137,19 @@ class StageMap:
         its bound keeps its previous answer; the others are updated). One rebuild at a time, in the
         background: a caller waits for it at most ``wait`` seconds, then has the map as it is."""
         if self._rebuilt is None and self.clock() - self.updated_at >= STAGE_MAP_PERIOD:
-            self._rebuilt = trio.Event()
-            self._nursery.start_soon(self._rebuild, self._rebuilt)
+            rebuilt = self._rebuilt = trio.Event()
+
+            async def rebuild() -> None:
+                try:
+                    await self.refresh()
+                finally:
+                    self._rebuilt = None
+                    rebuilt.set()
+            self._nursery.start_soon(rebuild)
         if self._rebuilt is not None:
             with trio.move_on_after(wait):
                 await self._rebuilt.wait()
         return self.stages
-
-    async def _rebuild(self, rebuilt: trio.Event) -> None:
-        try:
-            await self.refresh()
-        finally:
-            self._rebuilt = None
-            rebuilt.set()
 
     async def refresh_stages(self, stages: list[int]) -> None:
         """Look up ``stages`` and update each in the map as its answer comes in (bounded)."""
@@ -268,6 +280,15 @@ async def choose_stage(stage_map: StageMap, rng: random.Random) -> int:
              chosen, *stage_map.model.stage_range(chosen), _per_stage({s: len(workers.get(s, ())) for s in fresh}),
              _per_stage(answered))
     return chosen
+
+
+def _alive(seen: dict[str, StageRecord], alive: list[str], stage: int, now: float) -> list[StageRecord]:
+    """The newest records of ``stage`` of the ``alive`` peers (us, and those whose work we saw within ALIVE_S),
+    expired up to LOOKUP_GRACE ago at most (``StageMap._fresh``). Their announcements wait behind training
+    frames on a thin line and reach no store for a while: a stage-0 peer's map read stage 1 as down, and
+    stopped training, while stage 1 sent it gradients every two seconds. Only first-hand work counts here,
+    never a claim or an attestation."""
+    return [r for p in alive if (r := seen.get(p)) is not None and r.stage == stage and r.is_fresh(now - LOOKUP_GRACE)]
 
 
 def _remember(seen: dict[str, StageRecord], found: list[StageRecord], now: float) -> dict[str, StageRecord]:

@@ -85,6 +85,11 @@ class WorkBook:
         """Every peer working now, with the stage it worked for."""
         return {peer: s.stage for peer, s in self._scores.items() if s.now(now) >= MIN_WORK}
 
+    def active(self, now: float, within: float) -> dict[str, int]:
+        """Every peer whose last event was at most ``within`` seconds before ``now``, with its stage:
+        alive a moment ago, whatever its record says (``StageMap._fresh``)."""
+        return {peer: s.stage for peer, s in self._scores.items() if now - s.at <= within}
+
     def attested(self, now: float, limit: int = MAX_ATTESTED) -> tuple[tuple[str, int], ...]:
         """What our record attests: up to ``limit`` working peers, the best scores first."""
         best = sorted(self.working(now).items(), key=lambda item: (-self.score(item[0], now), item[0]))
