@@ -397,3 +397,18 @@ def test_the_demo_curve_is_one_figure_per_outer_round_with_the_spread_between_ch
     assert progress.new_round_lines() == []
     assert round_verdict([(progress.tokens_at(a.round), a) for a in curve]) == 0
     assert "held-out loss 7.930 -> 4.600 bits/byte at outer round 2 after 121000 tokens" in capsys.readouterr().out
+
+
+def test_the_demo_names_a_load_from_a_snapshot_and_a_rejoin_through_an_agreed_backup():
+    """A rejoin through a replica's agreed backup has no inner step (the backup holds the round's start):
+    the demo's line for it crashed the demo once (KeyError 'step') after a replica was left out of a round."""
+    from p2pswarm.demo.procs import Peer
+    from p2pswarm.demo.progress import _loaded_text
+
+    peer = Peer(1, 0, "127.0.0.1:1", process=None)  # type: ignore[arg-type]
+    snapshot = {"peer": "12D3KooWpeer0001", "round": 3, "step": 120, "bytes": 16_600_000, "seconds": 1.25}
+    backup = {"peer": "12D3KooWpeer0002", "round": 4, "bytes": 5_500_000, "seconds": 2.5, "rebased": True}
+    assert _loaded_text(peer, snapshot) == ("demo: peer 1 loaded stage 0 from peer0001: outer round 3, inner step "
+                                            "120, 16.6 MB in 1.2 s")
+    assert _loaded_text(peer, backup) == ("demo: peer 1 loaded stage 0 from peer0002: outer round 4 (its agreed "
+                                          "backup), 5.5 MB in 2.5 s; its own progress kept (rebased)")

@@ -167,9 +167,10 @@ class Progress:
 
 
 def _loaded_text(peer: Peer, loaded: dict) -> str:
+    """One line for a load; a rejoin through an agreed backup names no inner step (the backup has none)."""
+    step = f", inner step {loaded['step']}" if loaded.get("step") is not None else " (its agreed backup)"
     return (f"demo: peer {peer.index} loaded stage {peer.stage} from {loaded['peer'][-8:]}: outer round "
-            f"{loaded['round']}, inner step {loaded['step']}, {loaded['bytes'] / 1e6:.1f} MB in "
-            f"{loaded['seconds']:.1f} s"
+            f"{loaded['round']}{step}, {loaded['bytes'] / 1e6:.1f} MB in {loaded['seconds']:.1f} s"
             + ("; its own progress kept (rebased)" if loaded.get("rebased") else ""))
 
 
