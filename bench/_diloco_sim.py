@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from p2pswarm.diloco import aggregation, compression
+from p2pswarm.diloco import aggregation, compression, sparse
 from p2pswarm.diloco.messages import shard_bounds
 from p2pswarm.diloco.outer import OuterConfig, OuterOptimizer, flatten
 from p2pswarm.diloco.service import STRIKES, result_check  # as the service: barring, and judging results
@@ -189,6 +189,7 @@ class Arm:
     verify: bool = False  # combine verifies parts, members verify results
     attack: str | None = None  # None, "negate" (-10x its honest shards) or "noise" (Gaussian, same norm)
     owner_attack: bool = True  # the attacker also lies in the result of the shard it owns
+    ef_decay: float = 1.0  # the residual's weight in the next round (SparseLoCo's beta; 1: plain error feedback)
 
 
 @dataclass
@@ -221,6 +222,33 @@ def make_replicas(warm: Warm, arm: Arm) -> list[Replica]:
     return replicas
 
 
+SPARSE_CODECS = ("sparse", "sparse-union")  # issue 27's codec (diloco/sparse.py, not on the wire yet): an owner
+#   sends its aggregate re-cut to the top entries of each chunk, or ("-union") room for every member's
+
+
+def encode(vector: torch.Tensor, codec: str, result: bool = False) -> bytes:
+    """A part (or with ``result``, an owner's aggregate) under ``codec``: the protocol's, or a sparse one."""
+    if codec in SPARSE_CODECS:
+        return sparse.encode(vector, top=_top(codec, result))
+    return compression.encode(vector, codec)
+
+
+def decode(data: bytes, codec: str, numel: int, result: bool = False) -> torch.Tensor:
+    if codec in SPARSE_CODECS:
+        return sparse.decode(data, numel, top=_top(codec, result))
+    return compression.decode(data, codec, numel)
+
+
+def encoded_size(codec: str, numel: int, result: bool = False) -> int:
+    if codec in SPARSE_CODECS:
+        return sparse.encoded_size(numel, top=_top(codec, result))
+    return compression.encoded_size(codec, numel)
+
+
+def _top(codec: str, result: bool) -> int:
+    return sparse.SPARSE_TOP * (N_WORKERS if result and codec == "sparse-union" else 1)
+
+
 NEGATE_FACTOR = 10.0  # attack A: the attacker sends -10x its honest pseudo-gradient
 
 
@@ -233,15 +261,16 @@ def attacked(honest: torch.Tensor, kind: str, gen: torch.Generator) -> torch.Ten
     return noise * (float(torch.linalg.vector_norm(honest)) / norm) if norm > 0 else noise
 
 
-def encode_parts(replica: Replica, bounds: list, codec: str) -> tuple[torch.Tensor, torch.Tensor, list[bytes]]:
+def encode_parts(replica: Replica, bounds: list, codec: str,
+                 ef_decay: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, list[bytes]]:
     """As ``service._provide_shards``: the flat weights, pseudo-gradient + residual, its encoded shards."""
     at = flatten(replica.params)
     pseudo = replica.outer.pseudo_gradient(at)
     if replica.residual is not None:
-        pseudo = pseudo + replica.residual
-    shards = [compression.encode(pseudo[a:b], codec) for a, b in bounds]
+        pseudo = pseudo + ef_decay * replica.residual
+    shards = [encode(pseudo[a:b], codec) for a, b in bounds]
     if codec != "float32":
-        sent = torch.cat([compression.decode(s, codec, b - a) for s, (a, b) in zip(shards, bounds)])
+        sent = torch.cat([decode(s, codec, b - a) for s, (a, b) in zip(shards, bounds)])
         replica.residual = pseudo - sent
     return at, pseudo, shards
 
@@ -249,7 +278,7 @@ def encode_parts(replica: Replica, bounds: list, codec: str) -> tuple[torch.Tens
 def combine_shard(index: int, parts: list[list[bytes]], bounds: list, arm: Arm, stats: Stats) -> bytes:
     """Owner ``index``: decode the parts of its shard, combine (verifying if asked), encode the result."""
     a, b = bounds[index]
-    contributions = {NAMES[r]: compression.decode(parts[r][index], arm.codec, b - a) for r in range(len(parts))}
+    contributions = {NAMES[r]: decode(parts[r][index], arm.codec, b - a) for r in range(len(parts))}
     check = aggregation.VerifyConfig() if arm.verify else None
     combined = aggregation.combine(contributions, NAMES[index], arm.method, check)
     for name in combined.rejected:
@@ -257,7 +286,7 @@ def combine_shard(index: int, parts: list[list[bytes]], bounds: list, arm: Arm, 
             stats.rejected_byzantine += 1
         else:
             stats.rejected_honest += 1
-    return compression.encode(combined.result, arm.codec)
+    return encode(combined.result, arm.codec, result=True)
 
 
 def assemble(replica: Replica, pseudo: torch.Tensor, results: list[bytes], bounds: list, arm: Arm,
@@ -268,7 +297,7 @@ def assemble(replica: Replica, pseudo: torch.Tensor, results: list[bytes], bound
     shards, refused = [], 0
     check = result_check(len(bounds))
     for index, (data, (a, b)) in enumerate(zip(results, bounds)):
-        result = compression.decode(data, arm.codec, b - a)
+        result = decode(data, arm.codec, b - a, result=True)
         if arm.verify and index != me and not aggregation.verify(result, pseudo[a:b], check).accepted:
             refused += 1
             if replica.residual is None:
@@ -284,7 +313,7 @@ def honest_round(replicas: list[Replica], arm: Arm, stats: Stats, step: int) -> 
     """A round of the honest replicas alone (the liar is barred: service.STRIKES); the liar steps alone."""
     honest, liar = replicas[:BYZANTINE], replicas[BYZANTINE]
     bounds = shard_bounds(honest[0].outer.numel, len(honest))
-    prepared = [encode_parts(replica, bounds, arm.codec) for replica in honest]
+    prepared = [encode_parts(replica, bounds, arm.codec, arm.ef_decay) for replica in honest]
     parts = [shards for _, _, shards in prepared]
     results = [combine_shard(i, parts, bounds, arm, stats) for i in range(len(honest))]
     for r, (replica, (at, pseudo, _)) in enumerate(zip(honest, prepared)):
@@ -301,18 +330,18 @@ def honest_round(replicas: list[Replica], arm: Arm, stats: Stats, step: int) -> 
 def outer_round(replicas: list[Replica], arm: Arm, bounds: list, stats: Stats, gen: torch.Generator,
                 step: int) -> None:
     """One butterfly round of every replica (module docstring); ValueError if something is not finite."""
-    prepared = [encode_parts(replica, bounds, arm.codec) for replica in replicas]
+    prepared = [encode_parts(replica, bounds, arm.codec, arm.ef_decay) for replica in replicas]
     parts = [shards for _, _, shards in prepared]
     liar = arm.attack is not None
     if liar:
         pseudo = prepared[BYZANTINE][1]
-        parts[BYZANTINE] = [compression.encode(attacked(pseudo[a:b], arm.attack, gen), arm.codec) for a, b in bounds]
+        parts[BYZANTINE] = [encode(attacked(pseudo[a:b], arm.attack, gen), arm.codec) for a, b in bounds]
     results = [combine_shard(i, parts, bounds, arm, stats) for i in range(N_WORKERS)]
     sent_results = list(results)
     if liar and arm.owner_attack:
         a, b = bounds[BYZANTINE]
-        honest = compression.decode(results[BYZANTINE], arm.codec, b - a)
-        sent_results[BYZANTINE] = compression.encode(attacked(honest, arm.attack, gen), arm.codec)
+        honest = decode(results[BYZANTINE], arm.codec, b - a, result=True)
+        sent_results[BYZANTINE] = encode(attacked(honest, arm.attack, gen), arm.codec, result=True)
     for r, (replica, (at, pseudo, _)) in enumerate(zip(replicas, prepared)):
         mine = results if r == BYZANTINE else sent_results  # the attacker applies the honest aggregate
         aggregated, refused = assemble(replica, pseudo, mine, bounds, arm, r)
@@ -375,7 +404,8 @@ def _diloco_result(replicas: list[Replica], heldout: list[torch.Tensor], warm: W
     bpb = evaluate(honest[0].model, heldout)
     numel = honest[0].outer.numel
     return {"outer_steps": stats.rounds, "bpb": bpb, "bytes_per_worker": sum(stats.bytes_sent) / N_WORKERS,
-            "formula_bytes_per_round": 2 * (N_WORKERS - 1) / N_WORKERS * compression.encoded_size(arm.codec, numel),
+            "formula_bytes_per_round": (N_WORKERS - 1) / N_WORKERS * (encoded_size(arm.codec, numel)
+                                                                     + encoded_size(arm.codec, numel, result=True)),
             "rejected_byzantine": stats.rejected_byzantine, "rejected_honest": stats.rejected_honest,
             "refused_results": stats.refused_results, "max_param_diff": diff, "max_start_diff": start_diff,
             "diverged": bool(stopped) or not bpb <= warm.bpb, "stopped": stopped, "seconds": seconds}

@@ -21,6 +21,8 @@ Held-out figure: bits per byte of a fixed held-out set of the embedded stdlib co
 (honest) after the last outer step; ratios are to the best sync arm, or to the honest DiLoCo run.
 
     python bench/diloco_convergence.py [--steps T] [--warm W] [--only sync,diloco,sweep,byzantine] [--json]
+                                       [--codecs float32,int8,sparse,sparse-union] [--outer LR,MOMENTUM]
+                                       [--ef-decay BETA]
 """
 
 from __future__ import annotations
@@ -40,14 +42,14 @@ import torch
 from common import print_table
 
 from p2pswarm.model.corpus import load_corpus
-from p2pswarm.swarm.engine import LEARNING_RATE
+from p2pswarm.run.spec import DEFAULT_LR as LEARNING_RATE
 
 DEFAULT_STEPS = 800  # inner steps per replica = sync steps: every part in ~11 minutes on one core
 DEFAULT_WARM = 500  # warm-start steps: past the fast initial drop, as DiLoCo assumes
 PARTS = ("sync", "sweep", "diloco", "byzantine")
 SYNC_LR_FACTORS = (1, 2)  # the engine's inner lr, and twice it for sync's 4x larger batch
 INNER_STEPS = (10, 50, 100)  # H: from chatty to rare rounds
-CODECS = ("float32", "int8")  # exact, and the protocol's default (4x fewer bytes)
+CODECS = ("float32", "int8")  # exact, and the protocol's default (4x fewer bytes); --codecs adds the sparse ones
 SWEEP_LRS = (0.7, 1.0)  # outer lr: the paper's, and plain averaging's step size
 SWEEP_MOMENTA = (0.0, 0.5, 0.9)  # none (averaging), half, the paper's Nesterov 0.9
 FALLBACK_OUTER = (0.7, 0.5)  # outer lr, momentum when --only leaves the sweep out: the full run's pick
@@ -104,7 +106,7 @@ class Bench:
 
 def arm_label(arm: sim.Arm) -> str:
     text = f"H={arm.inner_steps} {arm.codec} {arm.method}{' +verify' if arm.verify else ''} " \
-           f"outer {arm.outer_lr:g}/{arm.momentum:g}"
+           f"outer {arm.outer_lr:g}/{arm.momentum:g}" + (f" EF decay {arm.ef_decay:g}" if arm.ef_decay != 1 else "")
     if arm.attack:
         text += f" attack {arm.attack}{'' if arm.owner_attack else ' (parts only)'}"
     return text
@@ -132,13 +134,13 @@ def part_sweep(bench: Bench) -> tuple[list[dict], tuple[float, float]]:
     return rows, (best["outer_lr"], best["momentum"])
 
 
-def diloco_arms(lr: float, momentum: float) -> list[sim.Arm]:
-    arms = [sim.Arm(h, codec, lr, momentum) for h in INNER_STEPS for codec in CODECS]
+def diloco_arms(lr: float, momentum: float, codecs: tuple[str, ...] = CODECS, ef_decay: float = 1.0) -> list[sim.Arm]:
+    arms = [sim.Arm(h, codec, lr, momentum, ef_decay=ef_decay) for h in INNER_STEPS for codec in codecs]
     return [*arms, focus_arm(lr, momentum, method="trimmed_mean", verify=True)]
 
 
-def part_diloco(bench: Bench, outer: tuple[float, float]) -> list[dict]:
-    return [dict(bench.run_arm(arm), label=arm_label(arm), arm=arm) for arm in diloco_arms(*outer)]
+def part_diloco(bench: Bench, outer: tuple[float, float], codecs: tuple[str, ...], ef_decay: float) -> list[dict]:
+    return [dict(bench.run_arm(arm), label=arm_label(arm), arm=arm) for arm in diloco_arms(*outer, codecs, ef_decay)]
 
 
 def part_byzantine(bench: Bench, outer: tuple[float, float]) -> tuple[dict, list[dict]]:
@@ -233,7 +235,22 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warm", type=int, default=DEFAULT_WARM, help="warm-start AdamW steps")
     parser.add_argument("--only", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of the tables")
+    parser.add_argument("--codecs", default=",".join(CODECS),
+                        help=f"diloco part's codecs, of float32,float16,bfloat16,int8,{','.join(sim.SPARSE_CODECS)}")
+    parser.add_argument("--outer", default=None, metavar="LR,MOMENTUM",
+                        help=f"the outer lr and momentum when the sweep is left out (default {FALLBACK_OUTER})")
+    parser.add_argument("--ef-decay", type=float, default=1.0,
+                        help="the diloco part's error-feedback decay (SparseLoCo's beta; default 1: none)")
     args = parser.parse_args()
+    args.codecs = tuple(c for c in args.codecs.split(",") if c)
+    if set(args.codecs) - {"float32", "float16", "bfloat16", "int8", *sim.SPARSE_CODECS}:
+        parser.error("--codecs takes float32, float16, bfloat16, int8, " + ", ".join(sim.SPARSE_CODECS))
+    try:
+        args.outer = FALLBACK_OUTER if args.outer is None else tuple(float(v) for v in args.outer.split(","))
+    except ValueError:
+        parser.error("--outer takes LR,MOMENTUM, e.g. 0.7,0.5")
+    if len(args.outer) != 2:
+        parser.error("--outer takes LR,MOMENTUM, e.g. 0.7,0.5")
     args.parts = [p for p in args.only.split(",") if p]
     if set(args.parts) - set(PARTS):
         parser.error(f"--only takes parts of {','.join(PARTS)}")
@@ -266,14 +283,15 @@ def header(args: argparse.Namespace) -> dict:
     return info
 
 
-def run_parts(bench: Bench, parts: list[str]) -> dict:
-    out: dict = {"outer": FALLBACK_OUTER}
+def run_parts(bench: Bench, parts: list[str], outer: tuple[float, float], codecs: tuple[str, ...],
+              ef_decay: float = 1.0) -> dict:
+    out: dict = {"outer": outer}
     if "sync" in parts:
         out["sync"] = part_sync(bench)
     if "sweep" in parts:
         out["sweep"], out["outer"] = part_sweep(bench)
     if "diloco" in parts:
-        out["diloco"] = part_diloco(bench, out["outer"])
+        out["diloco"] = part_diloco(bench, out["outer"], codecs, ef_decay)
     if "byzantine" in parts:
         out["honest"], out["byzantine"] = part_byzantine(bench, out["outer"])
     return out
@@ -298,7 +316,7 @@ def main() -> int:
     started = time.monotonic()
     info = header(args)
     bench = Bench(args.steps, args.warm)
-    out = run_parts(bench, args.parts)
+    out = run_parts(bench, args.parts, args.outer, args.codecs, args.ef_decay)
     info.update(loadavg_end=loadavg(), wall_seconds=round(time.monotonic() - started, 1))
     if args.json:
         out = {k: ([plain(r) for r in v] if isinstance(v, list) else v) for k, v in out.items()}
