@@ -1,0 +1,93 @@
+"""The chunk-clipped mean of sparse contributions (``diloco/sparse_aggregate.py``): a liar's pull is
+bounded by the honest members' scales, an honest round is a plain mean, and blocks change nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from p2pswarm.diloco import sparse
+from p2pswarm.diloco.sparse_aggregate import BLOCK_CHUNKS, chunk_clipped_mean
+
+CHUNK = 16  # small chunks: many of them, and blocks, in small vectors
+
+
+def honest_sparse(n: int, numel: int, seed: int) -> list[torch.Tensor]:
+    """n members' decoded sparse contributions: each the top entries of its own noisy copy of one direction."""
+    g = torch.Generator().manual_seed(seed)
+    direction = torch.randn(numel, generator=g)
+    return [sparse.decode(sparse.encode(direction + 0.5 * torch.randn(numel, generator=g), top=4), numel, top=4)
+            for _ in range(n)]
+
+
+def chunk_max(vector: torch.Tensor, chunk: int) -> torch.Tensor:
+    padded = torch.nn.functional.pad(vector, (0, -vector.numel() % chunk))
+    return padded.view(-1, chunk).abs().amax(dim=1)
+
+
+@given(st.integers(3, 7), st.integers(1, 200), st.integers(0, 2**31 - 1), st.data())
+@settings(max_examples=80, deadline=None)
+def test_a_liar_minority_never_pulls_a_coordinate_past_the_largest_honest_scale_of_its_chunk(n, numel, seed, data):
+    liars = data.draw(st.integers(1, (n - 1) // 2))
+    honest = honest_sparse(n - liars, numel, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    scale = data.draw(st.sampled_from([1e-30, 1.0, 1e6, 3e38]))
+    lies = [(torch.randn(numel, generator=g) * scale).clamp(-3e38, 3e38) for _ in range(liars)]
+    order = data.draw(st.permutations(range(n)))  # the liars anywhere in the member order
+    members = [(honest + lies)[i] for i in order]
+    result = chunk_clipped_mean(members, CHUNK)
+    bound = torch.stack([chunk_max(h, CHUNK) for h in honest]).amax(dim=0)
+    assert bool(torch.isfinite(result).all())
+    assert bool((chunk_max(result, CHUNK) <= bound * (1 + 1e-6)).all())
+
+
+@given(st.integers(1, 2), st.integers(1, 100), st.integers(0, 2**31 - 1))
+@settings(max_examples=30, deadline=None)
+def test_one_or_two_members_are_averaged_plainly(n, numel, seed):
+    g = torch.Generator().manual_seed(seed)
+    members = [torch.randn(numel, generator=g) * (10 ** i) for i in range(n)]
+    expected = (torch.stack(members).to(torch.float64).mean(dim=0)).to(torch.float32)
+    assert torch.equal(chunk_clipped_mean(members, CHUNK), expected)
+
+
+def test_members_of_one_scale_are_averaged_plainly_and_one_member_is_itself():
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(CHUNK * 5, generator=g)
+    members = [base, -base, base.clone(), -base]  # every chunk's largest magnitude the same in each: no clip
+    expected = (torch.stack(members).to(torch.float64).mean(dim=0)).to(torch.float32)
+    assert torch.equal(chunk_clipped_mean(members, CHUNK), expected)
+    assert torch.equal(chunk_clipped_mean([base], CHUNK), base)
+
+
+def test_blocks_change_nothing():
+    members = honest_sparse(4, CHUNK * BLOCK_CHUNKS * 3 + 5, seed=9)  # three blocks and a bit
+    members[1] = members[1] * 50  # a loud one, clipped
+    whole = chunk_clipped_mean(members, CHUNK * BLOCK_CHUNKS * 4)  # one chunk as large as everything: no blocks
+    per_chunk = torch.cat([chunk_clipped_mean([m[a:a + CHUNK] for m in members], CHUNK)
+                           for a in range(0, members[0].numel(), CHUNK)])
+    assert torch.equal(chunk_clipped_mean(members, CHUNK), per_chunk)
+    assert not torch.equal(whole, per_chunk)  # the chunk size matters: the bound is per chunk
+
+
+def test_an_honest_sparse_round_keeps_what_one_member_sent_alone():
+    """The reason for this aggregate: a trimmed mean of four drops a coordinate only one member sent."""
+    from p2pswarm.diloco.aggregation import aggregate
+
+    members = [torch.zeros(CHUNK) for _ in range(4)]
+    for i, member in enumerate(members):
+        member[i] = 1.0  # each sent one coordinate nobody else did, all of one scale
+    assert float(aggregate(members, "trimmed_mean").abs().sum()) == 0.0
+    assert torch.equal(chunk_clipped_mean(members, CHUNK)[:4], torch.full((4,), 0.25))
+
+
+def test_bad_input_is_a_value_error():
+    with pytest.raises(ValueError):
+        chunk_clipped_mean([])
+    with pytest.raises(ValueError):
+        chunk_clipped_mean([torch.zeros(3), torch.zeros(4)])
+    with pytest.raises(ValueError):
+        chunk_clipped_mean([torch.zeros(3, dtype=torch.float64)])
+    with pytest.raises(ValueError):
+        chunk_clipped_mean([torch.zeros(3)], chunk=0)
