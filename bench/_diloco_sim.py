@@ -28,7 +28,8 @@ import torch
 from p2pswarm.diloco import aggregation, compression, sparse
 from p2pswarm.diloco.messages import shard_bounds
 from p2pswarm.diloco.outer import OuterConfig, OuterOptimizer, flatten
-from p2pswarm.diloco.service import STRIKES, result_check  # as the service: barring, and judging results
+from p2pswarm.diloco.service import STRIKES, result_check
+from p2pswarm.diloco.sparse_aggregate import chunk_clipped_mean  # as the service: barring, and judging results
 from p2pswarm.model.catalog import ModelSpec
 from p2pswarm.model.corpus import Corpus, batches, heldout_batches
 from p2pswarm.model.transformer import build_stage
@@ -279,6 +280,9 @@ def combine_shard(index: int, parts: list[list[bytes]], bounds: list, arm: Arm, 
     """Owner ``index``: decode the parts of its shard, combine (verifying if asked), encode the result."""
     a, b = bounds[index]
     contributions = {NAMES[r]: decode(parts[r][index], arm.codec, b - a) for r in range(len(parts))}
+    if arm.method == "chunk_clip":  # issue 27's robust mean of sparse contributions (no verification)
+        ordered = [contributions[name] for name in sorted(contributions)]
+        return encode(chunk_clipped_mean(ordered), arm.codec, result=True)
     check = aggregation.VerifyConfig() if arm.verify else None
     combined = aggregation.combine(contributions, NAMES[index], arm.method, check)
     for name in combined.rejected:

@@ -62,6 +62,7 @@ DEFENCES = (  # label, aggregation, verification, attacker lies as owner too
     ("verify + mean", "mean", True, True),
     ("verify + trimmed mean", "trimmed_mean", True, True),
     ("trimmed mean, honest owner", "trimmed_mean", False, False),  # the attacker lies in its parts only
+    ("chunk-clipped mean", "chunk_clip", False, True),  # issue 27's, for sparse contributions
 )
 ATTACK_LABELS = {"negate": "A: -10x pseudo-gradient", "noise": "B: Gaussian noise, same norm"}
 
@@ -230,6 +231,7 @@ def plain(result: dict) -> dict:
 
 
 def parse_args() -> argparse.Namespace:
+    global FOCUS_CODEC, FOCUS_H  # --focus sets them
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="inner steps per replica = sync steps")
     parser.add_argument("--warm", type=int, default=DEFAULT_WARM, help="warm-start AdamW steps")
@@ -239,6 +241,8 @@ def parse_args() -> argparse.Namespace:
                         help=f"diloco part's codecs, of float32,float16,bfloat16,int8,{','.join(sim.SPARSE_CODECS)}")
     parser.add_argument("--outer", default=None, metavar="LR,MOMENTUM",
                         help=f"the outer lr and momentum when the sweep is left out (default {FALLBACK_OUTER})")
+    parser.add_argument("--focus", default=None, metavar="CODEC,H",
+                        help=f"the sweep's and the Byzantine part's codec and H (default {FOCUS_CODEC},{FOCUS_H})")
     parser.add_argument("--ef-decay", type=float, default=1.0,
                         help="the diloco part's error-feedback decay (SparseLoCo's beta; default 1: none)")
     args = parser.parse_args()
@@ -251,6 +255,12 @@ def parse_args() -> argparse.Namespace:
         parser.error("--outer takes LR,MOMENTUM, e.g. 0.7,0.5")
     if len(args.outer) != 2:
         parser.error("--outer takes LR,MOMENTUM, e.g. 0.7,0.5")
+    if args.focus is not None:
+        codec, _, h = args.focus.partition(",")
+        if codec not in {"float32", "float16", "bfloat16", "int8", *sim.SPARSE_CODECS} or not h.isdigit() \
+                or int(h) not in INNER_STEPS:
+            parser.error(f"--focus takes CODEC,H with H one of {INNER_STEPS}, e.g. sparse,50")
+        FOCUS_CODEC, FOCUS_H = codec, int(h)
     args.parts = [p for p in args.only.split(",") if p]
     if set(args.parts) - set(PARTS):
         parser.error(f"--only takes parts of {','.join(PARTS)}")
