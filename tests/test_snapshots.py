@@ -226,13 +226,9 @@ def test_requests_for_other_stages_go_to_the_held_backups_by_digest_only():
     with_server(test, make, server)
 
 
-def test_a_cut_fetch_resumes_where_it_stopped_and_no_byte_is_sent_twice():
-    """A stream cut mid-fetch (here the server's handler fails at its third request) used to lose the
-    bytes so far: the next try started at byte 0, and on a thin line never completed. Now the next try at
-    that version goes on from the byte the cut one reached."""
-    data = os.urandom(300_000)
-    requests: list[Get] = []
-
+def cut_at_third_request(data: bytes, requests: list):
+    """A server of ``data`` (round 2, step 50) whose handler fails at its third request (the stream is cut),
+    noting every request in ``requests``; and its snapshot maker."""
     class CutsOnce(SnapshotServer):
         async def on_frame(self, peer, message, payload):
             requests.append(message)
@@ -242,6 +238,16 @@ def test_a_cut_fetch_resumes_where_it_stopped_and_no_byte_is_sent_twice():
 
     async def make():
         return Snapshot(data, 2, 50, trio.current_time())
+    return CutsOnce, make
+
+
+def test_a_cut_fetch_resumes_where_it_stopped_and_no_byte_is_sent_twice():
+    """A stream cut mid-fetch (here the server's handler fails at its third request) used to lose the
+    bytes so far: the next try started at byte 0, and on a thin line never completed. Now the next try at
+    that version goes on from the byte the cut one reached."""
+    data = os.urandom(300_000)
+    requests: list[Get] = []
+    CutsOnce, make = cut_at_third_request(data, requests)
 
     async def test(pool, server):
         partials = snapshots.PartialFetches()
@@ -362,16 +368,7 @@ def test_a_resumed_fetch_that_fails_its_digest_starts_over_and_blames_no_peer():
     a liar (a DialError, not a RemoteProtocolError), nothing is kept, and the next try is from byte 0."""
     data = os.urandom(200_000)
     requests: list[Get] = []
-
-    class CutsOnce(SnapshotServer):
-        async def on_frame(self, peer, message, payload):
-            requests.append(message)
-            if len(requests) == 3:
-                raise RuntimeError("the stream is cut")
-            return await super().on_frame(peer, message, payload)
-
-    async def make():
-        return Snapshot(data, 2, 50, trio.current_time())
+    CutsOnce, make = cut_at_third_request(data, requests)
 
     async def test(pool, server):
         partials = snapshots.PartialFetches()
