@@ -72,12 +72,7 @@ def encode(vector: torch.Tensor, codec: str, error_out: torch.Tensor | None = No
     """
     if codec not in CODECS:
         raise ValueError(f"unknown codec {codec!r}, expected one of {CODECS}")
-    flat = _check_vector(vector, max_elements)
-    if error_out is not None and (not isinstance(error_out, torch.Tensor) or error_out.dtype != torch.float32
-                                  or error_out.shape != flat.shape or not error_out.is_contiguous()):
-        raise ValueError(f"error_out must be a contiguous float32 tensor of shape {tuple(flat.shape)}")
-    if not all_finite(flat):
-        raise ValueError("cannot encode a vector with non-finite values")
+    flat = checked_input(vector, error_out, max_elements)
     out = bytearray(encoded_size(codec, flat.numel()))
     if not out:  # frombuffer rejects an empty buffer
         return b""
@@ -95,6 +90,19 @@ def encode(vector: torch.Tensor, codec: str, error_out: torch.Tensor | None = No
     if error_out is not None:
         torch.sub(flat, narrow.to(torch.float32), out=error_out)
     return bytes(out)
+
+
+def checked_input(vector: torch.Tensor, error_out: torch.Tensor | None,
+                  max_elements: int = MAX_ELEMENTS) -> torch.Tensor:
+    """``vector`` as a contiguous 1-D float32 CPU tensor, ready to encode; ValueError (a local fault) if it is
+    not one, is longer than ``max_elements``, holds non-finite values, or ``error_out`` does not fit it."""
+    flat = _check_vector(vector, max_elements)
+    if error_out is not None and (not isinstance(error_out, torch.Tensor) or error_out.dtype != torch.float32
+                                  or error_out.shape != flat.shape or not error_out.is_contiguous()):
+        raise ValueError(f"error_out must be a contiguous float32 tensor of shape {tuple(flat.shape)}")
+    if not all_finite(flat):
+        raise ValueError("cannot encode a vector with non-finite values")
+    return flat
 
 
 def decode(data: bytes, codec: str, numel: int, out: torch.Tensor | None = None, *,

@@ -32,7 +32,7 @@ import math
 import numpy as np
 import torch
 
-from p2pswarm.diloco.compression import MAX_ELEMENTS, all_finite
+from p2pswarm.diloco.compression import MAX_ELEMENTS, checked_input
 from p2pswarm.errors import RemoteProtocolError
 
 SPARSE_CHUNK = 4096  # elements per chunk (SparseLoCo's): a 12-bit index within it
@@ -64,15 +64,8 @@ def encode(vector: torch.Tensor, error_out: torch.Tensor | None = None, *, top: 
     """The bytes of a 1-D float32 ``vector``, ``top`` entries a chunk; ``error_out`` (float32, same length) receives
     ``vector - decode(result)`` exactly. ValueError on a vector that is not 1-D float32, is too long
     or holds non-finite values (a local fault), or an ``error_out`` that does not fit."""
-    if not isinstance(vector, torch.Tensor) or vector.dim() != 1 or vector.dtype != torch.float32:
-        raise ValueError("expected a 1-D float32 tensor")
-    flat = vector.detach().to("cpu").contiguous()
-    encoded_size(flat.numel(), top=top)  # ValueError if too long or ``top`` is out of range
-    if error_out is not None and (not isinstance(error_out, torch.Tensor) or error_out.dtype != torch.float32
-                                  or error_out.shape != flat.shape or not error_out.is_contiguous()):
-        raise ValueError(f"error_out must be a contiguous float32 tensor of shape {tuple(flat.shape)}")
-    if not all_finite(flat):
-        raise ValueError("cannot encode a vector with non-finite values")
+    flat = checked_input(vector, error_out)
+    encoded_size(flat.numel(), top=top)  # ValueError if ``top`` is out of range
     scales, positions, codes = [], [], []
     for rows in _chunk_rows(flat):
         index = rows.abs().topk(min(top, rows.shape[1]), dim=1).indices.sort(dim=1).values
