@@ -25,11 +25,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from p2pswarm.diloco import aggregation, compression, sparse
+from p2pswarm.diloco import aggregation
+from p2pswarm.diloco import codec as codecs
 from p2pswarm.diloco.messages import shard_bounds
 from p2pswarm.diloco.outer import OuterConfig, OuterOptimizer, flatten
 from p2pswarm.diloco.service import STRIKES, result_check
-from p2pswarm.diloco.sparse_aggregate import chunk_clipped_mean  # as the service: barring, and judging results
 from p2pswarm.model.catalog import ModelSpec
 from p2pswarm.model.corpus import Corpus, batches, heldout_batches
 from p2pswarm.model.transformer import build_stage
@@ -223,31 +223,29 @@ def make_replicas(warm: Warm, arm: Arm) -> list[Replica]:
     return replicas
 
 
-SPARSE_CODECS = ("sparse", "sparse-union")  # issue 27's codec (diloco/sparse.py, not on the wire yet): an owner
-#   sends its aggregate re-cut to the top entries of each chunk, or ("-union") room for every member's
+SPARSE_CODECS = ("sparse", "sparse-recut")  # issue 27's codec (diloco/sparse.py): an owner sends its aggregate with
+#   room for every member's entries (the protocol's, ``diloco/codec.py``), or ("-recut") cut again to the top 64
 
 
 def encode(vector: torch.Tensor, codec: str, result: bool = False) -> bytes:
-    """A part (or with ``result``, an owner's aggregate) under ``codec``: the protocol's, or a sparse one."""
-    if codec in SPARSE_CODECS:
-        return sparse.encode(vector, top=_top(codec, result))
-    return compression.encode(vector, codec)
+    """A part (or with ``result``, an owner's aggregate) under ``codec``: the protocol's, or the re-cut sparse one."""
+    return codecs.encode(vector, _wire(codec), width=_width(codec, result))
 
 
 def decode(data: bytes, codec: str, numel: int, result: bool = False) -> torch.Tensor:
-    if codec in SPARSE_CODECS:
-        return sparse.decode(data, numel, top=_top(codec, result))
-    return compression.decode(data, codec, numel)
+    return codecs.decode(data, _wire(codec), numel, width=_width(codec, result))
 
 
 def encoded_size(codec: str, numel: int, result: bool = False) -> int:
-    if codec in SPARSE_CODECS:
-        return sparse.encoded_size(numel, top=_top(codec, result))
-    return compression.encoded_size(codec, numel)
+    return codecs.encoded_size(_wire(codec), numel, _width(codec, result))
 
 
-def _top(codec: str, result: bool) -> int:
-    return sparse.SPARSE_TOP * (N_WORKERS if result and codec == "sparse-union" else 1)
+def _wire(codec: str) -> str:
+    return "sparse" if codec in SPARSE_CODECS else codec
+
+
+def _width(codec: str, result: bool) -> int:
+    return N_WORKERS if result and codec == "sparse" else 1
 
 
 NEGATE_FACTOR = 10.0  # attack A: the attacker sends -10x its honest pseudo-gradient
@@ -280,9 +278,6 @@ def combine_shard(index: int, parts: list[list[bytes]], bounds: list, arm: Arm, 
     """Owner ``index``: decode the parts of its shard, combine (verifying if asked), encode the result."""
     a, b = bounds[index]
     contributions = {NAMES[r]: decode(parts[r][index], arm.codec, b - a) for r in range(len(parts))}
-    if arm.method == "chunk_clip":  # issue 27's robust mean of sparse contributions (no verification)
-        ordered = [contributions[name] for name in sorted(contributions)]
-        return encode(chunk_clipped_mean(ordered), arm.codec, result=True)
     check = aggregation.VerifyConfig() if arm.verify else None
     combined = aggregation.combine(contributions, NAMES[index], arm.method, check)
     for name in combined.rejected:

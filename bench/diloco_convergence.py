@@ -21,7 +21,7 @@ Held-out figure: bits per byte of a fixed held-out set of the embedded stdlib co
 (honest) after the last outer step; ratios are to the best sync arm, or to the honest DiLoCo run.
 
     python bench/diloco_convergence.py [--steps T] [--warm W] [--only sync,diloco,sweep,byzantine] [--json]
-                                       [--codecs float32,int8,sparse,sparse-union] [--outer LR,MOMENTUM]
+                                       [--codecs float32,int8,sparse,sparse-recut] [--outer LR,MOMENTUM]
                                        [--ef-decay BETA]
 """
 
@@ -63,6 +63,7 @@ DEFENCES = (  # label, aggregation, verification, attacker lies as owner too
     ("verify + trimmed mean", "trimmed_mean", True, True),
     ("trimmed mean, honest owner", "trimmed_mean", False, False),  # the attacker lies in its parts only
     ("chunk-clipped mean", "chunk_clip", False, True),  # issue 27's, for sparse contributions
+    ("verify + chunk-clipped mean", "chunk_clip", True, True),  # the sparse codec's packaged defence
 )
 ATTACK_LABELS = {"negate": "A: -10x pseudo-gradient", "noise": "B: Gaussian noise, same norm"}
 

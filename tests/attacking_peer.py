@@ -29,12 +29,13 @@ def poisoned(shard, attack: str):
 
 def install(attack: str) -> None:
     """Make every contribution of this process ``attack``'s poison (no error feedback: it is not ours to carry)."""
-    from p2pswarm.diloco import compression, contribution
+    from p2pswarm.diloco import codec as codecs
+    from p2pswarm.diloco import contribution
 
     def encode_poisoned(pseudo, bounds, codec: str, residual) -> list[bytes]:
         log.warning("attacking peer (%s): this peer sends poisoned pseudo-gradients (a test of the others' "
                     "defences)", attack)
-        return [compression.encode(poisoned(pseudo[a:b], attack), codec) for a, b in bounds]
+        return [codecs.encode(poisoned(pseudo[a:b], attack), codec) for a, b in bounds]
 
     contribution.encode_contribution = encode_poisoned
 

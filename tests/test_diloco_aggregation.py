@@ -21,6 +21,7 @@ from p2pswarm.diloco.aggregation import (
     combine,
     verify,
 )
+from p2pswarm.diloco.sparse import SPARSE_CHUNK
 
 FAST = settings(max_examples=40)
 ATTACKS = ("flip", "noise", "scaled", "constant")
@@ -144,6 +145,17 @@ def test_permutation_invariance(contributions, seed):
                               rtol=1e-5, atol=1e-5 * magnitude(contributions))
 
 
+def plain_chunk_clip(stack: torch.Tensor) -> torch.Tensor:
+    """The mean, each member's chunk first clipped to the members' lower-median largest magnitude (n >= 3)."""
+    out = stack.clone()
+    if len(stack) >= 3:
+        for start in range(0, stack.shape[1], SPARSE_CHUNK):
+            block = out[:, start: start + SPARSE_CHUNK]
+            bound = sorted(float(row.abs().max()) for row in block)[(len(stack) - 1) // 2]
+            block.clamp_(-bound, bound)
+    return out.mean(0)
+
+
 @given(contributions=stacks())
 @FAST
 def test_matches_plain_implementations(contributions):
@@ -155,6 +167,7 @@ def test_matches_plain_implementations(contributions):
         "trimmed_mean": stack.sort(0).values[trim: n - trim].mean(0),
         "median": plain_median(stack),
         "centered_clip": naive_centered_clip(contributions),
+        "chunk_clip": plain_chunk_clip(stack),
     }
     for method in AGGREGATORS:
         result = aggregate(contributions, method)

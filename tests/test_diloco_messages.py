@@ -60,7 +60,7 @@ def shard_frames(draw, cls):
     codec, numel = draw(st.sampled_from(CODECS)), draw(SMALL_NUMEL)
     extra = (draw(st.integers(1, shards)),) if cls is Result else ()
     msg = cls(draw(STAGES), draw(ROUNDS), draw(DIGESTS), draw(st.integers(0, shards - 1)), shards, codec, numel, *extra)
-    size = expected_bytes(codec, numel)
+    size = expected_bytes(codec, numel, extra[0] if extra else 1)  # a sparse Result holds its contributors' entries
     return msg, draw(st.binary(min_size=size, max_size=size))
 
 
@@ -193,17 +193,32 @@ def test_payload_not_matching_codec_and_numel_is_refused(pair, delta):
 # --- sizes, shards, digests -------------------------------------------------------------------
 
 
-def test_codecs_and_sizes_match_compression():
+def test_codecs_and_sizes_match_the_codecs():
     compression = pytest.importorskip("p2pswarm.diloco.compression")
-    assert CODECS == compression.CODECS
+    codec = pytest.importorskip("p2pswarm.diloco.codec")
+    sparse = pytest.importorskip("p2pswarm.diloco.sparse")
+    assert CODECS == codec.CODECS
     assert INT8_CHUNK == compression.INT8_CHUNK
-    assert MAX_NUMEL == compression.MAX_ELEMENTS
-    for codec in CODECS:
-        for numel in [0, 1, 2, INT8_CHUNK - 1, INT8_CHUNK, INT8_CHUNK + 1, 5 * INT8_CHUNK + 7, MAX_NUMEL]:
-            assert expected_bytes(codec, numel) == compression.encoded_size(codec, numel), (codec, numel)
+    assert (m.SPARSE_CHUNK, m.SPARSE_TOP, m.SPARSE_SCALE_BYTES) == (sparse.SPARSE_CHUNK, sparse.SPARSE_TOP,
+                                                                    sparse.SCALE_BYTES)
+    assert MAX_NUMEL == compression.MAX_ELEMENTS and MAX_MEMBERS == codec.MAX_WIDTH
+    for name in CODECS:
+        for numel in [0, 1, 2, INT8_CHUNK - 1, INT8_CHUNK, INT8_CHUNK + 1, 5 * INT8_CHUNK + 7, 3 * m.SPARSE_CHUNK + 65,
+                      MAX_NUMEL]:
+            for width in (1, 2, 4, 63, MAX_MEMBERS):
+                assert expected_bytes(name, numel, width) == codec.encoded_size(name, numel, width), (name, numel)
 
 
-@given(st.sampled_from(CODECS), st.integers(0, MAX_NUMEL))
+def test_a_sparse_part_is_under_one_percent_of_float32_and_a_result_holds_its_contributors_entries():
+    n = 256 * m.SPARSE_CHUNK
+    assert expected_bytes("sparse", n) / expected_bytes("float32", n) < 0.0075
+    assert expected_bytes("sparse", n, 4) < 4 * expected_bytes("sparse", n)  # the scales are not repeated
+    assert expected_bytes("sparse", n, MAX_MEMBERS) == expected_bytes("sparse", n, m.SPARSE_CHUNK // m.SPARSE_TOP)
+    with pytest.raises(ValueError):
+        expected_bytes("sparse", n, 0)
+
+
+@given(st.sampled_from([c for c in CODECS if c != "sparse"]), st.integers(0, MAX_NUMEL))
 def test_expected_bytes_formula(codec, numel):
     size = expected_bytes(codec, numel)
     per_element = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}[codec]

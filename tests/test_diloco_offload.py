@@ -20,7 +20,7 @@ import pytest
 torch = pytest.importorskip("torch")
 import trio  # noqa: E402
 
-from p2pswarm.diloco import aggregation, compression, contribution, offload, snapshots  # noqa: E402
+from p2pswarm.diloco import aggregation, compression, contribution, messages, offload, snapshots  # noqa: E402
 from p2pswarm.diloco.loading import outer_config  # noqa: E402
 from p2pswarm.diloco.outer import OuterOptimizer  # noqa: E402
 from p2pswarm.diloco.service import DilocoService  # noqa: E402
@@ -104,15 +104,16 @@ class StageMap:
         pass
 
 
-def replicas(n: int, numel: int) -> list[DilocoService]:
+def replicas(n: int, numel: int, **settings) -> list[DilocoService]:
     """``n`` replicas of one stage, each moved from the common start by a shared direction plus its own noise."""
     ids = [f"12D3KooWreplica{i}" for i in range(n)]
     handlers: dict = {}
     common = torch.randn(numel, generator=torch.Generator().manual_seed(99))
     out = []
     for i, me in enumerate(ids):
-        s = DilocoService(settings=DilocoSettings(inner_steps=1, gather_s=30.0), spec=get_model("tiny-lm/2"),
-                          stage=STAGE, me=me, pool=Pool(handlers, me), stage_map=StageMap(ids))
+        s = DilocoService(settings=DilocoSettings(inner_steps=1, gather_s=30.0, **settings),
+                          spec=get_model("tiny-lm/2"), stage=STAGE, me=me, pool=Pool(handlers, me),
+                          stage_map=StageMap(ids))
         engine = Engine(numel)
         s.swarm = Swarm(engine)
         s.outer = OuterOptimizer(engine.params, outer_config(s.settings))
@@ -221,6 +222,32 @@ def test_an_owner_refuses_a_part_that_does_not_decode_and_combines_the_rest():
     assert result == compression.encode(expected, "int8")
     with pytest.raises(ValueError):
         offload.combine_shard({"me": bytes(bad)}, "me", 3000, codec="int8", aggregator="mean", verify=False)
+
+
+def test_a_sparse_round_sends_a_tenth_of_an_int8_rounds_bytes_and_agrees():
+    """Four replicas with the sparse codec and the chunk-clipped mean (issue 27): every member leaves the round
+    with the same start weights, moved along the replicas' own direction; a replica sends its three parts at
+    width 1 and its own shard's aggregate at width 4 (the union of the members' entries), nothing else; what the
+    codec left out of its parts stays in its residual."""
+    numel = 40_000
+    services = replicas(4, numel, codec="sparse", aggregator="chunk_clip")
+    before = services[0].outer.start.clone()
+    moved = sum(before - torch.cat([s.swarm.engine.params["a"], s.swarm.engine.params["b"]]) for s in services)
+    trio.run(one_round, services)
+    step = before - services[0].outer.start
+    assert float(torch.nn.functional.cosine_similarity(step, moved, dim=0)) > 0.2
+    plan = messages.shard_plan(numel, 4, "sparse")
+    for index, s in enumerate(sorted(services, key=lambda s: s.me)):
+        assert torch.equal(s.outer.start, services[0].outer.start)
+        assert not s.penalties and s.history[-1]["missing_shards"] == s.history[-1]["refused_results"] == []
+        parts = sum(messages.expected_bytes("sparse", b - a) for i, (a, b) in enumerate(plan.bounds) if i != index)
+        a, b = plan.bounds[index]
+        assert s.bytes_sent == parts + 3 * messages.expected_bytes("sparse", b - a, 4)
+        others = numel - (b - a)
+        assert parts < 0.01 * messages.expected_bytes("float32", others)
+        int8 = messages.expected_bytes("int8", others) + 3 * messages.expected_bytes("int8", b - a)
+        assert s.bytes_sent < 0.1 * int8
+        assert s.residual is not None and float(s.residual.norm()) > 0
 
 
 def test_a_snapshot_is_hashed_once_per_version_and_never_on_the_loop(monkeypatch):

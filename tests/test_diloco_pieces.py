@@ -18,7 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from p2pswarm import wire
-from p2pswarm.diloco import compression
+from p2pswarm.diloco import codec as codecs
 from p2pswarm.diloco.messages import (
     CODECS,
     MAX_MEMBERS,
@@ -46,8 +46,10 @@ from p2pswarm.errors import RemoteProtocolError
 
 
 def admitted(plan, codec: str) -> bool:
-    """Every piece within the decoder's element limit and, encoded, within one frame."""
-    return all(b - a <= MAX_NUMEL and expected_bytes(codec, b - a) <= wire.MAX_PAYLOAD_BYTES for a, b in plan.bounds)
+    """Every piece within the decoder's element limit and, encoded (a Result of every member's entries
+    too), within one frame."""
+    return all(b - a <= MAX_NUMEL and expected_bytes(codec, b - a, plan.shards) <= wire.MAX_PAYLOAD_BYTES
+               for a, b in plan.bounds)
 
 
 def tiles(plan) -> bool:
@@ -103,12 +105,12 @@ def test_stage_sized_hellos_are_admitted():
 def test_just_over_two_to_the_26_is_refused_whole_and_planned_in_admitted_pieces(codec):
     numel = MAX_NUMEL + 1  # arithmetic only: 2**26 floats would be 256 MiB
     with pytest.raises(ValueError):
-        compression.encoded_size(codec, numel)
+        codecs.encoded_size(codec, numel)
     with pytest.raises(RemoteProtocolError):  # refused before anything is allocated
-        compression.decode(b"", codec, numel)
+        codecs.decode(b"", codec, numel)
     plan = shard_plan(numel, 1, codec)
     assert plan.pieces >= 2 and admitted(plan, codec)
-    assert all(compression.encoded_size(codec, b - a) == expected_bytes(codec, b - a) for a, b in plan.bounds)
+    assert all(codecs.encoded_size(codec, b - a) == expected_bytes(codec, b - a) for a, b in plan.bounds)
 
 
 @pytest.mark.parametrize("codec", CODECS)
@@ -116,17 +118,20 @@ def test_a_vector_past_the_limit_is_refused_whole_and_goes_through_in_pieces(cod
     limit = 1000  # a lowered decoder limit stands in for MAX_ELEMENTS (2**26 floats would be 256 MiB)
     vector = torch.randn(2 * limit + 37)
     with pytest.raises(ValueError):
-        compression.encode(vector, codec, max_elements=limit)
+        codecs.encode(vector, codec, max_elements=limit)
     with pytest.raises(RemoteProtocolError):
-        compression.decode(b"\0" * expected_bytes(codec, vector.numel()), codec, vector.numel(), max_elements=limit)
+        codecs.decode(b"\0" * expected_bytes(codec, vector.numel()), codec, vector.numel(), max_elements=limit)
     plan = shard_plan(vector.numel(), 2, codec, max_elements=limit)
     assert plan.pieces == 2 and admitted(plan, codec)
-    pieces = [compression.encode(vector[a:b], codec, max_elements=limit) for a, b in plan.bounds]
-    decoded = torch.cat([compression.decode(data, codec, b - a, max_elements=limit)
+    pieces = [codecs.encode(vector[a:b], codec, max_elements=limit) for a, b in plan.bounds]
+    decoded = torch.cat([codecs.decode(data, codec, b - a, max_elements=limit)
                          for data, (a, b) in zip(pieces, plan.bounds)])
-    whole = compression.decode(compression.encode(vector, codec), codec, vector.numel())  # the default limit
+    whole = codecs.decode(codecs.encode(vector, codec), codec, vector.numel())  # the default limit
     if codec == "int8":  # chunks start at each piece: scales differ, the error bound does not
         assert torch.allclose(decoded, vector, atol=float(vector.abs().max()) / 127)
+    elif codec == "sparse":  # chunks start at each piece: each piece keeps its own top entries
+        top = codecs.sparse.SPARSE_TOP
+        assert all(int((decoded[a:b] != 0).sum()) == min(top, b - a) for a, b in plan.bounds)
     else:
         assert torch.equal(decoded, whole)
 

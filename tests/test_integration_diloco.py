@@ -13,7 +13,8 @@ micro-batches of ``TEST_ROWS`` rows (``tests.procs.small_batch_run``):
 A second swarm has a replica that sends poisoned pseudo-gradients (-10 times its own: it runs
 ``tests/attacking_peer.py``, which wraps ``p2pswarm`` and replaces what a replica sends): the
 honest replicas reject its contributions, count them against it, and still complete their
-rounds. No process may log a traceback.
+rounds, with the int8 codec and with the sparse one (issue 27) and its chunk-clipped mean. No
+process may log a traceback.
 """
 
 from __future__ import annotations
@@ -55,8 +56,8 @@ def assert_no_traceback(swarm: Swarm) -> None:
         assert "Traceback" not in text, (log.name, text[-3000:])
 
 
-def diloco_flags(swarm: Swarm) -> tuple[str, ...]:
-    return (*small_batch_run(swarm.workdir, MODEL, INNER_STEPS), *LOCAL)
+def diloco_flags(swarm: Swarm, **run) -> tuple[str, ...]:
+    return (*small_batch_run(swarm.workdir, MODEL, INNER_STEPS, **run), *LOCAL)
 
 
 def test_three_replicas_average_through_a_sigkill_and_a_restart(tmp_path):
@@ -95,10 +96,11 @@ def test_three_replicas_average_through_a_sigkill_and_a_restart(tmp_path):
         swarm.close()
 
 
-def test_a_poisoned_pseudo_gradient_is_rejected_and_the_round_completes(tmp_path):
+@pytest.mark.parametrize("codec, aggregator", [("int8", "trimmed_mean"), ("sparse", "chunk_clip")])
+def test_a_poisoned_pseudo_gradient_is_rejected_and_the_round_completes(tmp_path, codec, aggregator):
     swarm = Swarm(tmp_path)
     try:
-        flags = diloco_flags(swarm)
+        flags = diloco_flags(swarm, codec=codec, aggregator=aggregator)
         boot = swarm.bootstrap()
         honest = [swarm.join(boot, LAYERS, f"h{i}", *flags)[1] for i in range(2)]
         poisoner = swarm.join(boot, LAYERS, "bad", *flags, program=ATTACKER)[1]

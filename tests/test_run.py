@@ -207,6 +207,8 @@ BAD = [
     (FULL.replace("inner_steps = 50", "inner_steps = 0"), "diloco.inner_steps"),
     (FULL.replace("momentum = 0.9", "momentum = 1.0"), "diloco.momentum"),
     (FULL.replace('codec = "int8"', 'codec = "zip"'), "diloco.codec"),
+    (FULL.replace('codec = "int8"', 'codec = "sparse"').replace('aggregator = "mean"', 'aggregator = "median"'),
+     "diloco.codec: --codec sparse needs --aggregator mean or chunk_clip"),
     ("diloco = 3\n" + FULL.replace("[diloco]", "[x]"), "diloco: must be a table"),
     (FULL.replace('tokenizer = "bytes"', 'tokenizer = "missing.json"'), "tokenizer:"),
 ]

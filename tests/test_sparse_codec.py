@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from p2pswarm.diloco import compression
+from p2pswarm.diloco import compression, sparse
 from p2pswarm.diloco.sparse import SPARSE_CHUNK, SPARSE_TOP, decode, encode, encoded_size, kept
 from p2pswarm.errors import RemoteProtocolError
 
@@ -54,7 +54,7 @@ def test_round_trip_keeps_the_top_entries_of_each_chunk_within_half_their_range(
         largest = chunk.abs().topk(min(top, end - start)).values
         least, most = float(largest.min()), float(largest.max())
         assert bool((got.abs() <= most * (1 + 1e-6)).all())
-        assert bool((got[sent] * chunk[sent] >= 0).all())  # never the wrong sign (a kept 0 may come back small)
+        assert torch.equal(got[sent].sign(), chunk[sent].sign())  # never the wrong sign; a 0 is never sent
         assert bool(((got - chunk)[sent].abs() <= (most - least) / 2 + 1e-6 * most).all())
         assert bool((chunk[~sent].abs() <= least).all())  # what was left out is never larger than what was kept
 
@@ -121,7 +121,39 @@ def test_refused_messages():
     with pytest.raises(RemoteProtocolError):
         decode(struct.pack("<ff", 0.0, float("nan")) + data[8:], 70)
     with pytest.raises(RemoteProtocolError):
-        decode(data[:8] + b"\x00" * (len(data) - 8), 70)  # every index 0: not increasing
+        decode(data[:8] + b"\x01" * (len(data) - 8), 70)  # indices repeated, codes not 0: not padding
+
+
+def _chunk_bytes(indices: list[int], codes: list[int]) -> bytes:
+    """One chunk of ``len(indices)`` kept entries, scales (0.5, 2), in the codec's layout."""
+    return struct.pack("<ff", 0.5, 2.0) + sparse._pack_indices(torch.tensor(indices)) + \
+        sparse._pack_codes(torch.tensor(codes, dtype=torch.uint8))
+
+
+def test_a_chunk_with_fewer_non_zero_entries_ends_in_padding_that_decodes_to_nothing():
+    vector = torch.zeros(70)
+    vector[[3, 9, 40]] = torch.tensor([1.0, -2.0, 0.5])
+    decoded = decode(encode(vector), 70)
+    assert decoded.nonzero().flatten().tolist() == [3, 9, 40] and float(decoded[9]) == -2.0
+    pad = [40] * (SPARSE_TOP - 3)
+    built = decode(_chunk_bytes([3, 9, 40, *pad], [0, 3, 0] + [0] * len(pad)), 70)
+    assert built.nonzero().flatten().tolist() == [3, 9, 40] and built[[3, 9, 40]].tolist() == [0.5, -2.0, 0.5]
+    with pytest.raises(RemoteProtocolError):  # padding with a code
+        decode(_chunk_bytes([3, 9, 40, *pad], [0, 3, 0, 1] + [0] * (len(pad) - 1)), 70)
+    with pytest.raises(RemoteProtocolError):  # a real entry after padding
+        decode(_chunk_bytes([3, 9, 40, 40, 41, *pad[2:]], [0] * SPARSE_TOP), 70)
+    assert decode(encode(torch.zeros(70)), 70).count_nonzero() == 0
+
+
+def test_the_union_of_members_entries_travels_at_members_times_top_with_its_support():
+    """An owner's mean of n members' sparse parts has at most n * top entries a chunk: encoded at that
+    ``top``, every one of them comes back (its value within half its chunk's range), and nothing else."""
+    g = torch.Generator().manual_seed(3)
+    members = [decode(encode(torch.randn(2 * SPARSE_CHUNK + 100, generator=g)), 2 * SPARSE_CHUNK + 100)
+               for _ in range(4)]
+    mean = torch.stack(members).mean(dim=0)
+    decoded = decode(encode(mean, top=4 * SPARSE_TOP), mean.numel(), top=4 * SPARSE_TOP)
+    assert torch.equal(decoded != 0, mean != 0)
 
 
 def test_local_faults_are_value_errors():

@@ -230,9 +230,11 @@ def _diloco_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--outer-lr", type=float, help=f"outer learning rate (default {dls.OUTER_LR})")
     group.add_argument("--outer-momentum", type=float, help=f"outer Nesterov momentum (default {dls.OUTER_MOMENTUM})")
     group.add_argument("--codec", choices=dls.CODECS,
-                       help=f"pseudo-gradients on the wire (default {dls.CODEC}: per-chunk scales)")
+                       help=f"pseudo-gradients on the wire (default {dls.CODEC}: per-chunk scales; sparse: the top "
+                            "1.56 %% of each chunk at 2 bits, with --aggregator chunk_clip or mean)")
     group.add_argument("--aggregator", choices=dls.AGGREGATORS,
-                       help=f"how the replicas' pseudo-gradients are combined (default {dls.AGGREGATOR})")
+                       help=f"how the replicas' pseudo-gradients are combined (default {dls.AGGREGATOR}; chunk_clip: "
+                            "the mean, each chunk clipped to the members' median scale, for --codec sparse)")
     group.add_argument("--no-verify", dest="verify", action="store_false",
                        help="do not check each contribution against the others before combining")
     group.add_argument("--gather", type=float, default=dls.GATHER_S, metavar="SEC",

@@ -10,7 +10,10 @@ combines contributions so that a minority of bad ones has bounded influence:
 - ``median``: per coordinate (for an even count, the mean of the two middle values);
 - ``centered_clip``: centered clipping (Karimireddy, He and Jaggi, 2021), starting from the
   coordinate-wise median, each contribution's pull clipped to a radius derived from the
-  contributions themselves.
+  contributions themselves;
+- ``chunk_clip``: for sparse contributions (``sparse_aggregate``), the mean of every contribution
+  clipped, per chunk, to the members' median largest magnitude there. The coordinate-wise ones
+  above would drop an entry that only one member sent.
 
 Before combining, ``combine`` checks each peer's contribution against a reference (``verify``):
 it must point roughly the same way and have a similar magnitude and spread, otherwise it is
@@ -32,8 +35,9 @@ from dataclasses import dataclass, replace
 import torch
 
 from p2pswarm.diloco.compression import all_finite
+from p2pswarm.diloco.sparse_aggregate import chunk_clipped_mean
 
-AGGREGATORS = ("mean", "trimmed_mean", "median", "centered_clip")
+AGGREGATORS = ("mean", "trimmed_mean", "median", "centered_clip", "chunk_clip")
 DEFAULT_AGGREGATOR = "trimmed_mean"  # robust to a quarter of outliers per coordinate, yet averages
 TRIM_FRACTION = 0.25  # per side: n=4 drops 1+1, n=8 drops 2+2; below 4 nothing is dropped
 CLIP_TAU = 1.0  # clip radius in units of the median distance to the center (see _centered_clip)
@@ -72,6 +76,8 @@ def aggregate(contributions: list[torch.Tensor], method: str) -> torch.Tensor:
         return _blockwise(contributions, lambda block: _trimmed_mean_of_sorted(_sorted(block)))
     if method == "median":
         return _median(contributions)
+    if method == "chunk_clip":
+        return chunk_clipped_mean(contributions)
     return _centered_clip(contributions)
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from p2pswarm.diloco import compression
+from p2pswarm.diloco import codec as codecs
 from p2pswarm.diloco.outer import OuterOptimizer, flatten
 
 Buffers = tuple[torch.Tensor, torch.Tensor]  # (weights at the close, pseudo-gradient), stage-sized, on the host
@@ -45,5 +45,5 @@ def encode_contribution(pseudo: torch.Tensor, bounds, codec: str, residual: torc
     """Our pseudo-gradient's piece ``pseudo[a:b]`` for each ``(a, b)`` of ``bounds``, encoded with
     ``codec``; what the codec leaves out of each piece goes into ``residual[a:b]`` (error feedback:
     carried on to the next round), if there is a residual."""
-    return [compression.encode(pseudo[a:b], codec, error_out=None if residual is None else residual[a:b])
+    return [codecs.encode(pseudo[a:b], codec, error_out=None if residual is None else residual[a:b])
             for a, b in bounds]

@@ -18,8 +18,9 @@ sorted group owns shard i. A shard too big for one frame is cut into ``pieces`` 
 (``shard_plan``: each within ``MAX_NUMEL`` elements and ``wire.MAX_PAYLOAD_BYTES`` encoded), and
 each piece travels as its own Part and Result (``piece``); a small stage has one piece a shard,
 exactly the shards of before. A piece travels encoded by a codec (``CODECS``); ``expected_bytes``
-is the encoded size, the same formula as ``p2pswarm.diloco.compression``, so that a header
-whose payload does not match is refused before any decoding.
+is the encoded size, the same formula as ``p2pswarm.diloco.codec`` (a sparse Result's also follows
+its ``contributors``: room for each one's entries), so that a header whose payload does not match is
+refused before any decoding.
 
 This module only defines and validates the messages: it imports neither trio nor torch. Every
 field is bounded, and any invalid header is a ``RemoteProtocolError``.
@@ -42,8 +43,10 @@ MAX_MEMBERS = 64  # members of one group: the butterfly sends each member |G|-1 
 MAX_NUMEL = 2**26  # elements of one piece (64M): what one decoder may allocate (256 MiB of float32)
 MAX_STAGE_NUMEL = 2**36  # elements of one stage's flat pseudo-gradient: 14x the xl tier's ~5e9 stage
 MAX_PIECES = 4096  # pieces of one shard: a MAX_STAGE_NUMEL stage in 2 shards of 2**24-element fp32 pieces
-CODECS = ("float32", "float16", "bfloat16", "int8")  # must equal p2pswarm.diloco.compression.CODECS
+CODECS = ("float32", "float16", "bfloat16", "int8", "sparse")  # must equal p2pswarm.diloco.codec.CODECS
 INT8_CHUNK = 1024  # int8 elements per float32 scale; must equal p2pswarm.diloco.compression.INT8_CHUNK
+SPARSE_CHUNK, SPARSE_TOP = 4096, 64  # a sparse chunk and the entries a part keeps of it: sparse.py's
+SPARSE_SCALE_BYTES = 8  # a sparse chunk's two float32 scales
 DIGEST_BYTES = 32  # a group digest is a SHA-256
 MAX_REASON_CHARS = 200  # a Reply's reason is a short phrase for logs, not a document
 GROUP_DOMAIN = b"p2pswarm/diloco-group/v1\n"  # a group digest can't pass for any other hash
@@ -52,12 +55,21 @@ _ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}  # bytes per elemen
 _INT8_SCALE_BYTES = 4  # one float32 scale per INT8_CHUNK elements
 
 
-def expected_bytes(codec: str, numel: int) -> int:
-    """The encoded size of ``numel`` elements under ``codec``; ValueError for an unknown codec."""
+def expected_bytes(codec: str, numel: int, width: int = 1) -> int:
+    """The encoded size of ``numel`` elements under ``codec``, the same formula as ``diloco.codec``'s:
+    ``width`` is the members whose entries a sparse piece holds (a Part 1, a Result its contributors).
+    ValueError for an unknown codec or a bad size or width."""
     if type(numel) is not int or numel < 0:
         raise ValueError(f"numel must be a non-negative int, not {numel!r}")
     if codec == "int8":
         return _INT8_SCALE_BYTES * -(-numel // INT8_CHUNK) + numel
+    if codec == "sparse":
+        if type(width) is not int or not 1 <= width <= MAX_MEMBERS:
+            raise ValueError(f"width must be an int in [1, {MAX_MEMBERS}], not {width!r}")
+        top = min(SPARSE_CHUNK, SPARSE_TOP * width)
+        full, rest = divmod(numel, SPARSE_CHUNK)
+        entries = full * top + min(rest, top)  # 12-bit indices two in 3 bytes, 2-bit codes four a byte
+        return SPARSE_SCALE_BYTES * -(-numel // SPARSE_CHUNK) + 3 * -(-entries // 2) + -(-entries // 4)
     if codec not in _ELEMENT_BYTES:
         raise ValueError(f"unknown codec {codec!r}; expected one of {CODECS}")
     return _ELEMENT_BYTES[codec] * numel
@@ -104,14 +116,14 @@ class ShardPlan:
 
 
 def piece_elements(codec: str, *, max_elements: int = MAX_NUMEL, max_bytes: int = wire.MAX_PAYLOAD_BYTES,
-                   size=None) -> int:
-    """The most elements one piece may hold: within ``max_elements`` and, encoded under ``codec``
-    (``size``: ``expected_bytes`` unless given), within ``max_bytes``. ValueError if not even one fits."""
+                   size=None, width: int = 1) -> int:
+    """The most elements one piece may hold: within ``max_elements`` and, encoded under ``codec`` at
+    ``width`` (``size``: ``expected_bytes`` unless given), within ``max_bytes``. ValueError if not even one fits."""
     size = size or expected_bytes
     low, high = 0, max_elements  # the largest n with size(codec, n) <= max_bytes, by bisection (sizes grow with n)
     while low < high:
         mid = (low + high + 1) // 2
-        low, high = (mid, high) if size(codec, mid) <= max_bytes else (low, mid - 1)
+        low, high = (mid, high) if size(codec, mid, width) <= max_bytes else (low, mid - 1)
     if low < 1:
         raise ValueError(f"not one {codec} element fits in {max_bytes} bytes")
     return low
@@ -120,12 +132,14 @@ def piece_elements(codec: str, *, max_elements: int = MAX_NUMEL, max_bytes: int 
 def shard_plan(numel: int, shards: int, codec: str, *, max_elements: int = MAX_NUMEL,
                max_bytes: int = wire.MAX_PAYLOAD_BYTES, size=None) -> ShardPlan:
     """``shard_bounds(numel, shards)``, each shard cut into the same number of pieces, as few as
-    keep every piece within ``piece_elements``; ValueError past MAX_STAGE_NUMEL or MAX_PIECES."""
+    keep every piece within ``piece_elements`` (a Result of every member's entries too: width ``shards``);
+    ValueError past MAX_STAGE_NUMEL or MAX_PIECES."""
     if type(numel) is not int or not 0 <= numel <= MAX_STAGE_NUMEL:
         raise ValueError(f"a stage of {numel!r} elements is outside [0, {MAX_STAGE_NUMEL}]")
     owners = shard_bounds(numel, shards)
     largest = max(stop - start for start, stop in owners)
-    pieces = max(1, -(-largest // piece_elements(codec, max_elements=max_elements, max_bytes=max_bytes, size=size)))
+    fits = piece_elements(codec, max_elements=max_elements, max_bytes=max_bytes, size=size, width=shards)
+    pieces = max(1, -(-largest // fits))
     if pieces > MAX_PIECES:
         raise ValueError(f"{numel} elements in {shards} shards need {pieces} pieces a shard, more than {MAX_PIECES}")
     bounds = tuple((start + a, start + b) for start, stop in owners for a, b in shard_bounds(stop - start, pieces))
@@ -214,6 +228,10 @@ class _ShardMessage(wire.Message):
         @property
         def piece(self) -> int: ...
 
+    def width(self) -> int:
+        """The members whose entries the payload holds (``expected_bytes``): a Part's one member."""
+        return 1
+
     def check(self, payload_len: int) -> None:
         kind = self.TYPE
         _check_int(kind, "piece", self.piece, 0, MAX_PIECES - 1)
@@ -225,7 +243,7 @@ class _ShardMessage(wire.Message):
         _check_int(kind, "shard", self.shard, 0, self.shards - 1)
         _check_codec(kind, self.codec)
         _check_int(kind, "numel", self.numel, 0, MAX_NUMEL)
-        size = expected_bytes(self.codec, self.numel)
+        size = expected_bytes(self.codec, self.numel, self.width())
         if payload_len != size:
             raise RemoteProtocolError(
                 f"{kind}: {self.numel} {self.codec} elements are {size} bytes, the payload is {payload_len}")
@@ -245,9 +263,14 @@ class Result(_ShardMessage):
     contributors: int  # 1 <= contributors <= shards
     piece: int = 0  # 0 <= piece < MAX_PIECES: which piece of the shard (``shard_plan``)
 
+    def width(self) -> int:
+        """Its contributors: an aggregate of sparse parts holds room for each one's entries."""
+        return self.contributors
+
     def check(self, payload_len: int) -> None:
-        super().check(payload_len)
+        _check_int(self.TYPE, "shards", self.shards, 2, MAX_MEMBERS)  # (before the size, which needs a width)
         _check_int(self.TYPE, "contributors", self.contributors, 1, self.shards)
+        super().check(payload_len)
 
 
 @wire.message("diloco.reply")

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from p2pswarm.diloco import aggregation, compression
+from p2pswarm.diloco import aggregation
+from p2pswarm.diloco import codec as codecs
 from p2pswarm.errors import RemoteProtocolError
 
 
@@ -36,14 +37,15 @@ def combine_shard(parts: dict[str, bytes], me: str, numel: int, *, codec: str, a
     tensors, refused = {}, {}
     for peer, data in parts.items():
         try:
-            tensors[peer] = compression.decode(data, codec, numel)
+            tensors[peer] = codecs.decode(data, codec, numel)
         except RemoteProtocolError as exc:
             if peer == me:
                 raise ValueError(f"our own part does not decode: {exc}") from None
             refused[peer] = f"undecodable: {exc}"
     verify_config = aggregation.VerifyConfig() if verify else None
     combined = aggregation.combine(tensors, me, aggregator, verify_config)
-    return compression.encode(combined.result, codec), {**refused, **combined.rejected}
+    width = len(combined.accepted)  # a sparse aggregate holds room for each accepted part's entries
+    return codecs.encode(combined.result, codec, width=width), {**refused, **combined.rejected}
 
 
 @dataclass
@@ -79,7 +81,8 @@ def assemble(outcome, pseudo: torch.Tensor, bounds, *, me: str, codec: str,
                 residual = _carry(pseudo, residual, a, b)
             continue  # (a group of one: our own part is the aggregate)
         check = verify if outcome.owner(index) != me else None  # (our own shard's result is ours)
-        reason = _judge_result(data, pseudo[a:b], scratch[:b - a], codec, check)
+        width = outcome.contributors.get(index, 1)
+        reason = _judge_result(data, pseudo[a:b], scratch[:b - a], codec, check, width)
         if reason is not None:
             refused[index] = reason
             residual = _carry(pseudo, residual, a, b)
@@ -89,10 +92,11 @@ def assemble(outcome, pseudo: torch.Tensor, bounds, *, me: str, codec: str,
 
 
 def _judge_result(data: bytes, own: torch.Tensor, out: torch.Tensor, codec: str,
-                  verify: aggregation.VerifyConfig | None) -> str | None:
-    """Decode an owner's result into ``out``; None if it is to be applied, else why it is refused."""
+                  verify: aggregation.VerifyConfig | None, width: int) -> str | None:
+    """Decode an owner's result (of ``width`` contributors) into ``out``; None if it is to be applied, else
+    why it is refused."""
     try:
-        result = compression.decode(data, codec, own.numel(), out=out)
+        result = codecs.decode(data, codec, own.numel(), out=out, width=width)
     except RemoteProtocolError as exc:
         return f"undecodable: {exc}"
     verdict = aggregation.verify(result, own, verify) if verify is not None else None

@@ -141,7 +141,7 @@ class OuterRound:
         limit = {} if piece_elements is None else {"max_elements": piece_elements}
         # pieces of one shard in the smallest group that reduces (2): what one peer may send of a kind early
         self._early = EarlyBuffer(
-            budget=EARLY_BUFFER_MODELS * expected_bytes(codec, numel) + MAX_MEMBERS * EARLY_SLACK_BYTES,
+            budget=EARLY_BUFFER_MODELS * expected_bytes(codec, numel, 1) + MAX_MEMBERS * EARLY_SLACK_BYTES,
             pieces=shard_plan(numel, 2, codec, size=expected_bytes, **limit).pieces, counts=self.counts)
         self._rejected_hellos: set[str] = set()
         self._caught_up = round  # the latest round a CatchUp was emitted for

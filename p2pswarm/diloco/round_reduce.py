@@ -33,7 +33,7 @@ from typing import TypeVar
 from p2pswarm.diloco.messages import MAX_MEMBERS, MAX_ROUND, Part, Reply, Result, group_digest, shard_plan
 from p2pswarm.diloco.round_actions import Action, CombineShard, Outcome, Rejected, SendPart, SendResult
 
-ExpectedBytes = Callable[[str, int], int]
+ExpectedBytes = Callable[[str, int, int], int]  # (codec, elements, width): messages.expected_bytes
 _ShardT = TypeVar("_ShardT", Part, Result)
 
 
@@ -86,7 +86,7 @@ class Reduction:
         if len(shards) != len(self.bounds):
             raise ValueError(f"{len(shards)} shards provided for {len(self.bounds)} pieces")
         for index, data in enumerate(shards):
-            size = self._expected_bytes(self.codec, self._numel(index))
+            size = self._expected_bytes(self.codec, self._numel(index), 1)
             if type(data) is not bytes or len(data) != size:
                 raise ValueError(f"piece {index} must be {size} bytes of {self.codec}")
         self.own = list(shards)
@@ -112,7 +112,7 @@ class Reduction:
         if msg.codec != self.codec:
             return "wrong codec", True
         index = self.plan.index(shard, msg.piece)
-        if msg.numel != self._numel(index) or len(data) != self._expected_bytes(self.codec, msg.numel):
+        if msg.numel != self._numel(index) or len(data) != self._expected_bytes(self.codec, msg.numel, msg.width()):
             return "wrong size", True
         return None
 
@@ -191,13 +191,13 @@ class Reduction:
             shard = next(iter(self.combining))
         if shard not in self.combining:
             raise ValueError(f"combined() without a CombineShard {shard} to answer")
-        size = self._expected_bytes(self.codec, self._numel(shard))
-        if type(result) is not bytes or len(result) != size:
-            raise ValueError(f"combine must return the {size} bytes of our piece, not {type(result).__name__}")
         if self.me in rejected:
             raise ValueError("combine rejected our own contribution")
+        used = [p for p in self.combining[shard] if p not in rejected]
+        size = self._expected_bytes(self.codec, self._numel(shard), len(used))
+        if type(result) is not bytes or len(result) != size:
+            raise ValueError(f"combine must return the {size} bytes of our piece, not {type(result).__name__}")
         contributors = self.combining.pop(shard)
-        used = [p for p in contributors if p not in rejected]
         self.results[shard] = result
         self.contributors[shard] = len(used)
         actions: list[Action] = []

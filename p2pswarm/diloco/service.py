@@ -108,7 +108,9 @@ class DilocoService:
             self._serve_snapshots(self.server)  # the node's one snapshot handler serves our stage through it
         else:
             self._pool.serve(snapshots.PROTOCOL_ID, self.server.on_frame)
-        max_payload = min(wire.MAX_PAYLOAD_BYTES, msgs.expected_bytes("float32", outer.numel))  # a piece fits a frame
+        largest = max(msgs.expected_bytes("float32", outer.numel),  # a piece fits a frame (a tiny stage's
+                      msgs.expected_bytes(self.settings.codec, outer.numel, msgs.MAX_MEMBERS))  # sparse Result may
+        max_payload = min(wire.MAX_PAYLOAD_BYTES, largest)  # be longer than its float32 elements)
         self._pool.serve(msgs.PROTOCOL_ID, self._on_frame, max_payload=max_payload)
         self.loaded_from = await self.loader.load_at_start()
 

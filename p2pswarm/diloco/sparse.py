@@ -13,16 +13,19 @@ for it, a 1-D float32 vector to bytes and back:
   off by at most half the range of its chunk's kept magnitudes, and every other entry decodes to 0:
   what the codec left out, exactly, is ``error_out`` (the caller's error feedback keeps it);
 - a kept entry's index within its chunk takes ``INDEX_BITS`` (12) bits, two indices in 3 bytes,
-  in increasing order. (A caller may keep another ``top`` a chunk, e.g. an owner's aggregate of n
-  members' entries; both sides name it, as they name the element count.)
+  in increasing order. A chunk with fewer non-zero entries than ``top`` (an owner's aggregate of
+  n members' entries, kept at n times ``top`` a chunk, is one) ends in padding: the last index
+  repeated, code 0, decoding to nothing, so a zero is never sent as a value. (A caller may keep
+  another ``top`` a chunk; both sides name it, as they name the element count.)
 
 At the defaults a 4,096-element chunk costs 8 + 96 + 16 = 120 bytes against 16,384 in float32:
-0.73 %. Layout, little-endian: every chunk's (low, high), then every kept index, then every kept
-entry's 2-bit code (four to a byte, the first in the lowest bits). The encoding is canonical: a
-decoder refuses indices not strictly increasing or past their chunk, scales not finite or not
-0 <= low <= high, and padding bits that are not zero. ``decode`` is total: any bytes decode to a
-finite float32 vector or raise ``RemoteProtocolError``; the sizes are checked against
-``MAX_ELEMENTS`` (or a lower ``max_elements``) before anything is allocated. Pure torch: no I/O.
+0.73 %. Layout, little-endian: every chunk's (low, high), then every kept index, then every kept entry's
+2-bit code (four to a byte, the first in the lowest bits). The encoding is canonical: a decoder
+refuses indices not strictly increasing or past their chunk (but for the padding at a chunk's end),
+scales not finite or not 0 <= low <= high, and padding bits or entries' codes that are not zero.
+``decode`` is total: any bytes decode to a finite float32 vector or raise ``RemoteProtocolError``;
+the sizes are checked against ``MAX_ELEMENTS`` (or a lower ``max_elements``) before anything is
+allocated. Pure torch: no I/O.
 """
 
 from __future__ import annotations
@@ -60,20 +63,20 @@ def encoded_size(numel: int, *, top: int = SPARSE_TOP, max_elements: int = MAX_E
     return chunks * SCALE_BYTES + 3 * math.ceil(entries / 2) + math.ceil(entries / 4)
 
 
-def encode(vector: torch.Tensor, error_out: torch.Tensor | None = None, *, top: int = SPARSE_TOP) -> bytes:
+def encode(vector: torch.Tensor, error_out: torch.Tensor | None = None, *, top: int = SPARSE_TOP,
+           max_elements: int = MAX_ELEMENTS) -> bytes:
     """The bytes of a 1-D float32 ``vector``, ``top`` entries a chunk; ``error_out`` (float32, same length) receives
     ``vector - decode(result)`` exactly. ValueError on a vector that is not 1-D float32, is too long
     or holds non-finite values (a local fault), or an ``error_out`` that does not fit."""
-    flat = checked_input(vector, error_out)
+    flat = checked_input(vector, error_out, max_elements)
     encoded_size(flat.numel(), top=top)  # ValueError if ``top`` is out of range
     scales, positions, codes = [], [], []
     for rows in _chunk_rows(flat):
-        index = rows.abs().topk(min(top, rows.shape[1]), dim=1).indices.sort(dim=1).values
-        values = rows.gather(1, index)
-        low, high, upper = _halves(values.abs())
+        index, values, real = _top_entries(rows, min(top, rows.shape[1]))
+        low, high, upper = _halves(values.abs(), real)
         scales.append(torch.stack([low, high], dim=1))
         positions.append(index)
-        codes.append((values < 0).to(torch.uint8) * SIGN_BIT + upper.to(torch.uint8) * HIGH_BIT)
+        codes.append(((values < 0).to(torch.uint8) * SIGN_BIT + upper.to(torch.uint8) * HIGH_BIT) * real)
     if not scales:
         return b""
     scale = torch.cat(scales).reshape(-1)
@@ -110,7 +113,7 @@ def decode(data: bytes, numel: int, out: torch.Tensor | None = None, *, top: int
         raise RemoteProtocolError("sparse scales must be finite with 0 <= low <= high")
     index = _unpack_indices(raw[head: head + index_bytes], entries)
     code = _unpack_codes(raw[head + index_bytes:], entries)
-    _check_indices(index, numel, top)
+    _check_indices(index, code, numel, top)
     dense = _dense(numel, top, scale, index, code)
     return dense if out is None else out.copy_(dense)
 
@@ -127,27 +130,52 @@ def _chunk_rows(flat: torch.Tensor) -> list[torch.Tensor]:
     return rows
 
 
-def _halves(magnitude: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per row of kept magnitudes: the mean of its lower and of its upper half (split at the midpoint of
-    its range), and which entries are in the upper half. A row whose lower half is empty has low = high."""
-    least, most = magnitude.min(dim=1).values, magnitude.max(dim=1).values
-    upper = magnitude >= ((least + most) / 2)[:, None]
+def _top_entries(rows: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row, the ``top`` entries of largest magnitude in canonical order: the non-zero ones by increasing
+    index, then padding (entries that are 0: a row with fewer non-zero ones) at the last real index, or at
+    0 if there is none. Returns (indices, values, which are real)."""
+    index = rows.abs().topk(top, dim=1).indices
+    pad = rows.gather(1, index) == 0
+    index = index.gather(1, (index + pad * SPARSE_CHUNK).sort(dim=1).indices)  # real ones first, by index
+    values = rows.gather(1, index)
+    real = values != 0
+    last = index.gather(1, (real.sum(dim=1, keepdim=True) - 1).clamp(min=0))
+    return torch.where(real, index, torch.where(real.any(dim=1, keepdim=True), last, 0)), values, real
+
+
+def _halves(magnitude: torch.Tensor, real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row of kept magnitudes, of its ``real`` entries: the mean of the lower and of the upper half (split
+    at the midpoint of their range), and which entries are in the upper half. A row whose lower half is empty
+    has low = high; one with no real entry has both 0."""
+    least = torch.where(real, magnitude, torch.inf).min(dim=1).values
+    most = torch.where(real, magnitude, 0.0).max(dim=1).values
+    least = torch.where(real.any(dim=1), least, 0.0)
+    upper = real & (magnitude >= ((least + most) / 2)[:, None])
     n_upper = upper.sum(dim=1)
     high = (magnitude * upper).sum(dim=1) / n_upper.clamp(min=1)
     high = torch.minimum(torch.maximum(high, least), most)  # rounding never leaves the half's range
-    n_lower = upper.shape[1] - n_upper
-    low = torch.where(n_lower > 0, (magnitude * ~upper).sum(dim=1) / n_lower.clamp(min=1), high)
+    lower = real & ~upper
+    n_lower = lower.sum(dim=1)
+    low = torch.where(n_lower > 0, (magnitude * lower).sum(dim=1) / n_lower.clamp(min=1), high)
     return torch.minimum(low, high), high, upper
 
 
 def _dense(numel: int, top: int, scale: torch.Tensor, index: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
-    """The decoded vector: each kept entry its sign times its half's magnitude, the rest 0."""
+    """The decoded vector: each kept entry its sign times its half's magnitude, the rest (padding included) 0."""
     chunk = _chunk_of(numel, top)
     magnitude = torch.where((code & HIGH_BIT) > 0, scale[1::2][chunk], scale[0::2][chunk])
     values = torch.where((code & SIGN_BIT) > 0, -magnitude, magnitude)
+    real = ~_padding(index, chunk)
     dense = torch.zeros(numel, dtype=torch.float32)
-    dense[chunk * SPARSE_CHUNK + index] = values
+    dense[(chunk * SPARSE_CHUNK + index)[real]] = values[real]
     return dense
+
+
+def _padding(index: torch.Tensor, chunk: torch.Tensor) -> torch.Tensor:
+    """Which entries are padding: those that repeat the index before them in their chunk."""
+    pad = torch.zeros_like(index, dtype=torch.bool)
+    pad[1:] = (chunk[1:] == chunk[:-1]) & (index[1:] == index[:-1])
+    return pad
 
 
 def _chunk_of(numel: int, top: int) -> torch.Tensor:
@@ -157,13 +185,17 @@ def _chunk_of(numel: int, top: int) -> torch.Tensor:
     return torch.repeat_interleave(torch.arange(len(counts)), counts)
 
 
-def _check_indices(index: torch.Tensor, numel: int, top: int) -> None:
-    """Every chunk's indices strictly increasing and within the chunk (RemoteProtocolError if not)."""
+def _check_indices(index: torch.Tensor, code: torch.Tensor, numel: int, top: int) -> None:
+    """Every chunk's indices within the chunk and strictly increasing, then only padding (the last index
+    repeated, code 0) to the chunk's end (RemoteProtocolError if not)."""
     chunk = _chunk_of(numel, top)
     length = torch.clamp(numel - chunk * SPARSE_CHUNK, max=SPARSE_CHUNK)
     same = chunk[1:] == chunk[:-1]
-    if bool((index >= length).any()) or bool((same & (index[1:] <= index[:-1])).any()):
+    pad = _padding(index, chunk)
+    if bool((index >= length).any()) or bool((same & (index[1:] < index[:-1])).any()):
         raise RemoteProtocolError("sparse indices must increase within a chunk and lie inside it")
+    if bool((pad & (code != 0)).any()) or bool((same & pad[:-1] & ~pad[1:]).any()):
+        raise RemoteProtocolError("sparse padding must repeat the last index, with code 0, to the chunk's end")
 
 
 def _float32_bytes(values: torch.Tensor) -> bytes:

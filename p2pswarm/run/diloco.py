@@ -18,8 +18,9 @@ AGGREGATOR = "trimmed_mean"  # robust by default: one bad replica cannot drag th
 VERIFY = True  # check each contribution against the others before combining (the seed's Task 3.3)
 GATHER_S = 30.0  # a ready replica waits this long for the others (it keeps training meanwhile)
 SNAPSHOT_PERIOD = 120.0  # seconds between snapshots on disk (the seed's hot snapshots)
-CODECS = ("float32", "float16", "bfloat16", "int8")
-AGGREGATORS = ("mean", "trimmed_mean", "median", "centered_clip")
+CODECS = ("float32", "float16", "bfloat16", "int8", "sparse")  # diloco.codec.CODECS
+AGGREGATORS = ("mean", "trimmed_mean", "median", "centered_clip", "chunk_clip")  # diloco.aggregation.AGGREGATORS
+SPARSE_AGGREGATORS = ("mean", "chunk_clip")  # a coordinate-wise trim or median drops what one member sent
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,9 @@ class DilocoSettings:
             return f"--codec must be one of {', '.join(CODECS)}, not {self.codec!r}"
         if self.aggregator not in AGGREGATORS:
             return f"--aggregator must be one of {', '.join(AGGREGATORS)}, not {self.aggregator!r}"
+        if self.codec == "sparse" and self.aggregator not in SPARSE_AGGREGATORS:
+            return (f"--codec sparse needs --aggregator {' or '.join(SPARSE_AGGREGATORS)}, not {self.aggregator!r}: "
+                    "a coordinate-wise one drops the entries that only one replica sent")
         if not 1 <= self.gather_s <= 3600:
             return f"--gather must be within [1, 3600] seconds, not {self.gather_s}"
         if not 1 <= self.snapshot_period <= 86400:
