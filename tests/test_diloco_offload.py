@@ -243,6 +243,7 @@ def test_a_sparse_round_sends_a_tenth_of_an_int8_rounds_bytes_and_agrees():
         parts = sum(messages.expected_bytes("sparse", b - a) for i, (a, b) in enumerate(plan.bounds) if i != index)
         a, b = plan.bounds[index]
         assert s.bytes_sent == parts + 3 * messages.expected_bytes("sparse", b - a, 4)
+        assert s.bytes_sent <= messages.bytes_sent(numel, 4, "sparse")  # what the reduce's deadline counts on
         others = numel - (b - a)
         assert parts < 0.01 * messages.expected_bytes("float32", others)
         int8 = messages.expected_bytes("int8", others) + 3 * messages.expected_bytes("int8", b - a)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("torch")
 
-from p2pswarm.diloco import policy, status
+from p2pswarm.diloco import messages, policy, status
 from p2pswarm.diloco.policy import (
     GATHER_ROUND_SHARE,
     STRIKE_ROUNDS,
@@ -127,3 +127,37 @@ def test_a_gather_waits_at_least_the_configured_time_and_a_share_of_a_slow_round
     else:
         assert waited >= GATHER_ROUND_SHARE * last
         assert gather_seconds(configured, last + more) >= waited  # a slower round never waits less
+
+
+# --- the reduce's deadline: the bytes and the measured rate -------------------------------------------------
+
+
+@given(st.integers(0, 2**40), st.one_of(st.none(), st.floats(1.0, 1e10)), st.integers(0, 2**30))
+def test_the_reduce_deadline_covers_the_bytes_at_the_rate_within_its_bounds(nbytes, rate, more):
+    waited = policy.reduce_seconds(nbytes, rate)
+    assert policy.REDUCE_S <= waited <= policy.MAX_REDUCE_S
+    usable = rate if rate is not None else policy.ASSUMED_RATE
+    assert waited >= min(policy.MAX_REDUCE_S, policy.REDUCE_SLACK * nbytes / usable)  # the bytes have time
+    assert policy.reduce_seconds(nbytes + more, rate) >= waited  # more bytes never wait less
+
+
+def test_an_xl_int8_round_on_a_20_mbit_line_gets_the_time_its_bytes_take():
+    """Issue 27: an xl stage's int8 round (4 replicas) is ~0.4 GB a replica; at 20 Mbit/s that is minutes, and
+    30 s cut it. The sparse codec's round of the same stage fits the same line many times faster."""
+    numel, line = 532_173_824, 20e6 / 8
+    int8 = messages.bytes_sent(numel, 4, "int8")
+    assert int8 / line > policy.REDUCE_S and policy.reduce_seconds(int8, line) >= int8 / line
+    sparse = messages.bytes_sent(numel, 4, "sparse")
+    assert sparse < int8 / 8 and policy.reduce_seconds(sparse, line) < policy.reduce_seconds(int8, line)
+    assert policy.reduce_seconds(10_000, None) == policy.REDUCE_S  # a small round: the floor
+
+
+def test_the_link_rate_is_a_moving_mean_of_our_rounds():
+    link = policy.LinkRate()
+    link.observe(0, 5.0)  # a group of one sent nothing: no sample
+    link.observe(100, 0.0)
+    assert link.rate is None
+    link.observe(1000, 1.0)
+    assert link.rate == 1000.0
+    link.observe(3000, 1.0)
+    assert link.rate == 2000.0

@@ -146,6 +146,16 @@ def shard_plan(numel: int, shards: int, codec: str, *, max_elements: int = MAX_N
     return ShardPlan(numel, shards, pieces, bounds)
 
 
+def bytes_sent(numel: int, members: int, codec: str) -> int:
+    """What one member sends in a round of ``members`` (at least 2) over ``numel`` elements, at most: a
+    Part of every piece it does not own, and the Result of each piece of the largest shard to every
+    other member (room for all members' entries: a sparse Result's largest). Arithmetic only."""
+    plan = shard_plan(numel, members, codec)
+    parts = sum(expected_bytes(codec, b - a) for a, b in plan.bounds[plan.pieces:])  # the largest shard is ours
+    results = sum(expected_bytes(codec, b - a, members) for a, b in plan.bounds[:plan.pieces])
+    return parts + (members - 1) * results
+
+
 def group_digest(stage: int, round: int, members: Iterable[str]) -> bytes:
     """SHA-256 naming a group: stage, round and the sorted member ids, length-prefixed, big-endian."""
     ids = sorted(members)

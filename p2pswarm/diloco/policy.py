@@ -8,7 +8,9 @@
 - ``load_sources``: where a peer that starts looks for its stage's state, in order;
 - ``gather_seconds``: how long a ready replica waits for the others;
 - ``Strikes``: whom we refused in which rounds, and whom we therefore stop meeting;
-- ``result_check``: how far an owner's aggregate may stray from our own shard before we call it a lie.
+- ``result_check``: how far an owner's aggregate may stray from our own shard before we call it a lie;
+- ``reduce_seconds`` and ``LinkRate``: how long an owner waits for parts, from the bytes a round moves and
+  the rate our own rounds moved theirs at.
 
 ``service`` (the driver) and ``loading`` act on these answers.
 """
@@ -31,6 +33,11 @@ STRIKE_ROUNDS = 10  # ...is left out of our groups (its Hellos get our status, n
 RESULT_MIN_PROJECTION = -1.0  # an aggregate may not undo more than all of our own step (honest: >= -0.6)
 RESULT_MAX_NORM_RATIO = aggregation.MAX_NORM_RATIO  # honest: <= 3 (a mean of shards within 3x of ours); -10x of 2: ~5
 GATHER_ROUND_SHARE = 0.5  # a ready replica waits up to this share of its own last round (gather_seconds)
+REDUCE_S = 30.0  # an owner's least wait for parts: a small round on a loaded line (results: twice it)
+MAX_REDUCE_S = 1800.0  # ...and its longest: a round that needs more is left for the next one
+REDUCE_SLACK = 3.0  # a round's bytes may take this many times their time at the measured rate
+ASSUMED_RATE = 1e6  # bytes/s our rounds move before one was measured: a 10 Mbit/s uplink, most of it ours
+RATE_WEIGHT = 0.5  # the newest round's weight in LinkRate's moving mean
 
 
 class Move(enum.Enum):
@@ -150,3 +157,28 @@ def gather_seconds(configured: float, last_round_s: float | None) -> float:
     and each time it loaded a state that its replica's uplink could not carry in time. A ready replica
     keeps training while it waits, so waiting longer costs only staleness."""
     return configured if last_round_s is None else max(configured, GATHER_ROUND_SHARE * last_round_s)
+
+
+def reduce_seconds(nbytes: int, rate: float | None) -> float:
+    """An owner's wait for parts (a member's for results: twice it) in a round where we send ``nbytes``:
+    REDUCE_SLACK times their time at ``rate`` (bytes/s, ours measured; ASSUMED_RATE before one was),
+    within [REDUCE_S, MAX_REDUCE_S]. A fixed 30 s cut an xl stage's int8 round (~266 MB a replica) on a
+    20 Mbit/s line; a sparse round of a few MB never needs more than the floor."""
+    usable = rate if rate is not None and rate > 0 else ASSUMED_RATE
+    return min(MAX_REDUCE_S, max(REDUCE_S, REDUCE_SLACK * max(nbytes, 0) / usable))
+
+
+class LinkRate:
+    """The rate our rounds moved their bytes at: a moving mean of bytes sent over each reduce's seconds
+    (from the group's agreement to the last result: waiting for others counts, so it errs low, on the
+    side of a longer deadline)."""
+
+    def __init__(self) -> None:
+        self.rate: float | None = None
+
+    def observe(self, nbytes: int, seconds: float) -> None:
+        """A round sent ``nbytes`` in ``seconds``; a round that sent nothing (a group of one) says nothing."""
+        if nbytes <= 0 or not seconds > 0:
+            return
+        sample = nbytes / seconds
+        self.rate = sample if self.rate is None else RATE_WEIGHT * sample + (1 - RATE_WEIGHT) * self.rate

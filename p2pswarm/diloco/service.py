@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 
 TICK = 0.25  # seconds between checks for a due round and the round's deadlines
 HELLO_TIMEOUT = 5.0  # a replica answers a Hello at once: longer means gone
-REDUCE_S = 30.0  # the owner's wait for parts; 64 MB over a 3 MiB/s relay takes ~20 s
+REDUCE_S = policy.REDUCE_S  # the least wait for parts (policy.reduce_seconds: the bytes and the measured rate)
 AGREE_S = 5.0  # the wait for the others' proposals once we closed
 LEFT_OUT_BACKOFF = 5.0  # after a round that went on without us, and no replica to load from: wait, then retry
 HISTORY = 20  # outer rounds kept for /api/diloco
@@ -80,6 +80,7 @@ class DilocoService:
         self.round: OuterRound | None = None
         self.history: collections.deque = collections.deque(maxlen=HISTORY)
         self.bytes_sent = self.bytes_received = 0
+        self.link = policy.LinkRate()  # the rate our rounds sent their bytes at: the reduce's deadline follows it
         self.comm_s = 0.0  # seconds spent in outer rounds, from readiness to the outer step
         self.loaded_from: dict | None = None  # where our state came from, if it was loaded
         self._nursery: trio.Nursery | None = None
@@ -146,15 +147,18 @@ class DilocoService:
                 #   neighbours' records attest which of our replicas work (a replica that just joined included)
             now, expected = trio.current_time(), self._replicas()
             last = now - self._ready_at if self._ready_at is not None else None
+            nbytes = msgs.bytes_sent(outer.numel, max(2, len(expected) + 1), self.settings.codec)
             timing = RoundTiming(gather_s=policy.gather_seconds(self.settings.gather_s, last), agree_s=AGREE_S,
-                                 reduce_s=REDUCE_S)
+                                 reduce_s=policy.reduce_seconds(nbytes, self.link.rate))
             self._ready_at = now
             self.round = OuterRound(me=self.me, stage=self.stage, round=outer.rounds, numel=outer.numel,
                                     codec=self.settings.codec, expected=expected, now=now, timing=timing,
                                     expected_bytes=msgs.expected_bytes)
             self._started_at, self._sent_before, self._received_before = now, self.bytes_sent, self.bytes_received
-            log.info("outer round %d: ready after %d inner steps, gathering with %d known replica(s) for up to %.0f s",
-                     outer.rounds, outer.inner_steps_done(self.swarm.engine.step), len(expected), timing.gather_s)
+            log.info("outer round %d: ready after %d inner steps, gathering with %d known replica(s) for up to %.0f s "
+                     "(then %.2f MB to send, within %.0f s)", outer.rounds,
+                     outer.inner_steps_done(self.swarm.engine.step), len(expected), timing.gather_s, nbytes / 1e6,
+                     timing.reduce_s)
             self._do(self.round, self.round.start(now))
 
     def _replicas(self) -> frozenset[str]:
@@ -303,6 +307,7 @@ class DilocoService:
                                   finished, assembled, trio.current_time())
         self.comm_s += times.now - times.started
         sent, received = self.bytes_sent - self._sent_before, self.bytes_received - self._received_before
+        self.link.observe(sent, times.finished - times.started - times.agreed_s)  # the reduce: from the agreement
         self.history.append(status.round_record(round_.round, outcome.group, times, sent, received, done,
                                                 step=swarm.engine.step, tokens=swarm.engine.tokens))
         self.counts["rounds"] += 1
