@@ -9,8 +9,10 @@ whose pseudo-gradient is fresh random data each round. The coordinator says "go"
 at once and times each round from "go" to the last worker's outer step (hivemind's harness
 times ``step()`` to the last result the same way: matchmaking included).
 
-Arms: ``fp32-mean`` (hivemind's work: fp32 on the wire, plain mean, no verification) and our
-default ``int8-trimmed-verify`` (int8 with per-chunk scales, verification, trimmed mean).
+Arms: ``fp32-mean`` (hivemind's work: fp32 on the wire, plain mean, no verification), our
+default ``int8-trimmed-verify`` (int8 with per-chunk scales, verification, trimmed mean) and
+``sparse-clip-verify`` (issue 27: the top 64 of each 4,096-element chunk at 2 bits, verification,
+the chunk-clipped mean).
 
 Side by side in one run, inside a loopback-only network namespace (hivemind's p2pd must not
 probe NATs; see ../shared/anchors/hivemind/README.md)::
@@ -40,7 +42,8 @@ SIZES_MIB = (1, 16, 64)
 ROUNDS = 5  # measured rounds per size and arm (hivemind's anchor: 5)
 WARMUP = 1  # unmeasured first round per size and arm (hivemind's anchor: 1)
 ROUND_TIMEOUT = 300.0  # one round far slower than this is a stall, not a figure
-ARMS = {"fp32-mean": ("float32", "mean", False), "int8-trimmed-verify": ("int8", "trimmed_mean", True)}
+ARMS = {"fp32-mean": ("float32", "mean", False), "int8-trimmed-verify": ("int8", "trimmed_mean", True),
+        "sparse-clip-verify": ("sparse", "chunk_clip", True)}  # issue 27's codec and its chunk-clipped mean
 MIB = 1024 * 1024
 
 

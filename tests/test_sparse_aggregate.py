@@ -1,5 +1,6 @@
 """The chunk-clipped mean of sparse contributions (``diloco/sparse_aggregate.py``): a liar's pull is
-bounded by the honest members' scales, an honest round is a plain mean, and blocks change nothing."""
+bounded by the honest members' scales, an honest round is a plain mean, and blocks change nothing; and the
+verification of sparse parts against the others' sum refuses a liar and no honest member."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from p2pswarm.diloco import sparse
-from p2pswarm.diloco.sparse_aggregate import BLOCK_CHUNKS, chunk_clipped_mean
+from p2pswarm.diloco import aggregation, sparse
+from p2pswarm.diloco.sparse_aggregate import BLOCK_CHUNKS, chunk_clipped_mean, refused_sparse
 
 CHUNK = 16  # small chunks: many of them, and blocks, in small vectors
 
@@ -91,3 +92,53 @@ def test_bad_input_is_a_value_error():
         chunk_clipped_mean([torch.zeros(3, dtype=torch.float64)])
     with pytest.raises(ValueError):
         chunk_clipped_mean([torch.zeros(3)], chunk=0)
+
+
+# --- judging sparse contributions against the others' sum ---------------------------------------------------
+
+
+def members(n: int, numel: int, seed: int, spread: float) -> list[torch.Tensor]:
+    """n members' decoded sparse parts (the top 64 of each 4,096-element chunk) of one direction plus their own
+    noise of ``spread`` times its size (0.5: replicas that agree; 50: a cold start, nearly orthogonal)."""
+    g = torch.Generator().manual_seed(seed)
+    direction = torch.randn(numel, generator=g)
+    return [sparse.decode(sparse.encode(direction + spread * torch.randn(numel, generator=g)), numel)
+            for _ in range(n)]
+
+
+def liar(kind: str, honest: torch.Tensor, seed: int) -> torch.Tensor:
+    """What a lying member sends in sparse form: -10 times an honest part, or noise of an honest norm."""
+    if kind == "negate":
+        return -10 * honest
+    noise = torch.randn(honest.numel(), generator=torch.Generator().manual_seed(seed + 1))
+    part = sparse.decode(sparse.encode(noise), noise.numel())
+    return part * (honest.norm() / part.norm())
+
+
+@given(st.integers(3, 6), st.sampled_from(["negate", "noise"]), st.integers(0, 2**31 - 1))
+@settings(max_examples=40, deadline=None)
+def test_a_lying_member_of_an_agreeing_group_is_refused_and_no_honest_one_is(n, kind, seed):
+    honest = members(n, 3 * sparse.SPARSE_CHUNK, seed, spread=0.5)
+    contributions = [*honest, liar(kind, honest[0], seed)]
+    refused = refused_sparse(contributions, list(range(len(contributions))), max_norm_ratio=4.0, floor=-0.1)
+    assert list(refused) == [n], refused
+
+
+@given(st.integers(3, 6), st.integers(0, 2**31 - 1))
+@settings(max_examples=40, deadline=None)
+def test_a_group_that_does_not_agree_refuses_no_honest_member_and_still_the_negated_one(n, seed):
+    """A cold start: honest parts nearly orthogonal. Only what points against the others is refused then (noise
+    of an honest norm passes: there it looks like an honest member, and does no more harm than one)."""
+    honest = members(n, 3 * sparse.SPARSE_CHUNK, seed, spread=50.0)
+    assert refused_sparse(honest, list(range(n)), max_norm_ratio=4.0, floor=-0.1) == {}
+    refused = refused_sparse([*honest, liar("negate", honest[0], seed)], list(range(n + 1)), max_norm_ratio=4.0,
+                             floor=-0.1)
+    assert list(refused) == [n] and "norm ratio" in refused[n]
+
+
+def test_combine_judges_sparse_parts_against_the_others():
+    honest = members(3, 3 * sparse.SPARSE_CHUNK, 5, spread=0.5)
+    parts = {"a": honest[0], "b": honest[1], "c": honest[2], "m": liar("noise", honest[0], 5)}
+    combined = aggregation.combine(parts, "a", "chunk_clip")
+    assert list(combined.rejected) == ["m"] and "agreement" in combined.rejected["m"]
+    assert torch.equal(combined.result, chunk_clipped_mean([honest[0], honest[1], honest[2]]))

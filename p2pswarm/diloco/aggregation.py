@@ -35,7 +35,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from p2pswarm.diloco.compression import all_finite
-from p2pswarm.diloco.sparse_aggregate import chunk_clipped_mean
+from p2pswarm.diloco.sparse_aggregate import chunk_clipped_mean, refused_sparse
 
 AGGREGATORS = ("mean", "trimmed_mean", "median", "centered_clip", "chunk_clip")
 DEFAULT_AGGREGATOR = "trimmed_mean"  # robust to a quarter of outliers per coordinate, yet averages
@@ -175,8 +175,9 @@ def combine(contributions: dict[str, torch.Tensor], own: str, method: str = DEFA
     A pair is judged only by what our own contribution can say of the other's: finite, its norm and
     variance within the ratios of ours (no direction: honest ones are nearly orthogonal); noise of
     an honest norm passes, and ``status`` says such a round could not be judged.
-    ``verify_config=None`` aggregates everything unchecked. ValueError on local misuse (missing
-    or non-finite own, unknown method, tensors that do not match).
+    Sparse contributions (``chunk_clip``) are judged against the others' sum instead
+    (``sparse_aggregate.refused_sparse``). ``verify_config=None`` aggregates everything unchecked.
+    ValueError on local misuse (missing or non-finite own, unknown method, tensors that do not match).
     """
     if own not in contributions:
         raise ValueError(f"own contribution {own!r} is missing")
@@ -189,7 +190,11 @@ def combine(contributions: dict[str, torch.Tensor], own: str, method: str = DEFA
         raise ValueError("own contribution holds non-finite values")
     rejected: dict[str, str] = {}
     unrejected = None  # the coordinate-wise result over every contribution, when the sort made it
-    if verify_config is not None and len(tensors) >= MIN_VERIFIED:
+    if verify_config is not None and len(tensors) >= MIN_VERIFIED and method == "chunk_clip":  # sparse ones
+        judged = [i for i, name in enumerate(names) if name != own]
+        found = refused_sparse(tensors, judged, max_norm_ratio=verify_config.max_norm_ratio, floor=COSINE_FLOOR)
+        rejected = {names[i]: reason for i, reason in found.items()}
+    elif verify_config is not None and len(tensors) >= MIN_VERIFIED:
         median, unrejected = _median_and(tensors, method)  # one sort serves the reference and the result
         reference = _scaled_to_median_norm(median, tensors)
         config = _group_bar(verify_config, [verify(tensor, reference, verify_config).cosine for tensor in tensors])

@@ -13,9 +13,22 @@ values, no coordinate of the result exceeds the largest magnitude an honest memb
 and the liar's share of it is 1/n. A round of one or two members cannot tell a liar from an honest
 member (``aggregation.judged``): it averages plainly. Pure torch, deterministic, computed in blocks
 of ``BLOCK_CHUNKS`` chunks so that n contributions of a big shard never need n more copies at once.
+
+``refused_sparse`` is the verification of sparse contributions (``aggregation.combine`` runs it for
+``chunk_clip``). The coordinate-wise median that judges dense ones is mostly 0 here (an entry that one
+member of four sent is one value among three zeros), so each member is judged on what it sent
+against the sum of what the others sent: honest members' top entries fall where the others' do, with
+their signs (cosine 0.38-0.45 measured, 4 replicas after 10 and 50 inner steps), noise of an honest
+norm does not (0.001-0.004). A member whose agreement is below ``AGREEMENT_SHARE`` of the typical
+one's is refused, in a group whose typical member agrees at least ``SPARSE_AGREEING``; in a group that
+does not agree (a cold start), only one that points against the others (below ``floor``); and
+always one whose norm is outside ``max_norm_ratio`` of the members' median.
 """
 
 from __future__ import annotations
+
+import math
+import statistics
 
 import torch
 
@@ -23,6 +36,8 @@ from p2pswarm.diloco.sparse import SPARSE_CHUNK
 
 MIN_CLIPPED = 3  # members needed before any is clipped: with two, neither can be called the liar
 BLOCK_CHUNKS = 64  # chunks combined at once: 64 x 4,096 coordinates x n members of temporaries
+SPARSE_AGREEING = 0.2  # a group whose typical member agrees less with the others' sum does not agree
+AGREEMENT_SHARE = 0.25  # ...else a member agreeing below this share of the typical agreement is refused
 
 
 def chunk_clipped_mean(contributions: list[torch.Tensor], chunk: int = SPARSE_CHUNK) -> torch.Tensor:
@@ -55,3 +70,44 @@ def _clipped(stacked: torch.Tensor, chunk: int) -> torch.Tensor:
     bound = scale.median(dim=0).values  # the lower median for an even count: an honest one below n/2 liars
     clipped = torch.maximum(torch.minimum(padded, bound[None, :, None]), -bound[None, :, None])
     return clipped.reshape(members, -1)[:, :width]
+
+
+def refused_sparse(contributions: list[torch.Tensor], judged: list[int], *, max_norm_ratio: float,
+                   floor: float) -> dict[int, str]:
+    """Of ``judged`` (indices into ``contributions``, 1-D float32 of one length, finite, at least
+    MIN_CLIPPED of them), those refused (index -> why): first each one whose norm is outside
+    ``max_norm_ratio`` of the members' median; then, one at a time, the least agreeing one while it is
+    below the group's bar (module docstring), the agreement recomputed without it: a liar that sends
+    the negative of one honest member's part makes that member look opposed until the liar is gone."""
+    stacked = torch.stack(contributions).to(torch.float64)
+    norms = torch.linalg.vector_norm(stacked, dim=1)
+    length = float(norms.median()) if len(contributions) % 2 else statistics.median(norms.tolist())
+    refused = {}
+    for index in judged:
+        ratio = float(norms[index]) / length if length > 0 else (1.0 if float(norms[index]) == 0 else math.inf)
+        if not 1 / max_norm_ratio <= ratio <= max_norm_ratio:
+            refused[index] = f"norm ratio {ratio:.3g} outside [{1 / max_norm_ratio:.3g}, {max_norm_ratio:g}]"
+    units = stacked / torch.where(norms > 0, norms, 1.0)[:, None]  # one voice each: no member's size steers
+    active = [i for i in range(len(contributions)) if i not in refused]
+    while len(active) >= MIN_CLIPPED:
+        cosines = _agreement(units[active])
+        typical = statistics.median(cosines)
+        bar = AGREEMENT_SHARE * typical if typical >= SPARSE_AGREEING else floor
+        worst = min((c, i) for c, i in zip(cosines, active) if i in judged)
+        if worst[0] >= bar:
+            break
+        refused[worst[1]] = f"agreement with the others {worst[0]:.3g} < {bar:.3g}"
+        active.remove(worst[1])
+    return refused
+
+
+def _agreement(units: torch.Tensor) -> list[float]:
+    """Each row's cosine with the sum of the other rows (rows of unit length, or 0)."""
+    total = units.sum(dim=0)
+    dots, squares = units @ total, (units * units).sum(dim=1)  # u.U and u.u (1, or 0 for a zero vector)
+    total_sq = float(total @ total)
+    cosines = []
+    for dot, square in zip(dots.tolist(), squares.tolist()):
+        others = math.sqrt(max(total_sq - 2 * dot + square, 0.0))  # |U - u|
+        cosines.append((dot - square) / others if square > 0 and others > 0 else 0.0)
+    return cosines
