@@ -28,6 +28,7 @@ import torch
 from p2pswarm.diloco import aggregation
 from p2pswarm.diloco import codec as codecs
 from p2pswarm.diloco.messages import shard_bounds
+from p2pswarm.diloco.offload import refuse_result
 from p2pswarm.diloco.outer import OuterConfig, OuterOptimizer, flatten
 from p2pswarm.diloco.service import STRIKES, result_check
 from p2pswarm.model.catalog import ModelSpec
@@ -297,7 +298,9 @@ def assemble(replica: Replica, pseudo: torch.Tensor, results: list[bytes], bound
     check = result_check(len(bounds))
     for index, (data, (a, b)) in enumerate(zip(results, bounds)):
         result = decode(data, arm.codec, b - a, result=True)
-        if arm.verify and index != me and not aggregation.verify(result, pseudo[a:b], check).accepted:
+        sent = pseudo[a:b] - replica.residual[a:b] if _wire(arm.codec) == "sparse" and replica.residual is not None \
+            else None  # our part as sent: a sparse aggregate must hold its direction (offload.refuse_result)
+        if arm.verify and index != me and refuse_result(result, pseudo[a:b], check, sent, N_WORKERS) is not None:
             refused += 1
             if replica.residual is None:
                 replica.residual = torch.zeros_like(pseudo)

@@ -10,6 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from p2pswarm.diloco import aggregation, sparse
+from p2pswarm.diloco.offload import refuse_result
+from p2pswarm.diloco.policy import result_check
 from p2pswarm.diloco.sparse_aggregate import BLOCK_CHUNKS, chunk_clipped_mean, refused_sparse
 
 CHUNK = 16  # small chunks: many of them, and blocks, in small vectors
@@ -142,3 +144,18 @@ def test_combine_judges_sparse_parts_against_the_others():
     combined = aggregation.combine(parts, "a", "chunk_clip")
     assert list(combined.rejected) == ["m"] and "agreement" in combined.rejected["m"]
     assert torch.equal(combined.result, chunk_clipped_mean([honest[0], honest[1], honest[2]]))
+
+
+@given(st.integers(2, 6), st.sampled_from([0.5, 50.0]), st.integers(0, 2**31 - 1))
+@settings(max_examples=40, deadline=None)
+def test_a_member_accepts_an_honest_sparse_aggregate_and_refuses_an_owners_noise(n, spread, seed):
+    """The chunk-clipped mean of n parts holds each member's own part's direction (agreeing or orthogonal
+    members alike), an owner's noise of the same length does not: only the noise is refused by every member."""
+    parts = members(n, 3 * sparse.SPARSE_CHUNK, seed, spread)
+    honest = chunk_clipped_mean(parts)
+    noise = liar("noise", honest, seed)
+    check = result_check(n)
+    for own in parts:
+        assert refuse_result(honest, own, check, own, n) is None
+        assert "agreement with our part" in refuse_result(noise, own, check, own, n)
+    assert refuse_result(noise, parts[0], check, torch.zeros_like(parts[0]), n) is None  # our zeros: no direction

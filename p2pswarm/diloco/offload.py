@@ -28,6 +28,8 @@ from p2pswarm.diloco import aggregation
 from p2pswarm.diloco import codec as codecs
 from p2pswarm.errors import RemoteProtocolError
 
+SPARSE_RESULT_SHARE = 0.25  # a sparse aggregate's cosine with our part: at least this share of our 1/n in it
+
 
 def combine_shard(parts: dict[str, bytes], me: str, numel: int, *, codec: str, aggregator: str,
                   verify: bool) -> tuple[bytes, dict[str, str]]:
@@ -82,7 +84,8 @@ def assemble(outcome, pseudo: torch.Tensor, bounds, *, me: str, codec: str,
             continue  # (a group of one: our own part is the aggregate)
         check = verify if outcome.owner(index) != me else None  # (our own shard's result is ours)
         width = outcome.contributors.get(index, 1)
-        reason = _judge_result(data, pseudo[a:b], scratch[:b - a], codec, check, width)
+        sent = pseudo[a:b] - residual[a:b] if codec == "sparse" and residual is not None else None  # our part
+        reason = _judge_result(data, pseudo[a:b], scratch[:b - a], codec, check, width, sent)
         if reason is not None:
             refused[index] = reason
             residual = _carry(pseudo, residual, a, b)
@@ -92,15 +95,31 @@ def assemble(outcome, pseudo: torch.Tensor, bounds, *, me: str, codec: str,
 
 
 def _judge_result(data: bytes, own: torch.Tensor, out: torch.Tensor, codec: str,
-                  verify: aggregation.VerifyConfig | None, width: int) -> str | None:
+                  verify: aggregation.VerifyConfig | None, width: int, sent: torch.Tensor | None) -> str | None:
     """Decode an owner's result (of ``width`` contributors) into ``out``; None if it is to be applied, else
     why it is refused."""
     try:
         result = codecs.decode(data, codec, own.numel(), out=out, width=width)
     except RemoteProtocolError as exc:
         return f"undecodable: {exc}"
-    verdict = aggregation.verify(result, own, verify) if verify is not None else None
-    return verdict.reason if verdict is not None and not verdict.accepted else None
+    return refuse_result(result, own, verify, sent, width) if verify is not None else None
+
+
+def refuse_result(result: torch.Tensor, own: torch.Tensor, verify: aggregation.VerifyConfig,
+                  sent: torch.Tensor | None = None, contributors: int = 1) -> str | None:
+    """Why an owner's decoded aggregate is refused, or None: far from our own shard ``own`` (``verify``), or,
+    for a sparse round (``sent``: our part as it was sent), holding less of our part's direction than
+    SPARSE_RESULT_SHARE of our share of it: the chunk-clipped mean of ``contributors`` parts, ours among
+    them, has cosine about 1 / contributors with ours or more (1 / sqrt(n) among orthogonal parts), an
+    owner's noise about 0 (which passes the length and projection checks)."""
+    verdict = aggregation.verify(result, own, verify)
+    if not verdict.accepted:
+        return verdict.reason
+    if sent is None or contributors < 2 or not bool(sent.any()):  # (a part of zeros has no direction)
+        return None
+    bar = SPARSE_RESULT_SHARE / contributors
+    cosine = float(torch.nn.functional.cosine_similarity(result.double(), sent.double(), dim=0))
+    return None if cosine >= bar else f"agreement with our part {cosine:.3g} < {bar:.3g}"
 
 
 def _carry(pseudo: torch.Tensor, residual: torch.Tensor | None, a: int, b: int) -> torch.Tensor:
