@@ -63,7 +63,8 @@ async def worker(mib: int, codec: str, aggregator: str, verify: bool, index: int
 
     torch.set_num_threads(1)
     numel = mib * MIB // 4
-    engine = SimpleNamespace(params={"w": torch.zeros(numel)}, step=0, weights_changed=lambda: None)
+    engine = SimpleNamespace(params={"w": torch.zeros(numel)}, step=0, tokens=0, weights_changed=lambda: None,
+                             agree=lambda round_, flat: None)  # (the real engine keeps agreed weights to evaluate)
     stand_in = SimpleNamespace(engine=engine)
 
     async def with_engine(fn):
@@ -74,15 +75,10 @@ async def worker(mib: int, codec: str, aggregator: str, verify: bool, index: int
     async with open_host(identity, ["/ip4/127.0.0.1/tcp/0"]) as host, trio.open_nursery() as nursery:
         connector = Connector(host, nursery)
         pool = StreamPool(host, nursery, connector)
-        stage_map = SimpleNamespace(stages={})
-
-        async def no_refresh(stages):
-            return None
-
-        stage_map.refresh_stages = no_refresh
+        stage_map = _StageMap()
         settings = DilocoSettings(inner_steps=1, outer_lr=1.0, momentum=0.0, codec=codec, aggregator=aggregator,
                                   verify=verify, gather_s=30.0)
-        service = DilocoService(settings=settings, spec=SimpleNamespace(name="bench"), stage=0,
+        service = DilocoService(settings=settings, spec=SimpleNamespace(name="bench", n_stages=2), stage=0,
                                 me=identity.peer_id_text, pool=pool, stage_map=stage_map)
         await service.prepare(stand_in)
         print(json.dumps({"peer": identity.peer_id_text, "addr": str(host.get_addrs()[0])}), flush=True)
@@ -95,6 +91,22 @@ async def worker(mib: int, codec: str, aggregator: str, verify: bool, index: int
         nursery.start_soon(service.run, stand_in)
         await _rounds(service, engine, numel, index)
         nursery.cancel_scope.cancel()
+
+
+class _StageMap:
+    """What the round driver reads of a node's stage map: the 4 peers of stage 0, each seen working."""
+
+    def __init__(self) -> None:
+        self.stages: dict = {}
+
+    def workers(self) -> dict[int, set[str]]:
+        return {stage: {r.peer_id for r in records} for stage, records in self.stages.items()}
+
+    def saw(self, peer: str, stage: int, weight: float = 1.0) -> None:
+        pass
+
+    async def refresh_stages(self, stages) -> None:
+        pass
 
 
 async def _rounds(service, engine, numel: int, index: int) -> None:

@@ -21,6 +21,7 @@ from p2pswarm.errors import CircuitExhausted, DialError
 from p2pswarm.identity import generate_identity
 from p2pswarm.nat.relay_client import RelayPicker, serve_relay_reservations
 from p2pswarm.nat.relay_service import RelayConfig, serve_relay
+from p2pswarm.net import write_pace
 from p2pswarm.net.budget import BudgetConfig, CircuitLimit
 from p2pswarm.net.connect import Connector, connections_to, has_direct, is_relayed
 from p2pswarm.net.host import connect, open_host, peer_info_from_multiaddr, set_extra_addrs
@@ -455,9 +456,12 @@ def test_a_frame_the_circuit_cannot_carry_is_refused_before_the_relay_would_cut_
     with_relayed_pair(test, RelayConfig(circuit_bytes=limit))  # the pools' own default would be 16 MiB
 
 
-def test_a_frame_is_written_in_pieces_so_the_connections_other_streams_get_turns():
+@pytest.mark.parametrize("rate", [25_000, 100_000_000])  # bytes/s: a 0.2 Mbit/s line, loopback
+def test_a_frame_is_written_in_pieces_so_the_connections_other_streams_get_turns(rate):
     """A bulk frame went to the connection in one write: a ping or a record on another stream of that
-    connection waited for all of it (seconds on a thin line). It goes in WRITE_CHUNK pieces now."""
+    connection waited for all of it (seconds on a thin line). It goes in pieces now, of WRITE_CHUNK on a
+    thin line and growing on a fast one to what takes ~10 ms (``write_pace``): 16 KiB pieces cost a 64 MiB
+    outer round on loopback a third of its time (on the trio clock, a write taking its bytes / ``rate``)."""
     class Raw:
         muxed_conn = None
 
@@ -465,16 +469,22 @@ def test_a_frame_is_written_in_pieces_so_the_connections_other_streams_get_turns
             self.writes: list[bytes] = []
 
         async def write(self, data: bytes) -> None:
+            await trio.sleep(len(data) / rate)
             self.writes.append(bytes(data))
 
     async def main():
         raw = Raw()
         stream = pool_module.PoolStream(raw)
-        data = bytes(range(256)) * (pool_module.WRITE_CHUNK * 3 // 256 + 1)
+        data = bytes(range(256)) * (8 * 1024 * 1024 // 256)
         await stream.write(data)
         assert b"".join(raw.writes) == data
-        assert max(map(len, raw.writes)) <= pool_module.WRITE_CHUNK and len(raw.writes) == 4
+        longest = max(map(len, raw.writes))
+        assert len(raw.writes[0]) == pool_module.WRITE_CHUNK
+        if rate < 1e6:
+            assert longest == pool_module.WRITE_CHUNK  # 0.65 s each already
+        else:
+            assert write_pace.PIECE_SECONDS / 4 <= longest / rate <= 2 * write_pace.PIECE_SECONDS
         await stream.write(b"ping")
         assert raw.writes[-1] == b"ping"
 
-    trio.run(main)
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))

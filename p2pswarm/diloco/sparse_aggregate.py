@@ -80,18 +80,16 @@ def refused_sparse(contributions: list[torch.Tensor], judged: list[int], *, max_
     ``max_norm_ratio`` of the members' median; then, one at a time, the least agreeing one while it is
     below the group's bar (module docstring), the agreement recomputed without it: a liar that sends
     the negative of one honest member's part makes that member look opposed until the liar is gone."""
-    stacked = torch.stack(contributions).to(torch.float64)
-    norms = torch.linalg.vector_norm(stacked, dim=1)
-    length = float(norms.median()) if len(contributions) % 2 else statistics.median(norms.tolist())
+    norms = [float(torch.linalg.vector_norm(c, dtype=torch.float64)) for c in contributions]
+    length = statistics.median(norms)
     refused = {}
     for index in judged:
-        ratio = float(norms[index]) / length if length > 0 else (1.0 if float(norms[index]) == 0 else math.inf)
+        ratio = norms[index] / length if length > 0 else (1.0 if norms[index] == 0 else math.inf)
         if not 1 / max_norm_ratio <= ratio <= max_norm_ratio:
             refused[index] = f"norm ratio {ratio:.3g} outside [{1 / max_norm_ratio:.3g}, {max_norm_ratio:g}]"
-    units = stacked / torch.where(norms > 0, norms, 1.0)[:, None]  # one voice each: no member's size steers
     active = [i for i in range(len(contributions)) if i not in refused]
     while len(active) >= MIN_CLIPPED:
-        cosines = _agreement(units[active])
+        cosines = _agreement([contributions[i] for i in active], [norms[i] for i in active])
         typical = statistics.median(cosines)
         bar = AGREEMENT_SHARE * typical if typical >= SPARSE_AGREEING else min(floor, typical + floor)
         worst = min((c, i) for c, i in zip(cosines, active) if i in judged)
@@ -102,13 +100,17 @@ def refused_sparse(contributions: list[torch.Tensor], judged: list[int], *, max_
     return refused
 
 
-def _agreement(units: torch.Tensor) -> list[float]:
-    """Each row's cosine with the sum of the other rows (rows of unit length, or 0)."""
-    total = units.sum(dim=0)
-    dots, squares = units @ total, (units * units).sum(dim=1)  # u.U and u.u (1, or 0 for a zero vector)
-    total_sq = float(total @ total)
+def _agreement(vectors: list[torch.Tensor], norms: list[float]) -> list[float]:
+    """Each vector's cosine with the sum of the others' directions (each scaled to unit length: no one
+    member's size steers it; a zero vector has none and agrees 0). Float32 passes, float64 scalars."""
+    scales = [1.0 / norm if norm > 0 else 0.0 for norm in norms]
+    total = torch.zeros_like(vectors[0])
+    for vector, scale in zip(vectors, scales):
+        total.add_(vector, alpha=scale)
+    total_sq = float(torch.dot(total, total))
     cosines = []
-    for dot, square in zip(dots.tolist(), squares.tolist()):
+    for vector, scale in zip(vectors, scales):
+        dot, square = float(torch.dot(vector, total)) * scale, 1.0 if scale else 0.0  # u.U and u.u
         others = math.sqrt(max(total_sq - 2 * dot + square, 0.0))  # |U - u|
         cosines.append((dot - square) / others if square > 0 and others > 0 else 0.0)
     return cosines

@@ -28,9 +28,8 @@ includes a reply that did not come in time: a late reply would reach the next le
 - **Inbound** (``serve``, in ``net/pool_inbound.py``): one reader per stream, each frame's
   bytes reserved against a per-peer and a global budget before its payload is read
   (``budget.InboundBudget``); a handler per frame whose reply goes back on the same stream.
-
-``status()`` returns the counters, the inbound budget (bytes in use per peer, waits,
-refusals, high-water mark) and the relayed connections' accounting as one dict.
+- **Pieces.** A frame goes to the connection in pieces sized to take ~10 ms (``write_pace``).
+``status()``: the counters, the inbound budget and the relayed connections' accounting.
 """
 
 from __future__ import annotations
@@ -45,7 +44,7 @@ import trio
 
 from p2pswarm import wire
 from p2pswarm.errors import CircuitExhausted, DialError, LocalProtocolError, Stalled
-from p2pswarm.net import pool_inbound
+from p2pswarm.net import pool_inbound, write_pace
 from p2pswarm.net.budget import STALL_DEADLINE, BudgetConfig, CircuitLedger, CircuitLimit, InboundBudget
 from p2pswarm.net.connect import Connector, as_peer_id, has_direct, is_relayed
 from p2pswarm.net.notify import watch_connections
@@ -55,10 +54,7 @@ log = logging.getLogger(__name__)
 
 STREAMS_PER_KEY = 8  # per peer and protocol: two bulk protocols stay under an acceptor's 16 streams per peer
 LEASE_TIMEOUT = 10.0  # wait for a free stream, or connect (relay dial: up to 10 s) and open one
-# bytes per write: progress is seen at this grain, and a connection's other streams (a ping, a record, an ack)
-# wait for at most one piece of each bulk frame being written (trio keeps at most 16 KiB unsent in the
-# kernel: TCP_NOTSENT_LOWAT; py-libp2p writes a connection under a FIFO lock): 0.65 s on a 0.2 Mbit/s line
-WRITE_CHUNK = 16 * 1024
+WRITE_CHUNK = write_pace.MIN_PIECE  # the least bytes per write (write_pace: a fast line's pieces grow to 1 MiB)
 READ_TIMEOUT = 30.0  # default wait for a reply: a stage's forward pass plus a transfer; routers pass shorter ones
 IDLE_RETIRE = 60.0  # an idle warm stream is closed by us before the acceptor's idle deadline (120 s) resets it
 FRAME_BOUND = wire.HEADER_LENGTH_BYTES + wire.MAX_HEADER_BYTES  # a frame's bytes beyond its payload, at most
@@ -96,6 +92,7 @@ class PoolStream(ByteStream):
         self.broken = False  # a frame was cut: never reuse
         self.idle_since = 0.0  # trio time it last went back to the pool
         self.watch: tuple[trio.CancelScope, float] | None = None  # a write's stall watch: (scope, stall seconds)
+        self.pace = write_pace.WritePace()  # the size of a write's pieces, from how long the last ones took
 
     @property
     def dead(self) -> bool:
@@ -110,8 +107,11 @@ class PoolStream(ByteStream):
     async def write(self, data: bytes) -> None:
         if self.ledger is not None:
             self.ledger.record(self.conn, sent=len(data))  # counted before: a cut write may have gone out
-        for at in range(0, len(data), WRITE_CHUNK):  # in pieces: the connection's other streams get turns
-            await super().write(data[at:at + WRITE_CHUNK])
+        at = 0
+        while at < len(data):  # in pieces: the connection's other streams get turns (write_pace)
+            piece, began, at = data[at:at + self.pace.size], trio.current_time(), at + self.pace.size
+            await super().write(piece)
+            self.pace.observe(len(piece), trio.current_time() - began)
             if self.watch is not None:
                 scope, stall = self.watch
                 scope.deadline = trio.current_time() + stall  # bytes moved: the stall deadline starts again
