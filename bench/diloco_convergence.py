@@ -20,7 +20,7 @@ costs in one process, with the real ``p2pswarm.diloco`` code (``bench/_diloco_si
 Held-out figure: bits per byte of a fixed held-out set of the embedded stdlib corpus, of replica 0
 (honest) after the last outer step; ratios are to the best sync arm, or to the honest DiLoCo run.
 
-    python bench/diloco_convergence.py [--steps T] [--warm W] [--only sync,diloco,sweep,byzantine] [--json]
+    python bench/diloco_convergence.py [--steps T] [--warm W] [--only sync,diloco,sweep,byzantine] [--h H,...] [--json]
                                        [--codecs float32,int8,sparse,sparse-recut] [--outer LR,MOMENTUM]
                                        [--ef-decay BETA]
 """
@@ -137,8 +137,13 @@ def part_sweep(bench: Bench) -> tuple[list[dict], tuple[float, float]]:
 
 
 def diloco_arms(lr: float, momentum: float, codecs: tuple[str, ...] = CODECS, ef_decay: float = 1.0) -> list[sim.Arm]:
-    arms = [sim.Arm(h, codec, lr, momentum, ef_decay=ef_decay) for h in INNER_STEPS for codec in codecs]
-    return [*arms, focus_arm(lr, momentum, method="trimmed_mean", verify=True)]
+    """Each codec at each H with the plain mean, but the sparse ones as a node runs them (chunk-clipped mean and
+    verification: the plain mean has no defence); then the packaged int8 defence at FOCUS_H, if int8 is run."""
+    arms = [sim.Arm(h, codec, lr, momentum, ef_decay=ef_decay,
+                    **({"method": "chunk_clip", "verify": True} if codec in sim.SPARSE_CODECS else {}))
+            for h in INNER_STEPS for codec in codecs]
+    packaged = FOCUS_CODEC in codecs and FOCUS_H in INNER_STEPS
+    return [*arms, *([focus_arm(lr, momentum, method="trimmed_mean", verify=True)] if packaged else [])]
 
 
 def part_diloco(bench: Bench, outer: tuple[float, float], codecs: tuple[str, ...], ef_decay: float) -> list[dict]:
@@ -232,7 +237,7 @@ def plain(result: dict) -> dict:
 
 
 def parse_args() -> argparse.Namespace:
-    global FOCUS_CODEC, FOCUS_H  # --focus sets them
+    global FOCUS_CODEC, FOCUS_H, INNER_STEPS  # --focus and --h set them
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="inner steps per replica = sync steps")
     parser.add_argument("--warm", type=int, default=DEFAULT_WARM, help="warm-start AdamW steps")
@@ -244,6 +249,8 @@ def parse_args() -> argparse.Namespace:
                         help=f"the outer lr and momentum when the sweep is left out (default {FALLBACK_OUTER})")
     parser.add_argument("--focus", default=None, metavar="CODEC,H",
                         help=f"the sweep's and the Byzantine part's codec and H (default {FOCUS_CODEC},{FOCUS_H})")
+    parser.add_argument("--h", default=None, metavar="H,...",
+                        help=f"the diloco part's H values (default {INNER_STEPS})")
     parser.add_argument("--ef-decay", type=float, default=1.0,
                         help="the diloco part's error-feedback decay (SparseLoCo's beta; default 1: none)")
     args = parser.parse_args()
@@ -256,6 +263,10 @@ def parse_args() -> argparse.Namespace:
         parser.error("--outer takes LR,MOMENTUM, e.g. 0.7,0.5")
     if len(args.outer) != 2:
         parser.error("--outer takes LR,MOMENTUM, e.g. 0.7,0.5")
+    if args.h is not None:
+        if not all(h.isdigit() and int(h) > 0 for h in args.h.split(",")):
+            parser.error("--h takes positive H values, e.g. 50,500")
+        INNER_STEPS = tuple(int(h) for h in args.h.split(","))
     if args.focus is not None:
         codec, _, h = args.focus.partition(",")
         if codec not in {"float32", "float16", "bfloat16", "int8", *sim.SPARSE_CODECS} or not h.isdigit() \
