@@ -72,14 +72,14 @@ def parse_boundary(boundary: str) -> tuple[int, str]:
     return int(match[1] or 0), match[2] or "dense"
 
 
-def boundary_run(workdir: Path, boundary: str, eval_batches: int | None = None) -> Path:
+def boundary_run(workdir: Path, boundary: str, eval_batches: int | None = None, outer: str = "") -> Path:
     """A run file: the default run on MODEL with the demo's DiLoCo values, ``boundary`` both ways (and
-    ``eval_batches`` held-out micro-batches a round, where given)."""
+    ``eval_batches`` held-out micro-batches a round, where given; ``outer``: more [diloco] lines)."""
     subspace, encoding = parse_boundary(boundary)
     path = workdir / f"tiny-lm-{boundary}.toml"
     batch = "" if eval_batches is None else f"[batch]\neval_batches = {eval_batches}\n"
     path.write_text(f'''name = "tiny-lm-{boundary}"\nmodel = "{MODEL}"\n[diloco]\ninner_steps = {DEMO_INNER_STEPS}
-momentum = {DEMO_OUTER_MOMENTUM}\n{batch}[wire]\nactivations = "{encoding}"\ngradients = "{encoding}"
+momentum = {DEMO_OUTER_MOMENTUM}\n{outer}\n{batch}[wire]\nactivations = "{encoding}"\ngradients = "{encoding}"
 subspace = {subspace}\n''')
     return path
 
@@ -226,14 +226,15 @@ def control_pings(swarm: LabSwarm, stages: dict[str, int]) -> list[float | None]
 
 @contextlib.contextmanager
 def link_swarm(profile: LinkProfile | str, workdir: Path, boundary: str = "dense", *, lifetime: float,
-               eval_batches: int | None = None) -> Iterator[tuple[LabSwarm, dict[str, int], DocGetter]]:
+               eval_batches: int | None = None,
+               outer: str = "") -> Iterator[tuple[LabSwarm, dict[str, int], DocGetter]]:
     """The demo's 2 x 2 swarm with every join on a PROFILE line, alive for at most ``lifetime`` seconds:
     (the lab swarm, each peer's stage, a getter of a peer's /api/swarm). Every process is stopped and
     the lab torn down on exit."""
     profile = PROFILES[profile] if isinstance(profile, str) else profile
     spec = get_model(MODEL)
     workdir.mkdir(parents=True, exist_ok=True)
-    run = boundary_run(workdir, boundary, eval_batches)  # "dense" too: the packaged run's boundary is not dense
+    run = boundary_run(workdir, boundary, eval_batches, outer)  # "dense" too: the packaged run's is not dense
     peers = spec.n_stages * REPLICAS
     with LinkLab() as lab:
         swarm = LabSwarm(lab, workdir, proc_timeout=lifetime)
