@@ -1,7 +1,8 @@
 """What a replica contributes to an outer round: its pseudo-gradient, taken and encoded shard by shard.
 
-These run on the engine's compute thread (``SwarmService.with_engine``): the parameters may be
-on a GPU, and ``outer.flatten`` moves them to the host slice by slice.
+Taking the pseudo-gradient runs on the engine's compute thread (``SwarmService.with_engine``): the
+parameters may be on a GPU, and ``outer.flatten`` moves them to the host slice by slice; encoding it
+(``encode_with_residual``) runs in a worker thread, so that training goes on meanwhile.
 
 ``encode_contribution`` is the one function that turns our pseudo-gradient into the bytes the
 other members of the group receive (our ``Part`` of each owner's shard). It is the seam a test's
@@ -47,3 +48,11 @@ def encode_contribution(pseudo: torch.Tensor, bounds, codec: str, residual: torc
     carried on to the next round), if there is a residual."""
     return [codecs.encode(pseudo[a:b], codec, error_out=None if residual is None else residual[a:b])
             for a, b in bounds]
+
+
+def encode_with_residual(pseudo: torch.Tensor, bounds, codec: str, residual: torch.Tensor | None) -> list[bytes]:
+    """``encode_contribution`` of ``pseudo`` plus the residual carried on (added in place first); in a worker
+    thread, off the engine's: the encoding does not hold training."""
+    if residual is not None:
+        pseudo.add_(residual)
+    return encode_contribution(pseudo, bounds, codec, residual)

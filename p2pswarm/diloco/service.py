@@ -248,22 +248,21 @@ class DilocoService:
             log.info("outer round %d: %s refused our %s: %s", message.round, peer, message.TYPE, reply.reason)
 
     async def _provide_shards(self, round_: OuterRound, bounds) -> None:
-        """The group is agreed: our pseudo-gradient (plus the residual carried on) now, encoded
-        piece by piece (``contribution.encode_contribution``), on the engine's compute thread."""
+        """The group is agreed: our pseudo-gradient now (on the engine's compute thread: only the flatten and
+        the subtraction hold training), plus the residual carried on, encoded piece by piece in a worker
+        thread (``contribution.encode_contribution``: a sparse top-k of a stage held training for its whole
+        encoding, compute-busy 0.91 of its level between rounds on the lab's home line), under ``state_lock``."""
         codec, outer = self.settings.codec, self.outer
         assert outer is not None  # prepare() made it
         buffers = self._buffers = contribution.round_buffers(self._buffers, outer.numel)
-
-        def take(engine):
-            at, pseudo = contribution.take_pseudo_gradient(engine, outer, buffers)
-            if self.residual is None and codec != "float32":
-                self.residual = torch.zeros_like(pseudo)
-            if self.residual is not None:
-                pseudo.add_(self.residual)
-            return at, pseudo, contribution.encode_contribution(pseudo, bounds, codec, self.residual)
-
+        if self.residual is None and codec != "float32":
+            self.residual = torch.zeros(outer.numel)
+        residual = self.residual
         began = trio.current_time()
-        at, pseudo, shards = await self.swarm.with_engine(take)
+        async with self.state_lock:  # (a snapshot reads the residual the encoding writes)
+            at, pseudo = await self.swarm.with_engine(functools.partial(contribution.take_pseudo_gradient,
+                                                                        outer=outer, buffers=buffers))
+            shards = await trio.to_thread.run_sync(contribution.encode_with_residual, pseudo, bounds, codec, residual)
         self._pending = {"at": at, "pseudo": pseudo, "bounds": bounds, "agreed_s": began - self._started_at,
                          "take_s": trio.current_time() - began}
         self._do(round_, round_.provide_shards(shards, trio.current_time()))
