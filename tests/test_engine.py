@@ -17,6 +17,7 @@ from p2pswarm.errors import RemoteProtocolError  # noqa: E402
 from p2pswarm.model.catalog import get_model  # noqa: E402
 from p2pswarm.model.transformer import build_stage  # noqa: E402
 from p2pswarm.run.training import TrainConfig  # noqa: E402
+from p2pswarm.swarm import engine as engine_module  # noqa: E402
 from p2pswarm.swarm.codec import from_wire, to_wire  # noqa: E402
 from p2pswarm.swarm.engine import StageEngine, Work, ids_tensor  # noqa: E402
 
@@ -193,11 +194,13 @@ def test_evaluation_runs_on_the_agreed_weights_of_the_round_asked_for():
     live = b.compute(Work("eval", (b"k", 1), ids, targets, NO_ROUND))
     on_a, on_b = a.compute(probe), b.compute(probe)
     assert on_a.round == on_b.round == 0 and on_a.loss_nats == on_b.loss_nats != live.loss_nats
-    b.agree(1, flatten(b.params).clone())
-    b.agree(2, flatten(b.params).clone())  # AGREED_KEPT = 2: round 0 is gone
-    assert b.agreed_round == 2
+    last = engine_module.AGREED_MAX  # a small stage keeps AGREED_MAX rounds (0 to 15): at round 16, 0 is gone
+    for round_ in range(1, last):
+        b.agree(round_, flatten(b.params).clone())
+    assert b.agreed_round == last - 1 and b.compute(probe).round == 0  # still held, AGREED_MAX - 1 rounds behind
+    b.agree(last, flatten(b.params).clone())
     again = b.compute(probe)
-    assert again.round == 2 and again.loss_nats == live.loss_nats  # round 2's weights are b's live ones
+    assert again.round == last and again.loss_nats == live.loss_nats  # the latest round's weights are b's live ones
     downstream = b.compute(Work("eval", (b"k", 2), ids, targets, 9, (1,)))  # stage 0 asked for round 1
     assert downstream.round == 1
 

@@ -244,7 +244,8 @@ async def test_a_session_decodes_with_the_agreed_weights_of_its_first_round():
         await compute.run(engine.agree, 4, flat)
         out, _ = await _ask(server, _step(1, session, 5, hidden[:, 5:6]))
         assert out.round == 3  # pinned while it is kept
-        await compute.run(engine.agree, 5, flat)
+        for later in range(5, 4 + eng.AGREED_MAX):  # a small stage keeps AGREED_MAX rounds: 3 is gone at 19
+            await compute.run(engine.agree, later, flat)
         reply = await _ask(server, _step(1, session, 6, hidden[:, 6:]))
         assert reply.code == "unknown-session"  # round 3 is no longer kept: the client replays
         reply = await _ask(server, _step(1, b"w" * SESSION_BYTES, 0, hidden[:, :1], round_=4))

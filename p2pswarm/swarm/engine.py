@@ -58,7 +58,8 @@ from p2pswarm.swarm.schedule import lr_at
 from p2pswarm.swarm.staging import Staging
 from p2pswarm.swarm.versions import WeightVersions
 
-AGREED_KEPT = 2  # outer rounds whose agreed weights are kept for evaluation: ours and the one before
+AGREED_KEPT = 2  # outer rounds whose agreed weights are kept for evaluation, at least: ours and the one before
+AGREED_MAX, AGREED_BYTES = 16, 256 * 2**20  # ...and up to this many, as fit in these host bytes (a small stage)
 
 
 @dataclass(frozen=True)
@@ -182,10 +183,13 @@ class StageEngine:
     def agree(self, round_: int, flat: torch.Tensor) -> None:
         """Outer round ``round_`` agreed these weights (a flat fp32 host vector in ``params`` order, ours
         to keep): held-out rounds evaluate them, so that every replica of the stage gives the same
-        figure. The last ``AGREED_KEPT`` rounds are kept: a stage one round ahead of stage 0 can still
-        evaluate the round stage 0 asks for."""
+        figure. The last ``AGREED_KEPT`` rounds are kept, and up to ``AGREED_MAX`` as fit in ``AGREED_BYTES``:
+        a stage ahead of stage 0 can still evaluate the round stage 0 asks for. (A last stage whose replica
+        was killed serves both stage-0 replicas alone, steps twice as fast and ran 4 rounds ahead: with 2
+        kept, the demo's held-out rounds were evaluated on other rounds' weights and left out.)"""
         self._agreed[round_] = flat
-        for old in sorted(self._agreed)[:-AGREED_KEPT]:
+        kept = max(AGREED_KEPT, min(AGREED_MAX, AGREED_BYTES // max(1, flat.numel() * flat.element_size())))
+        for old in sorted(self._agreed)[:-kept]:
             del self._agreed[old]
 
     @property

@@ -17,8 +17,8 @@ Request and reply frames on a pooled stream (as the snapshot protocol):
 - ``infer.close`` (no payload, no reply): ``session``; the replica drops its cache.
 
 A session pins the round of its first step: later steps decode with the same agreed weights
-(bit-equal on every replica of the stage) while the replica keeps that round
-(``engine.AGREED_KEPT``), so a replay on another replica gives the same output. Steps never wait
+(bit-equal on every replica of the stage) while the replica keeps that round (``engine.agree``: 2 to
+16 rounds, as fit in 256 MiB), so a replay on another replica gives the same output. Steps never wait
 in the training buffers (``Priority.INFERENCE_URGENT``). Once the stage has agreed weights, a
 step runs on the replica's own inference thread, beside the training job in progress: the agreed
 weights are host vectors training never writes in place. (An urgent job of the compute thread
