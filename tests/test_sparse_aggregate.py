@@ -163,24 +163,20 @@ def test_a_member_accepts_an_honest_sparse_aggregate_and_refuses_an_owners_noise
     assert refuse_result(noise, parts[0], check, torch.zeros_like(parts[0]), n) is None  # our zeros: no direction
 
 
-def test_an_owner_that_refused_our_part_is_not_held_to_our_parts_direction():
-    """Orthogonal members (a cold start): an owner that refused our part sends the aggregate of the others,
-    which rightly lacks our part's direction. Had we not been told (its Reply to our Part), we would refuse it
-    and strike an honest owner; told, we check its length and projection only."""
+def test_every_owner_is_held_to_our_parts_direction_even_one_that_says_it_refused_our_part():
+    """An owner's word that it refused our part (its Reply) is not believed: a liar that refused every part
+    and sent noise would pass every member's check. So an aggregate without our part is refused like noise,
+    the cost of an honest owner's false refusal (orthogonal members, a cold start: the others' aggregate
+    holds none of our direction). No member is told otherwise (``offload.assemble`` has no such input)."""
     n, numel = 4, 2 * sparse.SPARSE_CHUNK
     parts = members(n, numel, 11, spread=50.0)
     others = chunk_clipped_mean(parts[1:])  # the owner (member 1) left our part (member 0's) out
-    names = ("r0", "r1")  # two shards: r0 (us) owns piece 0, r1 piece 1
     half = numel // 2
-    ours = parts[0].clone()
-    residual = torch.zeros(numel)  # what we sent is all of ours (pseudo - residual)
     result = {0: codecs.encode(chunk_clipped_mean(parts)[:half], "sparse", width=n),
               1: codecs.encode(others[half:], "sparse", width=n - 1)}
-    outcome = Outcome(names, result, (), {0: n, 1: n - 1}, False, 1)
-    check = result_check(n)
-    told = offload.assemble(outcome, ours.clone(), [(0, half), (half, numel)], me="r0", codec="sparse",
-                            verify=check, residual=residual.clone(), left_us_out=frozenset({"r1"}))
-    assert told.refused == {}
-    untold = offload.assemble(outcome, ours.clone(), [(0, half), (half, numel)], me="r0", codec="sparse",
-                              verify=check, residual=residual.clone())
-    assert list(untold.refused) == [1] and "agreement with our part" in untold.refused[1]
+    noise = {**result, 1: codecs.encode(liar("noise", others, 11)[half:], "sparse", width=n - 1)}
+    for results in (result, noise):
+        outcome = Outcome(("r0", "r1"), results, (), {0: n, 1: n - 1}, False, 1)
+        done = offload.assemble(outcome, parts[0].clone(), [(0, half), (half, numel)], me="r0", codec="sparse",
+                                verify=result_check(n), residual=torch.zeros(numel))
+        assert list(done.refused) == [1] and "agreement with our part" in done.refused[1]

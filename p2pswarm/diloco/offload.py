@@ -63,8 +63,7 @@ class Assembled:
 
 
 def assemble(outcome, pseudo: torch.Tensor, bounds, *, me: str, codec: str,
-             verify: aggregation.VerifyConfig | None, residual: torch.Tensor | None,
-             left_us_out: frozenset[str] = frozenset()) -> Assembled:
+             verify: aggregation.VerifyConfig | None, residual: torch.Tensor | None) -> Assembled:
     """The group's pseudo-gradient, in place of our own ``pseudo`` (no full-size temporary).
 
     Each shard is its owner's result. Where a result is missing (owner gone) or refused (a
@@ -73,9 +72,7 @@ def assemble(outcome, pseudo: torch.Tensor, bounds, *, me: str, codec: str,
     (created if None; else written in place): the members that all lack the same result stay
     bit-equal (keeping each one's own part would split their start weights for good), and our
     progress there is averaged in one round later instead of lost. A group of one has no
-    results and applies its own pseudo-gradient (DiLoCo with one worker). A sparse result must hold
-    our part's direction (``refuse_result``), but not from an owner in ``left_us_out``: it refused our
-    part, so its aggregate rightly lacks it (its length and projection are still checked)."""
+    results and applies its own pseudo-gradient (DiLoCo with one worker)."""
     missing, refused = list(outcome.missing), {}
     pseudo_norm = float(pseudo.norm())
     scratch = torch.empty(max(b - a for a, b in bounds))
@@ -87,8 +84,7 @@ def assemble(outcome, pseudo: torch.Tensor, bounds, *, me: str, codec: str,
             continue  # (a group of one: our own part is the aggregate)
         check = verify if outcome.owner(index) != me else None  # (our own shard's result is ours)
         width = outcome.contributors.get(index, 1)
-        ours = codec == "sparse" and residual is not None and outcome.owner(index) not in left_us_out
-        sent = pseudo[a:b] - residual[a:b] if ours and residual is not None else None  # our part, as sent
+        sent = pseudo[a:b] - residual[a:b] if codec == "sparse" and residual is not None else None  # our part
         reason = _judge_result(data, pseudo[a:b], scratch[:b - a], codec, check, width, sent)
         if reason is not None:
             refused[index] = reason

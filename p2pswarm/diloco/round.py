@@ -144,7 +144,6 @@ class OuterRound:
             budget=EARLY_BUFFER_MODELS * expected_bytes(codec, numel, 1) + MAX_MEMBERS * EARLY_SLACK_BYTES,
             pieces=shard_plan(numel, 2, codec, size=expected_bytes, **limit).pieces, counts=self.counts)
         self._rejected_hellos: set[str] = set()
-        self.left_us_out: set[str] = set()  # owners that refused our part: the driver notes them from their Reply
         self._caught_up = round  # the latest round a CatchUp was emitted for
 
     # --- status ----------------------------------------------------------------------------

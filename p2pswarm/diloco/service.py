@@ -192,7 +192,8 @@ class DilocoService:
             elif isinstance(action, rnd.CombineShard):
                 self._spawn(self._combine_shard, round_, action)
             elif isinstance(action, rnd.Rejected):
-                self.strikes.refuse(action.peer, self.outer_round(), action.reason)
+                assert self.outer is not None  # prepare() made it
+                self.strikes.refuse(action.peer, self.outer.rounds, action.reason)
             elif isinstance(action, rnd.CatchUp):
                 self._note_ahead(action.peer, action.round)
             elif isinstance(action, rnd.Finished):
@@ -244,8 +245,6 @@ class DilocoService:
             return
         if isinstance(reply, msgs.Reply) and not reply.accepted:
             self.counts["refused_by_peer"] += 1
-            if isinstance(message, msgs.Part):
-                round_.left_us_out.add(peer)  # its aggregate rightly lacks our part (offload.assemble)
             log.info("outer round %d: %s refused our %s: %s", message.round, peer, message.TYPE, reply.reason)
 
     async def _provide_shards(self, round_: OuterRound, bounds) -> None:
@@ -325,13 +324,14 @@ class DilocoService:
         a strike for each owner whose result we refused."""
         verify = result_check(len(outcome.group)) if self.settings.verify else None
         assemble = functools.partial(offload.assemble, outcome, pending["pseudo"], pending["bounds"], me=self.me,
-                                     codec=self.settings.codec, verify=verify, residual=self.residual,
-                                     left_us_out=frozenset(self.round.left_us_out if self.round else ()))
+                                     codec=self.settings.codec, verify=verify, residual=self.residual)
         async with self.state_lock:
             done = await trio.to_thread.run_sync(assemble)
             self.residual = done.residual
+        assert self.outer is not None  # prepare() made it
         for index, reason in done.refused.items():  # an owner's aggregate far from our own: a lying owner
-            self.strikes.refuse(outcome.owner(index), self.outer_round(), f"aggregate of piece {index}: {reason}")
+            self.strikes.refuse(outcome.owner(index), self.outer.rounds,
+                                f"aggregate of piece {index}: {reason}")
         return done
 
     # --- inbound -----------------------------------------------------------------------------------
