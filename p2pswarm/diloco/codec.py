@@ -22,11 +22,12 @@ import torch
 
 from p2pswarm.diloco import compression, sparse
 from p2pswarm.diloco.compression import MAX_ELEMENTS
+from p2pswarm.diloco.messages import MAX_MEMBERS
 from p2pswarm.errors import RemoteProtocolError
 
 SPARSE = "sparse"
 CODECS = (*compression.CODECS, SPARSE)  # must equal p2pswarm.diloco.messages.CODECS
-MAX_WIDTH = 64  # members whose entries one sparse piece holds: messages.MAX_MEMBERS
+MAX_WIDTH = MAX_MEMBERS  # members whose entries one sparse piece holds: a group's largest
 
 
 def sparse_top(width: int) -> int:
