@@ -86,8 +86,8 @@ async def worker(mib: int, codec: str, aggregator: str, verify: bool, index: int
         for other in others:
             if other["peer"] != identity.peer_id_text:
                 await connector.connect(other["peer"], [other["addr"]])
-        stage_map.stages = {0: [SimpleNamespace(peer_id=o["peer"], capacity=SimpleNamespace(outer_round=0))
-                                for o in others]}
+        stage_map.stages = {0: [SimpleNamespace(peer_id=o["peer"], capacity=SimpleNamespace(outer_round=0),
+                                                agreed=None) for o in others]}
         nursery.start_soon(service.run, stand_in)
         await _rounds(service, engine, numel, index)
         nursery.cancel_scope.cancel()

@@ -25,15 +25,15 @@ TEST_EVAL_BATCHES = 2  # held-out micro-batches per evaluation round in small_ba
 
 def small_batch_run(workdir: Path, model: str, inner_steps: int = dls.INNER_STEPS, outer_lr: float = dls.OUTER_LR,
                     momentum: float = dls.OUTER_MOMENTUM, codec: str = dls.CODEC,
-                    aggregator: str = dls.AGGREGATOR) -> tuple[str, str]:
+                    aggregator: str = dls.AGGREGATOR, fragments: int = 1) -> tuple[str, str]:
     """``--run FILE`` for a run file written in ``workdir``: the tiny-lm run's seed, optimizer, codec and
     aggregator on ``model``, with ``TEST_ROWS`` rows per micro-batch, ``TEST_EVAL_BATCHES`` held-out micro-batches
     per evaluation round and these DiLoCo values."""
-    path = workdir / f"run-{model.replace('/', '-')}-h{inner_steps}-{codec}.toml"
+    path = workdir / f"run-{model.replace('/', '-')}-h{inner_steps}-{codec}-f{fragments}.toml"
     path.write_text(f'name = "test"\nmodel = "{model}"\n\n'
                     f"[batch]\nrows = {TEST_ROWS}\neval_batches = {TEST_EVAL_BATCHES}\n\n"
                     f"[diloco]\ninner_steps = {inner_steps}\nouter_lr = {outer_lr!r}\nmomentum = {momentum!r}\n"
-                    f'codec = "{codec}"\naggregator = "{aggregator}"\n')
+                    f'codec = "{codec}"\naggregator = "{aggregator}"\nfragments = {fragments}\n')
     return "--run", str(path)
 
 

@@ -269,7 +269,7 @@ def test_a_loaded_backup_is_our_weights_and_outer_state_and_announced_with_its_d
     assert torch.equal(s.outer.momentum, torch.full((numel,), 0.5))
     outer = s.outer
     assert engine.step == 7 * s.settings.inner_steps == outer.round_started_step and not engine.optimizer.state
-    assert s.agreed_claim() == (7, digest(data))  # every replica that loads it announces what the holders hold
+    assert s.loader.agreed_claim() == (7, digest(data))  # every replica that loads it announces what the holders hold
 
 
 def test_a_backup_that_cannot_be_written_is_not_held(tmp_path):

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("torch")
 
+from p2pswarm.dht.records import Capacity, StageRecord
 from p2pswarm.diloco import messages, policy, status
 from p2pswarm.diloco.policy import (
     GATHER_ROUND_SHARE,
@@ -19,6 +20,7 @@ from p2pswarm.diloco.policy import (
     Move,
     Source,
     believed_ahead,
+    diverged_from,
     gather_seconds,
     load_sources,
     neighbours_by_round,
@@ -161,3 +163,32 @@ def test_the_link_rate_is_a_moving_mean_of_our_rounds():
     assert link.rate == 1000.0
     link.observe(3000, 1.0)
     assert link.rate == 2000.0
+
+
+def split_record(peer: str, agreed) -> StageRecord:
+    return StageRecord(peer, (), "m", 0, 0, 1, Capacity(0, 0), 100.0, 60.0, agreed=agreed)
+
+
+@given(st.lists(st.binary(min_size=32, max_size=32), min_size=2, max_size=6, unique=True), st.integers(0, 5))
+def test_a_split_stage_settles_on_the_smallest_digest_in_one_move(digests, round_):
+    """Replicas at one round with different agreed weights: every one but the holder of the smallest digest
+    takes that one's state, and that one takes nobody's."""
+    peers = [f"12D3KooWp{i}" for i in range(len(digests))]
+    records = [split_record(p, (round_, d)) for p, d in zip(peers, digests)]
+    winner = peers[digests.index(min(digests))]
+    for peer, digest in zip(peers, digests):
+        others = [r for r in records if r.peer_id != peer]
+        chosen = diverged_from((round_, digest), others, met=frozenset(peers))
+        assert (chosen is None) if peer == winner else (chosen is not None and chosen.peer_id == winner)
+
+
+def test_a_split_is_only_taken_from_a_met_replica_at_our_round():
+    low, high = b"\x00" * 32, b"\xff" * 32
+    assert diverged_from((3, high), [split_record("12D3KooWa", (3, low))], met=frozenset()) is None  # not met
+    met = frozenset({"12D3KooWa"})
+    assert diverged_from((3, high), [split_record("12D3KooWa", (2, low))], met=met) is None  # another round
+    assert diverged_from((3, high), [split_record("12D3KooWa", (4, low))], met=met) is None  # (ahead: CatchUp)
+    assert diverged_from((3, high), [split_record("12D3KooWa", None)], met=met) is None  # no claim yet
+    assert diverged_from((3, low), [split_record("12D3KooWa", (3, low))], met=met) is None  # agreed
+    assert diverged_from(None, [split_record("12D3KooWa", (3, low))], met=met) is None  # no claim of ours yet
+    assert diverged_from((3, high), [split_record("12D3KooWa", (3, low))], met=met).peer_id == "12D3KooWa"

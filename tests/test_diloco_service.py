@@ -9,6 +9,7 @@ import pytest
 pytest.importorskip("torch")
 
 from p2pswarm.dht.ranking import Standing
+from p2pswarm.diloco.outer import OuterConfig, OuterOptimizer
 from p2pswarm.diloco.policy import STRIKE_ROUNDS, STRIKES, result_check
 from p2pswarm.diloco.service import DilocoService
 from p2pswarm.model.catalog import get_model
@@ -131,6 +132,7 @@ def test_a_missing_or_refused_result_applies_nothing_and_carries_our_part(codec)
     results = {mine: compression.encode(honest, codec),
                liar: compression.encode(-10 * own[slice(*bounds[liar])], codec)}
     outcome = Outcome(group, results, missing=(gone,))
+    s.outer = OuterOptimizer({"w": torch.zeros(3000)})  # one fragment: the stage
     done = trio.run(s._assemble, outcome, {"pseudo": pseudo, "bounds": bounds})
     aggregated, missing, refused = done.aggregated, done.missing, list(done.refused)
     assert missing == [gone] and refused == [liar] and s.penalties[group[liar]] == 1
@@ -149,10 +151,38 @@ def test_a_group_of_one_applies_its_own_pseudo_gradient():
 
     s = service()
     pseudo = torch.arange(10, dtype=torch.float32)
+    s.outer = OuterOptimizer({"w": torch.zeros(10)})
     done = trio.run(s._assemble, Outcome((ME,)), {"pseudo": pseudo.clone(), "bounds": ((0, 10),)})
     assert torch.equal(done.aggregated, pseudo) and done.missing == [] and done.refused == {}
     assert s.residual is None
     assert done.pseudo_norm == done.update_norm == float(pseudo.norm())
+
+
+@pytest.mark.parametrize("codec", ["int8", "float32"])
+def test_a_fragment_round_carries_into_its_piece_of_the_stage_residual(codec):
+    """Streaming DiLoCo: a round of the second of two fragments carries a missing shard's part into that
+    fragment's piece of the stage-sized residual, and leaves the other piece alone."""
+    import torch
+    import trio
+
+    from p2pswarm.diloco.round_actions import Outcome
+
+    s = service()
+    s.settings = DilocoSettings(codec=codec, inner_steps=4, fragments=2)
+    s.outer = OuterOptimizer({"w": torch.zeros(10)}, OuterConfig(inner_steps=4, fragments=2))
+    s.outer.adopt(torch.zeros(5), step=2)  # round 0 was fragment 0: this round is fragment 1, [5, 10)
+    before = torch.full((10,), 7.0) if codec == "int8" else None
+    s.residual = None if before is None else before.clone()
+    group = tuple(sorted([ME, AHEAD]))
+    theirs = group.index(AHEAD)
+    bounds = ((0, 3), (3, 5))
+    pseudo = torch.arange(1.0, 6.0)
+    trio.run(s._assemble, Outcome(group, {}, missing=(theirs,)), {"pseudo": pseudo.clone(), "bounds": bounds})
+    a, b = bounds[theirs]
+    assert s.residual is not None and s.residual.shape == (10,)
+    assert torch.equal(s.residual[5 + a:5 + b], pseudo[a:b])  # our part there: sent again next time
+    untouched = torch.zeros(5) if before is None else before[:5]
+    assert torch.equal(s.residual[:5], untouched)
 
 
 def test_an_owner_result_that_does_not_decode_is_refused_and_our_part_carried():
@@ -172,6 +202,7 @@ def test_an_owner_result_that_does_not_decode_is_refused_and_our_part_carried():
     bad = bytearray(compression.encode(own[slice(*bounds[theirs])], "int8"))
     bad[-1] = 0x80  # the int8 value -128
     results = {mine: compression.encode(own[slice(*bounds[mine])], "int8"), theirs: bytes(bad)}
+    s.outer = OuterOptimizer({"w": torch.zeros(4096)})
     done = trio.run(s._assemble, Outcome(group, results), {"pseudo": pseudo, "bounds": bounds})
     assert list(done.refused) == [theirs] and "undecodable" in done.refused[theirs]
     assert s.penalties[AHEAD] == 1

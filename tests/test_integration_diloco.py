@@ -13,8 +13,13 @@ micro-batches of ``TEST_ROWS`` rows (``tests.procs.small_batch_run``):
 A second swarm has a replica that sends poisoned pseudo-gradients (-10 times its own: it runs
 ``tests/attacking_peer.py``, which wraps ``p2pswarm`` and replaces what a replica sends): the
 honest replicas reject its contributions, count them against it, and still complete their
-rounds, with the int8 codec and with the sparse one (issue 27) and its chunk-clipped mean. No
-process may log a traceback.
+rounds, with the int8 codec and with the sparse one (issue 27) and its chunk-clipped mean.
+
+Two replicas with Streaming DiLoCo's fragments (``fragments = 2``: a round every H / 2 steps, each of
+half the stage) complete rounds together, in turn over both halves, and hold the same agreed weights
+and momentum (equal digests of their agreed backups at the same round: two replicas that start together
+both round alone at first and split, until the loser of the split takes the other's agreed state,
+``policy.diverged_from``; it failed 2 of 3 runs before that). No process may log a traceback.
 """
 
 from __future__ import annotations
@@ -117,6 +122,35 @@ def test_a_poisoned_pseudo_gradient_is_rejected_and_the_round_completes(tmp_path
             assert all(math.isfinite(r["update_norm"]) for r in doc["rounds"])
             swarm_doc = get_json(api, "/api/swarm") or {}
             assert swarm_doc.get("train_loss_bpb") is not None and swarm_doc["train_loss_bpb"] < 7.0
+        assert_no_traceback(swarm)
+    finally:
+        swarm.close()
+
+
+def test_two_replicas_with_fragments_take_turns_and_agree(tmp_path):
+    swarm = Swarm(tmp_path)
+    try:
+        flags = (*small_batch_run(swarm.workdir, MODEL, INNER_STEPS, fragments=2), *LOCAL)
+        boot = swarm.bootstrap()
+        apis = [swarm.join(boot, LAYERS, f"f{i}", *flags)[1] for i in range(2)]
+        assert wait_until(lambda: all(len(rounds_with(api, 2)) >= 4 for api in apis), 180), \
+            [diloco(api) for api in apis]
+        docs = [diloco(api) for api in apis]
+        assert all(doc["inner_steps_per_round"] == INNER_STEPS // 2 for doc in docs)
+        assert all(doc["settings"]["fragments"] == 2 for doc in docs)
+        seen: set[tuple[int, int]] = set()
+
+        def both_halves() -> bool:
+            seen.add(tuple(diloco(apis[0])["fragment"]))
+            return len(seen) == 2
+        assert wait_until(both_halves, 60), seen
+        (a0, b0), (a1, _) = sorted(seen)
+        assert a0 == 0 and b0 == a1  # the two halves of the stage, in turn
+
+        def agreed_alike():
+            claims = [diloco(api).get("agreed") for api in apis]
+            return all(claims) and claims[0] == claims[1] and claims[0]["round"] >= 4 and claims[0]
+        assert wait_until(agreed_alike, 120), [diloco(api).get("agreed") for api in apis]
         assert_no_traceback(swarm)
     finally:
         swarm.close()

@@ -157,7 +157,8 @@ CHANGES = [("seed = 3", "seed = 4"), ('model = "tiny-lm/2"', 'model = "tiny-lm/4
            ("eval_batches = 4", "eval_batches = 3"),
            ("inner_steps = 50", "inner_steps = 51"), ("outer_lr = 0.7", "outer_lr = 0.8"),
            ("momentum = 0.9", "momentum = 0.8"), ('codec = "int8"', 'codec = "float16"'),
-           ('aggregator = "mean"', 'aggregator = "median"')]
+           ('aggregator = "mean"', 'aggregator = "median"'),
+           ('aggregator = "mean"', 'aggregator = "mean"\nfragments = 2')]
 
 
 @pytest.mark.parametrize(("old", "new"), CHANGES)
@@ -209,6 +210,8 @@ BAD = [
     (FULL.replace('codec = "int8"', 'codec = "zip"'), "diloco.codec"),
     (FULL.replace('codec = "int8"', 'codec = "sparse"').replace('aggregator = "mean"', 'aggregator = "median"'),
      "diloco.codec: --codec sparse needs --aggregator mean or chunk_clip"),
+    (FULL.replace('aggregator = "mean"', 'aggregator = "mean"\nfragments = 0'), "diloco.fragments: --fragments"),
+    (FULL.replace('aggregator = "mean"', 'aggregator = "mean"\nfragments = 51'), "at most --inner-steps (50)"),
     ("diloco = 3\n" + FULL.replace("[diloco]", "[x]"), "diloco: must be a table"),
     (FULL.replace('tokenizer = "bytes"', 'tokenizer = "missing.json"'), "tokenizer:"),
 ]
@@ -220,6 +223,13 @@ def test_a_bad_run_file_is_one_config_error_naming_the_file_and_key(text, words)
         parse(text)
     message = str(error.value)
     assert "\n" not in message and message.startswith("run file t.toml: ") and words in message, message
+
+
+def test_one_fragment_is_the_identity_runs_had_before_fragments():
+    assert parse(FULL.replace('aggregator = "mean"', 'aggregator = "mean"\nfragments = 1')).identity == \
+        parse(FULL).identity
+    run = parse(FULL.replace('aggregator = "mean"', 'aggregator = "mean"\nfragments = 5'))
+    assert run.diloco().fragments == 5 and run.diloco().problem() is None
 
 
 def test_a_micro_batch_too_big_for_one_frame_is_refused():

@@ -30,7 +30,7 @@ from p2pswarm.run.tunables import parse_tunables
 def _join_run(args: argparse.Namespace) -> tuple[RunSpec, dls.DilocoSettings]:
     """The run ``join`` trains (``run.run_for_join``) and the DiLoCo settings: its agreed values, our local ones."""
     agreed = {"inner_steps": args.inner_steps, "outer_lr": args.outer_lr, "momentum": args.outer_momentum,
-              "codec": args.codec, "aggregator": args.aggregator}
+              "codec": args.codec, "aggregator": args.aggregator, "fragments": args.fragments}
     local = dls.DilocoSettings(verify=args.verify, gather_s=args.gather, snapshot_period=args.snapshot_period)
     problem = dataclasses.replace(local, **{k: v for k, v in agreed.items() if v is not None}).problem()
     if problem:

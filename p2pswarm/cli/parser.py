@@ -223,7 +223,8 @@ def _tokenizer_parser(sub) -> None:
 
 def _diloco_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("DiLoCo between the replicas of a stage",
-                                      "H, outer lr, momentum, codec and aggregator are part of the run: refused "
+                                      "H, outer lr, momentum, codec, aggregator and fragments are part of the run: "
+                                      "refused "
                                       "with --run (its [diloco] table fixes them)")
     group.add_argument("--inner-steps", type=int, metavar="H",
                        help=f"local optimizer steps between outer rounds (default {dls.INNER_STEPS})")
@@ -235,6 +236,9 @@ def _diloco_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--aggregator", choices=dls.AGGREGATORS,
                        help=f"how the replicas' pseudo-gradients are combined (default {dls.AGGREGATOR}; chunk_clip: "
                             "the mean, each chunk clipped to the members' median scale, for --codec sparse)")
+    group.add_argument("--fragments", type=int, metavar="F",
+                       help="Streaming DiLoCo: a round every H/F inner steps synchronises one of F pieces of the "
+                            "stage, 1/F of the bytes each (default 1: the whole stage every H steps)")
     group.add_argument("--no-verify", dest="verify", action="store_false",
                        help="do not check each contribution against the others before combining")
     group.add_argument("--gather", type=float, default=dls.GATHER_S, metavar="SEC",

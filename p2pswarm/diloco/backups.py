@@ -223,12 +223,12 @@ def outer_state(state: dict, round_started_step: int, config: dict) -> dict:
             "round_started_step": round_started_step, "config": config}
 
 
-def apply_backup(engine, outer, state: dict, inner_steps: int, config: dict) -> None:
+def apply_backup(engine, outer, state: dict, round_steps: int, config: dict) -> None:
     """On the engine's compute thread: a checked backup ``state`` becomes the engine's weights (its
     start; AdamW's moments, per replica, start afresh) and ``outer``'s start, momentum and round
-    (``config``: our own outer settings); the engine's step goes to ``round x inner_steps``, so the
+    (``config``: our own outer settings); the engine's step goes to ``round x round_steps``, so the
     LR schedule continues about where the stage was. RemoteProtocolError if it does not fit."""
-    step = state["round"] * inner_steps
+    step = state["round"] * round_steps  # (H / F: OuterConfig.round_steps)
     try:
         outer.load_state_dict(outer_state(state, step, config))
     except ValueError as exc:  # (nothing changed)

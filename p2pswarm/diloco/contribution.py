@@ -17,21 +17,25 @@ import torch
 from p2pswarm.diloco import codec as codecs
 from p2pswarm.diloco.outer import OuterOptimizer, flatten
 
-Buffers = tuple[torch.Tensor, torch.Tensor]  # (weights at the close, pseudo-gradient), stage-sized, on the host
+Buffers = tuple[torch.Tensor, torch.Tensor]  # (weights at the close, pseudo-gradient), on the host
 
 
-def round_buffers(buffers: Buffers | None, numel: int) -> Buffers:
-    """Two stage-sized vectors a round fills, kept from round to round (``buffers``, unless they are
-    of another size): one round at a time uses them, and fresh ones would cost page faults."""
-    if buffers is None or buffers[0].numel() != numel:
-        buffers = (torch.empty(numel), torch.empty(numel))
+def round_buffers(buffers: Buffers | None, outer: OuterOptimizer) -> Buffers:
+    """Two vectors at least as long as the round's fragment (``OuterOptimizer.fragment``) for the round to fill,
+    kept from round to round (``buffers``, unless they are too short): one round at a time uses them, and
+    fresh ones would cost page faults."""
+    a, b = outer.fragment()
+    if buffers is None or buffers[0].numel() < b - a:
+        buffers = (torch.empty(b - a), torch.empty(b - a))
     return buffers
 
 
 def take_pseudo_gradient(engine, outer: OuterOptimizer, buffers: Buffers) -> Buffers:
-    """Our weights now (``at``) and the pseudo-gradient ``start - at``, written into ``buffers``."""
-    at, pseudo = buffers
-    flatten(engine.params, out=at)
+    """Our weights now (``at``) and the pseudo-gradient ``start - at``, of the round's fragment, written into
+    the first elements of ``buffers`` (views of them)."""
+    a, b = outer.fragment()
+    at, pseudo = buffers[0][:b - a], buffers[1][:b - a]
+    flatten(engine.params, out=at, bounds=(a, b))
     outer.pseudo_gradient(at, out=pseudo)
     return at, pseudo
 
@@ -39,7 +43,25 @@ def take_pseudo_gradient(engine, outer: OuterOptimizer, buffers: Buffers) -> Buf
 def take_alone(engine, outer: OuterOptimizer, buffers: Buffers) -> dict:
     """A group of one: our own pseudo-gradient is the aggregate (DiLoCo with one worker), nothing is encoded."""
     at, pseudo = take_pseudo_gradient(engine, outer, buffers)
-    return {"at": at, "pseudo": pseudo, "bounds": ((0, outer.numel),)}
+    return {"at": at, "pseudo": pseudo, "bounds": ((0, at.numel()),)}
+
+
+def fragment_residual(residual: torch.Tensor | None, fragment: tuple[int, int]) -> torch.Tensor | None:
+    """The round's piece of the stage's error-feedback ``residual``: a view, written in place (None: none yet)."""
+    return None if residual is None else residual[fragment[0]:fragment[1]]
+
+
+def stage_residual(residual: torch.Tensor | None, piece: torch.Tensor | None, fragment: tuple[int, int],
+                   numel: int) -> torch.Tensor | None:
+    """The stage's residual after a round of ``fragment`` left ``piece`` (``offload.Assembled.residual``):
+    ``residual`` itself when ``piece`` is its view, else a new stage-sized one holding ``piece``."""
+    if piece is None or residual is not None:
+        return residual  # (a view of it, written in place; or nothing carried)
+    if piece.numel() == numel:
+        return piece
+    residual = torch.zeros(numel)
+    residual[fragment[0]:fragment[1]].copy_(piece)
+    return residual
 
 
 def encode_contribution(pseudo: torch.Tensor, bounds, codec: str, residual: torch.Tensor | None) -> list[bytes]:

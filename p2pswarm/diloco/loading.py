@@ -38,7 +38,7 @@ import trio
 from p2pswarm.diloco import backups as backup_core
 from p2pswarm.diloco import checkpoint, snapshots
 from p2pswarm.diloco.outer import OuterConfig, OuterOptimizer, shift_flat
-from p2pswarm.diloco.policy import Source, load_sources, neighbours_by_round
+from p2pswarm.diloco.policy import Source, diverged_from, load_sources, neighbours_by_round
 from p2pswarm.errors import DialError, ProtocolError, RemoteProtocolError
 from p2pswarm.run import plan
 from p2pswarm.run.diloco import DilocoSettings
@@ -64,7 +64,7 @@ class Replica(Protocol):
 def outer_config(settings: DilocoSettings) -> OuterConfig:
     """Our outer optimizer's flags, from our settings (never a neighbour's)."""
     return OuterConfig(inner_steps=settings.inner_steps, lr=settings.outer_lr, momentum=settings.momentum,
-                       nesterov=settings.momentum > 0)
+                       nesterov=settings.momentum > 0, fragments=settings.fragments)
 
 
 class StageLoader:
@@ -144,7 +144,23 @@ class StageLoader:
         agreed = record.agreed if record is not None else None
         if agreed is None or agreed[0] <= self._outer.rounds:
             return await self.catch_up([peer], rebase=True)
-        round_, digest = agreed
+        return await self.rebase_on_agreed(peer, *agreed)
+
+    async def settle_split(self, met: frozenset[str]) -> dict | None:
+        """Where a replica we meet holds other agreed weights at our round (``policy.diverged_from``: the
+        stage split), take its agreed state, our progress since our last round on top. The records are
+        those of the round's start (``DilocoService`` refreshed them). Where it came from; None: no split."""
+        record = diverged_from(self.agreed_claim(), self._stage_map.stages.get(self.stage, []), met)
+        if record is None or record.agreed is None:
+            return None
+        self.counts["splits"] += 1
+        log.warning("stage %d split: our agreed weights of outer round %d differ from %s's; we take its agreed "
+                    "state", self.stage, record.agreed[0], record.peer_id)
+        return await self.rebase_on_agreed(record.peer_id, *record.agreed)
+
+    async def rebase_on_agreed(self, peer: str, round_: int, digest: bytes) -> dict | None:
+        """Fetch ``peer``'s agreed backup of ``round_`` by ``digest`` and rebase on it (``_rebase``); its hot
+        snapshot if that fails. Where it came from; None: nothing loaded."""
         try:
             fetched = await snapshots.fetch_snapshot(
                 self._pool, peer, self.spec.name, self.stage, run=self.run_id, digest=digest,
@@ -253,11 +269,11 @@ class StageLoader:
     async def load_backup(self, state: dict) -> None:
         """Take a checked backup (``backups.check_backup``) as our state: the weights are its start
         (a fresh AdamW), the outer state its start, momentum and round; the engine's step goes to
-        ``round x inner_steps``, so the LR schedule continues about where the stage was."""
+        ``round x round_steps`` (H / F), so the LR schedule continues about where the stage was."""
         config = dataclasses.asdict(outer_config(self.settings))
 
         def load(engine):
-            backup_core.apply_backup(engine, self._outer, state, self.settings.inner_steps, config)
+            backup_core.apply_backup(engine, self._outer, state, outer_config(self.settings).round_steps, config)
             self.replica.residual = None  # what compression left out is per replica too
 
         async with self.replica.state_lock:

@@ -5,6 +5,8 @@
   one, or wait;
 - ``believed_ahead``: whether a replica's claim to be at a later round is believed (only from a
   replica we meet, and only as far as its signed record goes);
+- ``diverged_from``: whether a replica at our round holds other agreed weights than ours, and whose
+  state we then take (the smallest digest: every replica of a split stage picks the same one);
 - ``load_sources``: where a peer that starts looks for its stage's state, in order;
 - ``gather_seconds``: how long a ready replica waits for the others;
 - ``Strikes``: whom we refused in which rounds, and whom we therefore stop meeting;
@@ -73,6 +75,23 @@ def believed_ahead(peer: str, their_round: int, *, our_round: int, met: frozense
     a peer claiming round 10^18 must not make us load whatever it serves."""
     return our_round < their_round and peer in met and record_round is not None \
         and their_round <= record_round + 1
+
+
+def diverged_from(ours: tuple[int, bytes] | None, records: Iterable[StageRecord],
+                  met: Collection[str]) -> StageRecord | None:
+    """The replica whose agreed state we take, or None: replicas of one stage at the same outer round
+    hold the same agreed weights and momentum (the digest of their agreed backup), unless they split:
+    both did a round alone at the same round number (they started together, or a partition), or a
+    member refused an owner's result that another applied. Nothing makes them equal again by itself
+    (each round moves both starts by the same step). So a replica we meet (``met``) whose signed record
+    claims our round (``ours``: our agreed claim) with a smaller digest wins: we take its state. The
+    one with the smallest digest among them: every replica of the split picks the same."""
+    if ours is None:
+        return None
+    round_, digest = ours
+    split = [r for r in records if r.peer_id in met and r.agreed is not None and r.agreed[0] == round_
+             and r.agreed[1] < digest]
+    return min(split, key=lambda r: r.agreed[1] if r.agreed is not None else b"", default=None)
 
 
 class Source(enum.Enum):

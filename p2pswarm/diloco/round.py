@@ -4,7 +4,8 @@ Replicas of a stage train alone for H inner steps, then meet with no coordinator
 
 - IDLE: still training. Hellos from others are answered "not ready" and remembered.
 - GATHER (``start``): tell every expected peer we are ready; collect who else is (a ready
-  Hello for our stage, round, numel and codec). Close when every expected peer is ready, at
+  Hello for our stage, round, numel and codec; the Hello's numel is the stage's, ``stage_numel``,
+  while a Streaming DiLoCo round reduces one fragment of it, ``numel``). Close when every expected peer is ready, at
   ``gather_s``, or at once when a closed Hello invites us (someone closed and waits for us).
   Closing fixes our proposal V (``group.Membership``) and sends it to every peer of V.
 - AGREE: wait for the proposals of V (or ``agree_s``); the group is the intersection of all
@@ -120,13 +121,16 @@ class OuterRound:
 
     def __init__(self, *, me: str, stage: int, round: int, numel: int, codec: str, expected: frozenset[str],
                  now: float, timing: RoundTiming = RoundTiming(), expected_bytes: ExpectedBytes,
-                 piece_elements: int | None = None) -> None:
+                 piece_elements: int | None = None, stage_numel: int | None = None) -> None:
         if not is_peer_id(me) or not all(is_peer_id(p) for p in expected):
             raise ValueError("me and every expected peer must be valid peer ids")
         if not (0 <= stage < MAX_STAGES and 0 <= round <= MAX_ROUND and 1 <= numel <= MAX_STAGE_NUMEL
                 and codec in CODECS):
             raise ValueError(f"invalid round: stage {stage}, round {round}, numel {numel}, codec {codec!r}")
         self.me, self.stage, self.round, self.numel, self.codec = me, stage, round, numel, codec
+        self.stage_numel = numel if stage_numel is None else stage_numel  # what Hellos carry and compare
+        if not numel <= self.stage_numel <= MAX_STAGE_NUMEL:
+            raise ValueError(f"a round of {numel} elements of a stage of {self.stage_numel}")
         self.expected = frozenset(expected) - {me}
         self.timing, self.created = timing, now
         self._expected_bytes = expected_bytes
@@ -164,7 +168,7 @@ class OuterRound:
             assert self.group is not None, "agreed on entering REDUCE, or finished with one"
             ready, closed, members = True, True, self.group
         members = tuple(sorted(members))[:MAX_MEMBERS]  # only a left-out list can be longer: it is informative
-        return Hello(self.stage, self.round, self.numel, self.codec, ready, closed, members)
+        return Hello(self.stage, self.round, self.stage_numel, self.codec, ready, closed, members)
 
     @property
     def digest(self) -> bytes | None:
@@ -238,8 +242,8 @@ class OuterRound:
         actions: list[Action] = []
         if peer == self.me or not is_peer_id(peer) or hello.stage != self.stage:
             self.counts["mismatched"] += 1
-        elif (hello.numel, hello.codec) != (self.numel, self.codec):
-            reason = f"numel/codec {hello.numel}/{hello.codec}, not {self.numel}/{self.codec}"
+        elif (hello.numel, hello.codec) != (self.stage_numel, self.codec):
+            reason = f"numel/codec {hello.numel}/{hello.codec}, not {self.stage_numel}/{self.codec}"
             actions = _reject_once(self._rejected_hellos, self.counts, peer, reason)
         elif hello.round > self.round:
             actions = self._later_round(peer, hello.round, now)

@@ -1,16 +1,16 @@
 """DiLoCo for a training peer: the thin trio driver of its outer rounds with the other replicas of its stage.
 
-``DilocoService`` is an extension of ``swarm.service.SwarmService`` (``prepare`` before training,
-``run`` beside it). Before training its ``loading.StageLoader`` loads our stage's current state.
-Every H inner steps it runs one outer round (``round.OuterRound``: gather, agree on the group,
-butterfly reduce) over ``/p2pswarm/diloco/1.0.0``: the pseudo-gradient is taken when the group is
-agreed and encoded with error feedback (``contribution``), each shard combined robustly by its
-owner (``aggregation``), and the outer Nesterov step applied (``outer``). Training never pauses for
-a round. Every step that walks a vector runs in a worker thread (``offload``) or on the engine's
-compute thread (``SwarmService.with_engine``), never on the trio loop that also answers the
-activation protocol's acks; the residual is written only under ``state_lock``. What to do
-at a tick (catch up with a replica that is ahead, start or tick a round), whom to believe ahead
-and whom to stop meeting are ``policy``'s decisions. ``doc()`` is ``GET /api/diloco`` (``status``).
+``DilocoService`` is an extension of ``swarm.service.SwarmService`` (``prepare`` before training, ``run`` beside
+it). Before training its ``loading.StageLoader`` loads our stage's current state. Every H / F inner steps it
+runs one outer round of the stage's current fragment (``outer``: all of it when F = 1; ``round.OuterRound``:
+gather, agree on the group, butterfly reduce) over ``/p2pswarm/diloco/1.0.0``: the pseudo-gradient is taken
+when the group is agreed and encoded with error feedback (``contribution``), each shard combined robustly by
+its owner (``aggregation``), and the outer Nesterov step applied (``outer``). Training never pauses for a
+round. Every step that walks a vector runs in a worker thread (``offload``) or on the engine's compute thread
+(``SwarmService.with_engine``), never on the trio loop that also answers the activation protocol's acks; the
+residual is written only under ``state_lock``. What to do at a tick (catch up with a replica that is ahead,
+start or tick a round), whom to believe ahead and whom to stop meeting are ``policy``'s decisions. ``doc()``
+is ``GET /api/diloco`` (``status``).
 """
 
 from __future__ import annotations
@@ -79,9 +79,8 @@ class DilocoService:
         self._serve_snapshots = serve_snapshots  # None: we register our snapshot server on the pool ourselves
         self.round: OuterRound | None = None
         self.history: collections.deque = collections.deque(maxlen=HISTORY)
-        self.bytes_sent = self.bytes_received = 0
+        self.bytes_sent, self.bytes_received, self.comm_s = 0, 0, 0.0  # comm_s: in rounds, readiness to outer step
         self.link = policy.LinkRate()  # the rate our rounds sent their bytes at: the reduce's deadline follows it
-        self.comm_s = 0.0  # seconds spent in outer rounds, from readiness to the outer step
         self.loaded_from: dict | None = None  # where our state came from, if it was loaded
         self._nursery: trio.Nursery | None = None
         self._wake = trio.Event()  # set: step the rounds now (a replica is ahead), not at the next TICK
@@ -145,15 +144,20 @@ class DilocoService:
             with trio.move_on_after(HELLO_TIMEOUT):  # the records of our stage and its neighbours as they are
                 await self._stage_map.refresh_stages(neighbour_stages(self.spec, self.stage))  # now: the
                 #   neighbours' records attest which of our replicas work (a replica that just joined included)
+            split = await self.loader.settle_split(self._replicas())  # (records as fresh as the round's start)
+            if split is not None:  # we took a replica's agreed state: the round is due again after H / F steps
+                self.loaded_from = split
+                return
             now, expected = trio.current_time(), self._replicas()
             last = now - self._ready_at if self._ready_at is not None else None
-            nbytes = msgs.bytes_sent(outer.numel, max(2, len(expected) + 1), self.settings.codec)
+            a, b = outer.fragment()  # (the whole stage, but with Streaming DiLoCo's fragments)
+            nbytes = msgs.bytes_sent(b - a, max(2, len(expected) + 1), self.settings.codec)
             timing = RoundTiming(gather_s=policy.gather_seconds(self.settings.gather_s, last), agree_s=AGREE_S,
                                  reduce_s=policy.reduce_seconds(nbytes, self.link.rate))
             self._ready_at = now
-            self.round = OuterRound(me=self.me, stage=self.stage, round=outer.rounds, numel=outer.numel,
+            self.round = OuterRound(me=self.me, stage=self.stage, round=outer.rounds, numel=b - a,
                                     codec=self.settings.codec, expected=expected, now=now, timing=timing,
-                                    expected_bytes=msgs.expected_bytes)
+                                    expected_bytes=msgs.expected_bytes, stage_numel=outer.numel)
             self._started_at, self._sent_before, self._received_before = now, self.bytes_sent, self.bytes_received
             log.info("outer round %d: ready after %d inner steps, gathering with %d known replica(s) for up to %.0f s "
                      "(then %.2f MB to send, within %.0f s)", outer.rounds,
@@ -163,11 +167,11 @@ class DilocoService:
 
     def _replicas(self) -> frozenset[str]:
         """The other replicas of our stage we meet, but those we refuse to meet: those counted as working
-        (``StageMap.workers``: seen, or attested by peers we trust). A replica's neighbours see its work:
-        its own partners every micro-batch, other chains' peers when a micro-batch explores
-        (``swarm.router``), and a contribution taken into a round counts too (``_finish``). Only a run of
-        one stage, where no micro-batch crosses a boundary, meets on probation the replicas that answered
-        us, a few per address (the vouched peers of the stage's top; ``dht.ranking``)."""
+        (``StageMap.workers``: seen, or attested by peers we trust). A replica's neighbours see its work: its own
+        partners every micro-batch, other chains' peers when a micro-batch explores (``swarm.router``), and a
+        contribution taken into a round counts too (``_finish``). Only a run of one stage, where no micro-batch
+        crosses a boundary, meets on probation the replicas that answered us, a few per address (the vouched
+        peers of the stage's top; ``dht.ranking``)."""
         assert self.outer is not None  # prepare() made it
         rounds = self.outer.rounds
         met = set(self._stage_map.workers().get(self.stage, set()))
@@ -204,8 +208,7 @@ class DilocoService:
         self._nursery.start_soon(task, *args)
 
     def _note_ahead(self, peer: str, their_round: int) -> None:
-        """A replica says it is at a later round: load its state once our round is over, if we
-        believe it (``policy.believed_ahead``)."""
+        """A replica says it is at a later round: load its state after our round, if believed (``policy``)."""
         record = next((r for r in self._stage_map.stages.get(self.stage, []) if r.peer_id == peer), None)
         assert self.outer is not None  # prepare() made it
         if policy.believed_ahead(peer, their_round, our_round=self.outer.rounds, met=self._replicas(),
@@ -254,10 +257,9 @@ class DilocoService:
         encoding, compute-busy 0.91 of its level between rounds on the lab's home line), under ``state_lock``."""
         codec, outer = self.settings.codec, self.outer
         assert outer is not None  # prepare() made it
-        buffers = self._buffers = contribution.round_buffers(self._buffers, outer.numel)
-        if self.residual is None and codec != "float32":
-            self.residual = torch.zeros(outer.numel)
-        residual = self.residual
+        buffers = self._buffers = contribution.round_buffers(self._buffers, outer)
+        self.residual = torch.zeros(outer.numel) if self.residual is None and codec != "float32" else self.residual
+        residual = contribution.fragment_residual(self.residual, outer.fragment())  # (a view: written in place)
         began = trio.current_time()
         async with self.state_lock:  # (a snapshot reads the residual the encoding writes)
             at, pseudo = await self.swarm.with_engine(functools.partial(contribution.take_pseudo_gradient,
@@ -285,7 +287,7 @@ class DilocoService:
             return
         outer, swarm = self.outer, self.swarm
         assert outer is not None  # prepare() made it
-        buffers = self._buffers = contribution.round_buffers(self._buffers, outer.numel)
+        buffers = self._buffers = contribution.round_buffers(self._buffers, outer)
         own = functools.partial(contribution.take_alone, outer=outer, buffers=buffers)  # a group of one
         pending = self._pending or await swarm.with_engine(own)
         finished = trio.current_time()
@@ -322,13 +324,15 @@ class DilocoService:
         """The group's pseudo-gradient from the owners' results (``offload.assemble``, in a worker
         thread, under ``state_lock``: it writes the residual a snapshot reads); then, on the loop,
         a strike for each owner whose result we refused."""
+        assert self.outer is not None  # prepare() made it
         verify = result_check(len(outcome.group)) if self.settings.verify else None
+        fragment = self.outer.fragment()  # (the round's: the outer step that moves on is applied after this)
         assemble = functools.partial(offload.assemble, outcome, pending["pseudo"], pending["bounds"], me=self.me,
-                                     codec=self.settings.codec, verify=verify, residual=self.residual)
+                                     codec=self.settings.codec, verify=verify,
+                                     residual=contribution.fragment_residual(self.residual, fragment))
         async with self.state_lock:
             done = await trio.to_thread.run_sync(assemble)
-            self.residual = done.residual
-        assert self.outer is not None  # prepare() made it
+            self.residual = contribution.stage_residual(self.residual, done.residual, fragment, self.outer.numel)
         for index, reason in done.refused.items():  # an owner's aggregate far from our own: a lying owner
             self.strikes.refuse(outcome.owner(index), self.outer.rounds,
                                 f"aggregate of piece {index}: {reason}")
@@ -381,10 +385,6 @@ class DilocoService:
 
     def outer_round(self) -> int:
         return self.outer.rounds if self.outer else 0
-
-    def agreed_claim(self) -> tuple[int, bytes] | None:
-        """(outer round, digest) of our stage's agreed backup, for our record; None before the first."""
-        return self.loader.agreed_claim()
 
     def doc(self) -> dict:
         engine = self.swarm.engine if self.swarm else None

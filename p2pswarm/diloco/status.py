@@ -54,7 +54,8 @@ def diloco_doc(service, *, step: int, compute_s: float) -> dict:
     return {
         "stage": service.stage, "inner_step": step, "outer_round": outer.rounds if outer else 0,
         "inner_steps_this_round": outer.inner_steps_done(step) if outer else 0,
-        "inner_steps_per_round": settings.inner_steps,
+        "inner_steps_per_round": outer.config.round_steps if outer else settings.inner_steps,  # H / F
+        "fragment": list(outer.fragment()) if outer else None,  # the elements the current round synchronises
         "settings": dataclasses.asdict(settings),
         "phase": phase.name.lower() if phase else "training",
         "last_round": history[-1] if history else None, "rounds": list(history),

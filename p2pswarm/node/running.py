@@ -170,7 +170,7 @@ class NodeState:
             "set by run_node and _join_dht before our stage is announced"
         record = stage_record(self.identity.peer_id_text, self.addrs(), tuple(self.nat.public_addrs), self.model,
                               self.stage, self.capacity(), now, ttl, run=self.run.identity,
-                              agreed=self.diloco.agreed_claim() if self.diloco else None,
+                              agreed=self.diloco.loader.agreed_claim() if self.diloco else None,
                               backups=self.backups.claims() if self.backups else (),
                               worked=self.stage_map.work.attested(now) if self.stage_map else ())
         return record, sign_record(record, self.identity)

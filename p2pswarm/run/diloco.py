@@ -21,6 +21,7 @@ SNAPSHOT_PERIOD = 120.0  # seconds between snapshots on disk (the seed's hot sna
 CODECS = ("float32", "float16", "bfloat16", "int8", "sparse")  # diloco.codec.CODECS
 AGGREGATORS = ("mean", "trimmed_mean", "median", "centered_clip", "chunk_clip")  # diloco.aggregation.AGGREGATORS
 SPARSE_AGGREGATORS = ("mean", "chunk_clip")  # a coordinate-wise trim or median drops what one member sent
+MAX_FRAGMENTS = 64  # Streaming DiLoCo's pieces of a stage (diloco.outer): smaller ones only add rounds
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,7 @@ class DilocoSettings:
     momentum: float = OUTER_MOMENTUM
     codec: str = CODEC
     aggregator: str = AGGREGATOR
+    fragments: int = 1  # Streaming DiLoCo: a round every H / F steps synchronises one of F pieces of the stage
     verify: bool = VERIFY
     gather_s: float = GATHER_S
     snapshot_period: float = SNAPSHOT_PERIOD
@@ -49,6 +51,9 @@ class DilocoSettings:
         if self.codec == "sparse" and self.aggregator not in SPARSE_AGGREGATORS:
             return (f"--codec sparse needs --aggregator {' or '.join(SPARSE_AGGREGATORS)}, not {self.aggregator!r}: "
                     "a coordinate-wise one drops the entries that only one replica sent")
+        if not 1 <= self.fragments <= min(MAX_FRAGMENTS, self.inner_steps):
+            return (f"--fragments must be within [1, {MAX_FRAGMENTS}] and at most --inner-steps "
+                    f"({self.inner_steps}), not {self.fragments}")
         if not 1 <= self.gather_s <= 3600:
             return f"--gather must be within [1, 3600] seconds, not {self.gather_s}"
         if not 1 <= self.snapshot_period <= 86400:

@@ -38,6 +38,8 @@ is that file. Layout (every key but ``name`` and ``model`` has the default shown
     momentum = 0.9
     codec = "int8"
     aggregator = "trimmed_mean"
+    fragments = 1                 # F: a round every H / F steps synchronises 1/F of the stage (Streaming
+                                  # DiLoCo); left out of the identity while 1
 
 A malformed file, an unknown key, a wrong type or an out-of-range value is a ``ConfigError`` of
 one line naming the file and the key. DiLoCo's local knobs (verify, gather, snapshot period) stay
@@ -83,7 +85,8 @@ BOUNDARY_CODECS = ("dense", "q8", "q4")  # [wire]: dense in batch.dtype, or 8-/4
 DENSE = "dense"
 BYTES_TOKENIZER = "bytes"  # the byte-level default: vocab 256, nothing to ship
 AGREED_FLAGS = {"inner_steps": "--inner-steps", "outer_lr": "--outer-lr", "momentum": "--outer-momentum",
-                "codec": "--codec", "aggregator": "--aggregator"}  # [diloco] keys: the join flags they replace
+                "codec": "--codec", "aggregator": "--aggregator",
+                "fragments": "--fragments"}  # [diloco] keys: the join flags they replace
 
 DEFAULT_SEED = 0  # any seed works; peers must only agree
 DEFAULT_LR = 3e-3  # the tiny-lm sweep's best for a 3-minute run (docs/benchmarks.md)
@@ -137,6 +140,7 @@ class RunSpec:
     momentum: float = dls.OUTER_MOMENTUM
     codec: str = dls.CODEC
     aggregator: str = dls.AGGREGATOR
+    fragments: int = 1
     source: str = ""  # where it was read from, for messages; not part of the identity
 
     def canonical(self) -> dict[str, object]:
@@ -147,8 +151,9 @@ class RunSpec:
         for boundary in ("activations", "gradients"):  # dense, the default: the identities runs had before
             if values[boundary] == DENSE:
                 del values[boundary]
-        if not values["subspace"]:
-            del values["subspace"]
+        for key, default in (("subspace", 0), ("fragments", 1)):  # the identities runs had before them
+            if values[key] == default:
+                del values[key]
         values["betas"] = list(self.betas)
         values["spec"] = dataclasses.asdict(self.spec())  # the model's dimensions, as this version builds it
         return {"format": RUN_FORMAT, **values}
@@ -170,7 +175,8 @@ class RunSpec:
     def diloco(self, local: dls.DilocoSettings = dls.DilocoSettings()) -> dls.DilocoSettings:
         """``local``'s own knobs (verify, gather, snapshot period) with this run's agreed ones."""
         return dataclasses.replace(local, inner_steps=self.inner_steps, outer_lr=self.outer_lr,
-                                   momentum=self.momentum, codec=self.codec, aggregator=self.aggregator)
+                                   momentum=self.momentum, codec=self.codec, aggregator=self.aggregator,
+                                   fragments=self.fragments)
 
     def with_values(self, **values: Any) -> RunSpec:
         """The run with some values replaced and checked again (``--model`` without ``--run``)."""
@@ -183,7 +189,7 @@ class RunSpec:
 def agreed_diloco(settings: dls.DilocoSettings) -> dict[str, object]:
     """The DiLoCo values of ``settings`` that a run fixes, as RunSpec fields."""
     return dict(inner_steps=settings.inner_steps, outer_lr=settings.outer_lr, momentum=settings.momentum,
-                codec=settings.codec, aggregator=settings.aggregator)
+                codec=settings.codec, aggregator=settings.aggregator, fragments=settings.fragments)
 
 
 def run_for_join(run: str | None, model: str | None, agreed: dict[str, object]) -> RunSpec:
@@ -239,7 +245,8 @@ _TABLES: dict[str, dict[str, type]] = {
                   "accumulate": int, "warmup_steps": int, "decay_steps": int, "min_lr_ratio": float},
     "batch": {"rows": int, "context": int, "dtype": str, "eval_batches": int},
     "wire": {"activations": str, "gradients": str, "subspace": int},
-    "diloco": {"inner_steps": int, "outer_lr": float, "momentum": float, "codec": str, "aggregator": str},
+    "diloco": {"inner_steps": int, "outer_lr": float, "momentum": float, "codec": str, "aggregator": str,
+               "fragments": int},
 }
 _REQUIRED = ("name", "model")
 
@@ -378,7 +385,7 @@ def format_run(run: RunSpec) -> str:
         f"(activations {run.activations}, gradients {run.gradients}"
         f"{f', a subspace of {run.subspace} directions' if run.subspace else ''})",
         f"diloco        H {run.inner_steps}, outer lr {run.outer_lr:g}, momentum {run.momentum:g}, codec {run.codec}, "
-        f"{run.aggregator}",
+        f"{run.aggregator}{f', {run.fragments} fragments' if run.fragments > 1 else ''}",
     ])
 
 
