@@ -12,15 +12,21 @@ asked) and encodes the result; every replica decodes every result (its own shard
 it against its own shard when verification is on (refused: it keeps its own), and applies
 ``OuterOptimizer.outer_step``. Bytes are the lengths of the encoded parts and results a replica
 sends and receives. Replica ``BYZANTINE`` can lie in its parts and in the result it owns.
+With ``fragments`` F (Streaming DiLoCo, ``OuterOptimizer.fragment``) a round every H / F steps
+covers one fragment of the stage; with ``delay`` D the pseudo-gradient is taken D inner steps
+before the outer step is applied, as a node's round overlaps its training (``outer.outer_step``
+keeps the D steps' progress and counts it in the next round).
 Not part of p2pswarm: imported by the bench (``python bench/NAME.py`` puts bench/ on sys.path).
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -192,6 +198,8 @@ class Arm:
     attack: str | None = None  # None, "negate" (-10x its honest shards) or "noise" (Gaussian, same norm)
     owner_attack: bool = True  # the attacker also lies in the result of the shard it owns
     ef_decay: float = 1.0  # the residual's weight in the next round (SparseLoCo's beta; 1: plain error feedback)
+    fragments: int = 1  # Streaming DiLoCo: a round every H / F steps over one of F fragments
+    delay: int = 0  # inner steps between taking the pseudo-gradient and applying the outer step (overlap)
 
 
 @dataclass
@@ -215,7 +223,8 @@ class Stats:
 
 
 def make_replicas(warm: Warm, arm: Arm) -> list[Replica]:
-    config = OuterConfig(inner_steps=arm.inner_steps, lr=arm.outer_lr, momentum=arm.momentum, nesterov=True)
+    config = OuterConfig(inner_steps=arm.inner_steps, lr=arm.outer_lr, momentum=arm.momentum, nesterov=True,
+                         fragments=arm.fragments)
     replicas = []
     for _ in range(N_WORKERS):
         model, opt = from_warm(warm)
@@ -263,15 +272,19 @@ def attacked(honest: torch.Tensor, kind: str, gen: torch.Generator) -> torch.Ten
 
 def encode_parts(replica: Replica, bounds: list, codec: str,
                  ef_decay: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, list[bytes]]:
-    """As ``service._provide_shards``: the flat weights, pseudo-gradient + residual, its encoded shards."""
-    at = flatten(replica.params)
+    """As ``service._provide_shards``: the flat weights, pseudo-gradient + residual, its encoded shards (of the
+    round's fragment: ``bounds`` cut it; the residual is stage-sized)."""
+    fa, fb = replica.outer.fragment()
+    at = flatten(replica.params, bounds=(fa, fb))
     pseudo = replica.outer.pseudo_gradient(at)
     if replica.residual is not None:
-        pseudo = pseudo + ef_decay * replica.residual
+        pseudo = pseudo + ef_decay * replica.residual[fa:fb]
     shards = [encode(pseudo[a:b], codec) for a, b in bounds]
     if codec != "float32":
         sent = torch.cat([decode(s, codec, b - a) for s, (a, b) in zip(shards, bounds)])
-        replica.residual = pseudo - sent
+        if replica.residual is None:
+            replica.residual = torch.zeros(replica.outer.numel)
+        replica.residual[fa:fb] = pseudo - sent
     return at, pseudo, shards
 
 
@@ -296,26 +309,36 @@ def assemble(replica: Replica, pseudo: torch.Tensor, results: list[bytes], bound
     nothing and carries its own part to the next round in its residual (``service._carry``)."""
     shards, refused = [], 0
     check = result_check(len(bounds))
+    fa, fb = replica.outer.fragment()
     for index, (data, (a, b)) in enumerate(zip(results, bounds)):
         result = decode(data, arm.codec, b - a, result=True)
-        sent = pseudo[a:b] - replica.residual[a:b] if _wire(arm.codec) == "sparse" and replica.residual is not None \
+        residual = replica.residual[fa:fb] if replica.residual is not None else None
+        sent = pseudo[a:b] - residual[a:b] if _wire(arm.codec) == "sparse" and residual is not None \
             else None  # our part as sent: a sparse aggregate must hold its direction (offload.refuse_result)
         if arm.verify and index != me and refuse_result(result, pseudo[a:b], check, sent, N_WORKERS) is not None:
             refused += 1
             if replica.residual is None:
-                replica.residual = torch.zeros_like(pseudo)
-            replica.residual[a:b] = pseudo[a:b]
+                replica.residual = torch.zeros(replica.outer.numel)
+            replica.residual[fa + a:fa + b] = pseudo[a:b]
             shards.append(torch.zeros(b - a))
             continue
         shards.append(result)
     return torch.cat(shards), refused
 
 
-def honest_round(replicas: list[Replica], arm: Arm, stats: Stats, step: int) -> None:
+def fragment_numel(replica: Replica) -> int:
+    a, b = replica.outer.fragment()
+    return b - a
+
+
+def honest_round(replicas: list[Replica], arm: Arm, stats: Stats, step: int,
+                 meanwhile: Callable[[], None] = lambda: None) -> None:
     """A round of the honest replicas alone (the liar is barred: service.STRIKES); the liar steps alone."""
     honest, liar = replicas[:BYZANTINE], replicas[BYZANTINE]
-    bounds = shard_bounds(honest[0].outer.numel, len(honest))
+    bounds = shard_bounds(fragment_numel(honest[0]), len(honest))
     prepared = [encode_parts(replica, bounds, arm.codec, arm.ef_decay) for replica in honest]
+    liar_at, liar_pseudo, _ = encode_parts(liar, [(0, fragment_numel(liar))], arm.codec)
+    meanwhile()
     parts = [shards for _, _, shards in prepared]
     results = [combine_shard(i, parts, bounds, arm, stats) for i in range(len(honest))]
     for r, (replica, (at, pseudo, _)) in enumerate(zip(honest, prepared)):
@@ -324,15 +347,17 @@ def honest_round(replicas: list[Replica], arm: Arm, stats: Stats, step: int) -> 
         replica.outer.outer_step(aggregated, at, replica.params, step)
         stats.bytes_sent[r] += sum(len(p) for i, p in enumerate(parts[r]) if i != r)
         stats.bytes_sent[r] += (len(honest) - 1) * len(results[r])
-    at, pseudo, _ = encode_parts(liar, [(0, liar.outer.numel)], arm.codec)
-    liar.outer.outer_step(pseudo, at, liar.params, step)
+    liar.outer.outer_step(liar_pseudo, liar_at, liar.params, step)
     stats.rounds += 1
 
 
-def outer_round(replicas: list[Replica], arm: Arm, bounds: list, stats: Stats, gen: torch.Generator,
-                step: int) -> None:
-    """One butterfly round of every replica (module docstring); ValueError if something is not finite."""
+def outer_round(replicas: list[Replica], arm: Arm, stats: Stats, gen: torch.Generator, step: int,
+                meanwhile: Callable[[], None] = lambda: None) -> None:
+    """One butterfly round of every replica (module docstring); ValueError if something is not finite.
+    ``meanwhile`` trains the inner steps that pass while the round runs (``Arm.delay``)."""
+    bounds = shard_bounds(fragment_numel(replicas[0]), N_WORKERS)
     prepared = [encode_parts(replica, bounds, arm.codec, arm.ef_decay) for replica in replicas]
+    meanwhile()
     parts = [shards for _, _, shards in prepared]
     liar = arm.attack is not None
     if liar:
@@ -366,32 +391,34 @@ def inner_phase(replicas: list[Replica], streams: list[list[torch.Tensor]], star
 
 def run_diloco(warm: Warm, streams: list[list[torch.Tensor]], heldout: list[torch.Tensor], arm: Arm,
                label: str) -> dict:
-    """T inner steps per replica in rounds of H, then held-out of honest replica 0 (module docstring)."""
+    """T inner steps per replica in rounds of H / F (module docstring), then held-out of honest replica 0."""
     replicas = make_replicas(warm, arm)
-    numel = replicas[0].outer.numel
-    bounds, stats = shard_bounds(numel, N_WORKERS), Stats()
+    stats = Stats()
     gen = torch.Generator().manual_seed(ATTACK_SEED)
-    steps, h = len(streams[0]), arm.inner_steps
+    steps, every = len(streams[0]), replicas[0].outer.config.round_steps
     started, stopped, train = time.monotonic(), None, math.nan
     limit = max(warm.train_bits, warm.bpb) + DIVERGED_MARGIN  # far beyond the data's own variation
-    for k in range(steps // h):
-        train = inner_phase(replicas, streams, k * h, h)[0]
+    delay = min(arm.delay, every)
+    for k in range(steps // every):
+        train = inner_phase(replicas, streams, k * every, every - delay)[0]
         if not train <= limit:  # also true for NaN
             stopped = f"training loss {train:.2f} bits/byte after round {k}"
             break
+        meanwhile = functools.partial(inner_phase, replicas, streams, (k + 1) * every - delay, delay) if delay \
+            else (lambda: None)
         try:
             if arm.verify and arm.attack is not None and len(stats.strikes) >= STRIKES:
-                honest_round(replicas, arm, stats, (k + 1) * h)
+                honest_round(replicas, arm, stats, (k + 1) * every, meanwhile)
             else:
                 before = (stats.rejected_byzantine, stats.refused_results)
-                outer_round(replicas, arm, bounds, stats, gen, (k + 1) * h)
+                outer_round(replicas, arm, stats, gen, (k + 1) * every, meanwhile)
                 if (stats.rejected_byzantine, stats.refused_results) != before:
                     stats.strikes.append(k)  # honest replicas refused the liar this round
         except ValueError as exc:
             stopped = f"round {k + 1}: {exc}"
             break
-        if (k + 1) % max(1, steps // h // PROGRESS_PARTS) == 0:
-            log(f"  {label}: outer step {k + 1}/{steps // h}, replica 0 train {train:.3f} bits/byte")
+        if (k + 1) % max(1, steps // every // PROGRESS_PARTS) == 0:
+            log(f"  {label}: outer step {k + 1}/{steps // every}, replica 0 train {train:.3f} bits/byte")
     if stopped:
         log(f"  {label}: stopped, {stopped}")
     return _diloco_result(replicas, heldout, warm, stats, arm, stopped, time.monotonic() - started)

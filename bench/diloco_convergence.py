@@ -22,7 +22,11 @@ Held-out figure: bits per byte of a fixed held-out set of the embedded stdlib co
 
     python bench/diloco_convergence.py [--steps T] [--warm W] [--only sync,diloco,sweep,byzantine] [--h H,...] [--json]
                                        [--codecs float32,int8,sparse,sparse-recut] [--outer LR,MOMENTUM]
-                                       [--ef-decay BETA]
+                                       [--ef-decay BETA] [--fragments F,...] [--delay D]
+
+``--fragments`` runs the diloco part's arms with each F (Streaming DiLoCo: a round every H / F steps over
+one of F fragments); ``--delay`` takes each pseudo-gradient D inner steps before its outer step, as a
+node's round overlaps its training.
 """
 
 from __future__ import annotations
@@ -108,7 +112,8 @@ class Bench:
 
 def arm_label(arm: sim.Arm) -> str:
     text = f"H={arm.inner_steps} {arm.codec} {arm.method}{' +verify' if arm.verify else ''} " \
-           f"outer {arm.outer_lr:g}/{arm.momentum:g}" + (f" EF decay {arm.ef_decay:g}" if arm.ef_decay != 1 else "")
+           f"outer {arm.outer_lr:g}/{arm.momentum:g}" + (f" EF decay {arm.ef_decay:g}" if arm.ef_decay != 1 else "") \
+        + (f" F={arm.fragments}" if arm.fragments > 1 else "") + (f" delay {arm.delay}" if arm.delay else "")
     if arm.attack:
         text += f" attack {arm.attack}{'' if arm.owner_attack else ' (parts only)'}"
     return text
@@ -116,6 +121,9 @@ def arm_label(arm: sim.Arm) -> str:
 
 def focus_arm(lr: float, momentum: float, **kwargs) -> sim.Arm:
     return sim.Arm(FOCUS_H, FOCUS_CODEC, lr, momentum, **kwargs)
+
+
+PACKAGED_DEFENCE = {"int8": "verify + trimmed mean", "sparse": "verify + chunk-clipped mean"}  # a node's, per codec
 
 
 # --- the parts --------------------------------------------------------------------------------
@@ -136,26 +144,35 @@ def part_sweep(bench: Bench) -> tuple[list[dict], tuple[float, float]]:
     return rows, (best["outer_lr"], best["momentum"])
 
 
-def diloco_arms(lr: float, momentum: float, codecs: tuple[str, ...] = CODECS, ef_decay: float = 1.0) -> list[sim.Arm]:
-    """Each codec at each H with the plain mean, but the sparse ones as a node runs them (chunk-clipped mean and
-    verification: the plain mean has no defence); then the packaged int8 defence at FOCUS_H, if int8 is run."""
-    arms = [sim.Arm(h, codec, lr, momentum, ef_decay=ef_decay,
+def diloco_arms(lr: float, momentum: float, codecs: tuple[str, ...] = CODECS, ef_decay: float = 1.0,
+                fragments: tuple[int, ...] = (1,), delay: int = 0) -> list[sim.Arm]:
+    """Each codec at each H and F with the plain mean, but the sparse ones as a node runs them (chunk-clipped mean
+    and verification: the plain mean has no defence); then the packaged int8 defence at FOCUS_H, if int8 is run
+    (and F = 1 is)."""
+    arms = [sim.Arm(h, codec, lr, momentum, ef_decay=ef_decay, fragments=f, delay=delay,
                     **({"method": "chunk_clip", "verify": True} if codec in sim.SPARSE_CODECS else {}))
-            for h in INNER_STEPS for codec in codecs]
-    packaged = FOCUS_CODEC in codecs and FOCUS_H in INNER_STEPS
-    return [*arms, *([focus_arm(lr, momentum, method="trimmed_mean", verify=True)] if packaged else [])]
+            for h in INNER_STEPS for f in fragments for codec in codecs]
+    packaged = FOCUS_CODEC == "int8" and "int8" in codecs and FOCUS_H in INNER_STEPS and 1 in fragments
+    return [*arms, *([focus_arm(lr, momentum, method="trimmed_mean", verify=True, delay=delay)] if packaged else [])]
 
 
-def part_diloco(bench: Bench, outer: tuple[float, float], codecs: tuple[str, ...], ef_decay: float) -> list[dict]:
-    return [dict(bench.run_arm(arm), label=arm_label(arm), arm=arm) for arm in diloco_arms(*outer, codecs, ef_decay)]
+def part_diloco(bench: Bench, outer: tuple[float, float], codecs: tuple[str, ...], ef_decay: float,
+                fragments: tuple[int, ...] = (1,), delay: int = 0) -> list[dict]:
+    return [dict(bench.run_arm(arm), label=arm_label(arm), arm=arm)
+            for arm in diloco_arms(*outer, codecs, ef_decay, fragments, delay)]
 
 
-def part_byzantine(bench: Bench, outer: tuple[float, float]) -> tuple[dict, list[dict]]:
-    honest = bench.run_arm(focus_arm(*outer))
+def part_byzantine(bench: Bench, outer: tuple[float, float], fragments: int = 1, packaged_only: bool = False,
+                   delay: int = 0) -> tuple[dict, list[dict]]:
+    """Each attack against each defence (``packaged_only``: the focus codec's packaged one), at F ``fragments``."""
+    honest = bench.run_arm(focus_arm(*outer, fragments=fragments, delay=delay))
     rows = []
     for attack in ATTACKS:
         for label, method, verify, owner in DEFENCES:
-            arm = focus_arm(*outer, method=method, verify=verify, attack=attack, owner_attack=owner)
+            if packaged_only and label != PACKAGED_DEFENCE.get(FOCUS_CODEC):
+                continue
+            arm = focus_arm(*outer, method=method, verify=verify, attack=attack, owner_attack=owner,
+                            fragments=fragments, delay=delay)
             rows.append(dict(bench.run_arm(arm), attack=attack, defence=label))
     return honest, rows
 
@@ -253,7 +270,18 @@ def parse_args() -> argparse.Namespace:
                         help=f"the diloco part's H values (default {INNER_STEPS})")
     parser.add_argument("--ef-decay", type=float, default=1.0,
                         help="the diloco part's error-feedback decay (SparseLoCo's beta; default 1: none)")
+    parser.add_argument("--fragments", default="1", metavar="F,...",
+                        help="the diloco part's fragment counts (Streaming DiLoCo; default 1: none)")
+    parser.add_argument("--delay", type=int, default=0, metavar="D",
+                        help="inner steps between taking a pseudo-gradient and its outer step (default 0)")
+    parser.add_argument("--packaged-defence", action="store_true",
+                        help="the byzantine part runs only the focus codec's packaged defence, at the last --fragments")
     args = parser.parse_args()
+    if not all(f.isdigit() and int(f) > 0 for f in args.fragments.split(",")):
+        parser.error("--fragments takes positive counts, e.g. 1,5")
+    args.fragments = tuple(int(f) for f in args.fragments.split(","))
+    if args.delay < 0:
+        parser.error("--delay must be non-negative")
     args.codecs = tuple(c for c in args.codecs.split(",") if c)
     if set(args.codecs) - {"float32", "float16", "bfloat16", "int8", *sim.SPARSE_CODECS}:
         parser.error("--codecs takes float32, float16, bfloat16, int8, " + ", ".join(sim.SPARSE_CODECS))
@@ -267,6 +295,8 @@ def parse_args() -> argparse.Namespace:
         if not all(h.isdigit() and int(h) > 0 for h in args.h.split(",")):
             parser.error("--h takes positive H values, e.g. 50,500")
         INNER_STEPS = tuple(int(h) for h in args.h.split(","))
+    if any(h % f for h in INNER_STEPS for f in args.fragments):
+        parser.error("every H must be a multiple of every --fragments count")
     if args.focus is not None:
         codec, _, h = args.focus.partition(",")
         if codec not in {"float32", "float16", "bfloat16", "int8", *sim.SPARSE_CODECS} or not h.isdigit() \
@@ -306,16 +336,17 @@ def header(args: argparse.Namespace) -> dict:
 
 
 def run_parts(bench: Bench, parts: list[str], outer: tuple[float, float], codecs: tuple[str, ...],
-              ef_decay: float = 1.0) -> dict:
+              ef_decay: float = 1.0, fragments: tuple[int, ...] = (1,), delay: int = 0,
+              packaged_only: bool = False) -> dict:
     out: dict = {"outer": outer}
     if "sync" in parts:
         out["sync"] = part_sync(bench)
     if "sweep" in parts:
         out["sweep"], out["outer"] = part_sweep(bench)
     if "diloco" in parts:
-        out["diloco"] = part_diloco(bench, out["outer"], codecs, ef_decay)
+        out["diloco"] = part_diloco(bench, out["outer"], codecs, ef_decay, fragments, delay)
     if "byzantine" in parts:
-        out["honest"], out["byzantine"] = part_byzantine(bench, out["outer"])
+        out["honest"], out["byzantine"] = part_byzantine(bench, out["outer"], fragments[-1], packaged_only, delay)
     return out
 
 
@@ -338,7 +369,8 @@ def main() -> int:
     started = time.monotonic()
     info = header(args)
     bench = Bench(args.steps, args.warm)
-    out = run_parts(bench, args.parts, args.outer, args.codecs, args.ef_decay)
+    out = run_parts(bench, args.parts, args.outer, args.codecs, args.ef_decay, args.fragments, args.delay,
+                    args.packaged_defence)
     info.update(loadavg_end=loadavg(), wall_seconds=round(time.monotonic() - started, 1))
     if args.json:
         out = {k: ([plain(r) for r in v] if isinstance(v, list) else v) for k, v in out.items()}

@@ -10,9 +10,10 @@ verification), the baseline first in the same run. During a window of ``--second
 "training") counts as in-round, the others as training; compute-busy is the share of an
 interval's wall time its engine computed (``computing_s``). Printed per codec: compute-busy in
 rounds and between them (their ratio: 1.0 means rounds cost compute nothing),
-rounds completed, seconds and MB sent per round (p50).
+rounds completed, seconds and MB sent per round (p50). ``--arms`` adds ``int8-f4`` and ``sparse-f4``: the
+same with Streaming DiLoCo's 4 fragments (a round every H / 4 steps over a quarter of the stage).
 
-    PYTHONPATH=. python bench/diloco_line.py [--line home] [--seconds 120]   # as root: network namespaces
+    PYTHONPATH=. python bench/diloco_line.py [--line home] [--seconds 120] [--arms int8,sparse,int8-f4,sparse-f4]
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from p2pswarm.testing.linkswarm import PROFILES, link_swarm, measure
 
 CODECS = {"int8": 'codec = "int8"\naggregator = "trimmed_mean"',  # [diloco] lines: the packaged codec first
           "sparse": 'codec = "sparse"\naggregator = "chunk_clip"'}
+CODECS |= {f"{name}-f4": lines + "\nfragments = 4" for name, lines in CODECS.items()}  # Streaming DiLoCo, F = 4
 POLL = 0.5  # seconds between reads of every peer's /api/diloco
 BOUNDARY = "s16q4"  # the packaged boundary
 
@@ -75,9 +77,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--line", default="home", choices=sorted(PROFILES))
     parser.add_argument("--seconds", type=float, default=120.0)
+    parser.add_argument("--arms", default="int8,sparse", help=f"comma-separated, of {','.join(CODECS)} (the first is "
+                        "the baseline)")
     args = parser.parse_args()
+    arms = [a for a in args.arms.split(",") if a]
+    if not arms or set(arms) - set(CODECS):
+        parser.error(f"--arms takes {','.join(CODECS)}")
     with tempfile.TemporaryDirectory(prefix="diloco-line-") as tmp:
-        results = [run(args.line, codec, args.seconds, Path(tmp)) for codec in CODECS]
+        results = [run(args.line, codec, args.seconds, Path(tmp)) for codec in arms]
     print(f"\n| {args.line}, {args.seconds:.0f} s | compute-busy in rounds | between rounds | ratio | share of time in "
           "rounds | rounds | s a round (p50) | MB sent a round (p50) |")
     print("|---|---|---|---|---|---|---|---|")
