@@ -35,7 +35,7 @@ from p2pswarm.diloco import aggregation
 from p2pswarm.diloco import codec as codecs
 from p2pswarm.diloco.messages import shard_bounds
 from p2pswarm.diloco.offload import refuse_result
-from p2pswarm.diloco.outer import OuterConfig, OuterOptimizer, flatten
+from p2pswarm.diloco.outer import OuterConfig, OuterOptimizer, flatten, shift_flat
 from p2pswarm.diloco.service import STRIKES, result_check
 from p2pswarm.model.catalog import ModelSpec
 from p2pswarm.model.corpus import Corpus, batches, heldout_batches
@@ -431,8 +431,16 @@ def _diloco_result(replicas: list[Replica], heldout: list[torch.Tensor], warm: W
     diff = max((float((flatten(r.params) - first).abs().max()) for r in honest[1:]), default=0.0)
     start_diff = max((float((r.outer.start - honest[0].outer.start).abs().max()) for r in honest[1:]), default=0.0)
     bpb = evaluate(honest[0].model, heldout)
+    agreed = copy.deepcopy(honest[0].model)  # the start weights, what a node evaluates (``engine.agree``): with a
+    params = dict(agreed.named_parameters())  # delay, the live ones also hold the last round's D local steps
+    shift_flat(params, flatten(params), honest[0].outer.start)
+    averaged = copy.deepcopy(honest[0].model)  # the honest replicas' live weights averaged: a last all-reduce of
+    params = dict(averaged.named_parameters())  # everything, which no fragment schedule has at its end
+    shift_flat(params, flatten(params), torch.stack([flatten(r.params) for r in honest]).mean(0))
     numel = honest[0].outer.numel
-    return {"outer_steps": stats.rounds, "bpb": bpb, "bytes_per_worker": sum(stats.bytes_sent) / N_WORKERS,
+    return {"outer_steps": stats.rounds, "bpb": bpb, "bpb_agreed": evaluate(agreed, heldout),
+            "bpb_averaged": evaluate(averaged, heldout),
+            "bytes_per_worker": sum(stats.bytes_sent) / N_WORKERS,
             "formula_bytes_per_round": (N_WORKERS - 1) / N_WORKERS * (encoded_size(arm.codec, numel)
                                                                      + encoded_size(arm.codec, numel, result=True)),
             "rejected_byzantine": stats.rejected_byzantine, "rejected_honest": stats.rejected_honest,

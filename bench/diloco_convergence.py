@@ -98,7 +98,9 @@ class Bench:
             label = arm_label(arm)
             sim.log(f"DiLoCo {label}")
             result = sim.run_diloco(self.warm, self.streams, self.heldout, arm, label)
-            sim.log(f"DiLoCo {label}: held-out {result['bpb']:.4f} after {result['outer_steps']} outer steps "
+            sim.log(f"DiLoCo {label}: held-out {result['bpb']:.4f} (agreed weights {result['bpb_agreed']:.4f}, "
+                    f"replicas averaged {result['bpb_averaged']:.4f}) after "
+                    f"{result['outer_steps']} outer steps "
                     f"({result['seconds']:.0f} s)")
             self.arms[arm] = result
         return self.arms[arm]
@@ -220,11 +222,15 @@ def table_sweep(rows: list[dict], sync: float | None, chosen: tuple[float, float
 
 
 def table_diloco(rows: list[dict], sync: float | None, sync_bytes: float | None, outer: tuple) -> None:
-    body = [[r["label"], r["outer_steps"], bpb(r["bpb"]), ratio(r["bpb"], sync), mb(r["bytes_per_worker"]),
+    body = [[r["label"], r["outer_steps"], bpb(r["bpb"]), bpb(r["bpb_agreed"]), bpb(r["bpb_averaged"]),
+             ratio(r["bpb"], sync),
+             mb(r["bytes_per_worker"]),
              bytes_ratio(r["bytes_per_worker"], sync_bytes), r["rejected_honest"] + r["rejected_byzantine"],
              r["refused_results"], f"{r['max_param_diff']:.1e} / {r['max_start_diff']:.0e}"] for r in rows]
     print_table(f"DiLoCo, 4 replicas, equal tokens, outer lr {outer[0]:g} momentum {outer[1]:g}",
-                ["arm", "outer steps", "held-out bpb", "ratio to sync DP", "bytes per worker", "bytes vs sync DP",
+                ["arm", "outer steps", "held-out bpb", "of the agreed weights", "of the replicas averaged",
+                 "ratio to sync DP", "bytes per worker",
+                 "bytes vs sync DP",
                  "rejected contributions", "refused results", "max replica diff (live / start)"], body)
 
 
