@@ -91,7 +91,7 @@ def main() -> int:
     for r in results:
         ratio = r["busy_in_rounds"] / r["busy_training"] if r["busy_in_rounds"] and r["busy_training"] else None
         print(f"| {r['codec']} | {r['busy_in_rounds']:.3f} | {r['busy_training']:.3f} | "
-              f"{ratio:.3f} | {r['round_wall_share']:.2f} | {r['rounds']} | {r['round_s_p50']} | "
+              f"{ratio:.3f} | {r['round_wall_share']:.2f} | {r['rounds']} | {r['round_s_p50']:.2f} | "
               f"{r['round_mb_p50']:.3f} |" if ratio is not None else f"| {r['codec']} | {r} |")
     return 0
 
