@@ -11,7 +11,7 @@ import logging
 import urllib.parse
 
 from p2pswarm.api import http
-from p2pswarm.api.http import ClientGone, HttpError, error_for, header, send_json
+from p2pswarm.api.http import ClientGone, HttpError, TextReply, error_for, header, send_json, send_text
 from p2pswarm.api.openai_v1 import serve_v1
 from p2pswarm.api.shares import ClientShares
 
@@ -82,4 +82,6 @@ class ApiApp:
         except Exception as exc:  # an exception group from a route's nursery too
             error = error_for(exc, f"status endpoint {path}")
             return await send_json(send, error.status, {"error": str(error)})
+        if isinstance(doc, TextReply):
+            return await send_text(send, 200, doc)
         await send_json(send, 200, doc)

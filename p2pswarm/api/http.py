@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 import trio
 
@@ -26,7 +27,18 @@ REQUEST_TIMEOUT = 5.0  # a client that has not sent its request head in 5 s (or 
 BODY_TIMEOUT = 30.0  # a request body of MAX_BODY_BYTES arrives in 30 s over a ~1 Mbit/s link (408 beyond)
 REPLY_TIMEOUT = 10.0  # a client that will not take a piece of its reply in 10 s is dropped
 
-Routes = dict[str, Callable[[dict[str, str]], Awaitable[dict]]]
+
+
+@dataclass(frozen=True)
+class TextReply:
+    """A route's answer that is not JSON (``GET /metrics``): ``body`` as it is, of ``content_type``."""
+
+    body: bytes
+    content_type: bytes
+
+
+Route = Callable[[dict[str, str]], Awaitable[dict | TextReply]]
+Routes = dict[str, Route]
 CompleterSource = Callable[[], Completer | None]  # read per request: generation may start after the API
 
 JSON = [(b"content-type", b"application/json")]
@@ -69,6 +81,12 @@ async def send_json(send, status: int, body: dict, headers: list | None = None) 
     await send({"type": "http.response.start", "status": status,
                 "headers": JSON + [(b"content-length", str(len(data)).encode())] + (headers or [])})
     await send({"type": "http.response.body", "body": data})
+
+
+async def send_text(send, status: int, reply: TextReply) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", reply.content_type), (b"content-length", str(len(reply.body)).encode())]})
+    await send({"type": "http.response.body", "body": reply.body})
 
 
 def header(scope: dict, name: bytes) -> bytes | None:

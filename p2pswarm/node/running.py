@@ -28,6 +28,8 @@ import trio
 
 from p2pswarm import __version__, wire
 from p2pswarm.allocator import imports_without_collections
+from p2pswarm.api.http import Routes
+from p2pswarm.api.metrics import metrics_route
 from p2pswarm.api.serve import open_api_listeners, serve_api
 from p2pswarm.dht.announce import capacity_flags, stage_record
 from p2pswarm.dht.announcing import serve_announcements
@@ -209,13 +211,14 @@ async def _join_dht(state: NodeState, nursery: trio.Nursery, rng: random.Random,
     reached = await join_network(host, state.kad, bootstrap_infos, BOOTSTRAP_DIAL_TIMEOUT)
     log.info("joined the DHT through %d bootstrap peer(s); routing table holds %d",
              reached, state.kad.get_routing_table_size())
-    routes = {}
+    routes: Routes = {}
     nursery.start_soon(state.index.serve_store_pruning)
     nursery.start_soon(serve_routing_upkeep, host, state.kad, bootstrap_infos)
     nursery.start_soon(state.nat.serve_reachability, functools.partial(_meet_peers, state, rng))
     if api_listeners:  # up before our stage is ready: loading it may take minutes, and status shows it meanwhile
         ping = PingRoute(host, state.connector, state.control, state.stage_map.addrs_of)
-        routes.update({"/api/stats": state.stats_json, **state.stage_map.routes(), **ping.routes()})
+        routes.update({"/api/stats": state.stats_json, **state.stage_map.routes(), **ping.routes(),
+                       "/metrics": metrics_route(routes)})  # (reads the routes when scraped: the stage's come later)
         serve = functools.partial(serve_api, api_listeners, routes, token=config.api_token,
                                   completer=lambda: getattr(state, "completer", None))  # /v1 once it is set
         state.api_address = await nursery.start(serve)
