@@ -21,7 +21,9 @@ STATS = {"uptime_s": 12.5, "connected_peers": ["a", "b"], "routing_table_size": 
          "connect": {"direct": {"attempts": 4, "successes": 3, "failures": 1}, "relay": {"attempts": 2},
                      "holepunch": None, "reused": 7},
          "pool": {"frames_sent": 10, "payload_bytes_sent": 2048, "relay": {"circuits": [{"peer": "x"}]}},
-         "rebalance": {"moves": 2}}
+         "rebalance": {"moves": 2},
+         "relay": {"reservations_active": 5, "circuits_active": 2, "circuits_closed_at_duration": 1,
+                   "refused": {"per_ip": 3}}}
 SWARM = {"stage": 1, "tokens": 6912, "step": 27, "micro_batches": 27, "tokens_per_s": 2451.9,
          "train_loss_bpb": None, "heldout_bpb": 5.25, "engine": {"busy_fraction": 0.63},
          "inbound": {"items": 2, "capacity": 64, "refused": 0}, "delivery": {"sent": 30, "lost": 1},
@@ -59,6 +61,8 @@ def test_the_documents_become_counters_and_gauges_with_their_labels():
     assert got[("p2pswarm_micro_batches_lost_total", (("stage", "1"),))] == 1
     assert got[("p2pswarm_buffer_items", (("buffer", "inbound"), ("stage", "1")))] == 2
     assert got[("p2pswarm_moves_total", ())] == 2 and got[("p2pswarm_backups_held", ())] == 1
+    assert got[("p2pswarm_relay_reservations", ())] == 5 and got[("p2pswarm_relay_service_circuits", ())] == 2
+    assert got[("p2pswarm_relay_refused_total", (("reason", "per_ip"),))] == 3
 
 
 def test_a_bootstrap_without_a_stage_has_only_the_node_families():

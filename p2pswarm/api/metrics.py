@@ -104,6 +104,18 @@ def _node(f: _Families, stats: Mapping) -> None:
     f.gauge("relay_circuits", "Relayed circuits this node's pool uses", _count(_sub(pool, "relay").get("circuits")))
     rebalance = _sub(stats, "rebalance")
     f.counter("moves", "Moves of this peer to another stage (rebalancing)", rebalance.get("moves"))
+    _relay(f, _sub(stats, "relay"))
+
+
+def _relay(f: _Families, relay: Mapping) -> None:
+    """A relay node's service (``nat/relay_service.RelayBook.stats``; empty on other nodes)."""
+    f.gauge("relay_reservations", "Reservations this relay holds now", relay.get("reservations_active"))
+    f.gauge("relay_service_circuits", "Circuits this relay carries now", relay.get("circuits_active"))
+    f.counter("relay_circuits_closed_at_limit", "Circuits this relay ended at their time limit",
+              relay.get("circuits_closed_at_duration"))
+    refused = relay.get("refused")
+    for reason, value in sorted(refused.items()) if isinstance(refused, Mapping) else ():
+        f.counter("relay_refused", "Reservations and circuits this relay refused, by reason", value, reason=reason)
 
 
 def _swarm(f: _Families, doc: Mapping) -> None:
