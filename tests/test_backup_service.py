@@ -272,6 +272,30 @@ def test_a_loaded_backup_is_our_weights_and_outer_state_and_announced_with_its_d
     assert s.loader.agreed_claim() == (7, digest(data))  # every replica that loads it announces what the holders hold
 
 
+def test_a_split_takes_only_the_backup_its_record_claims_never_the_snapshot_instead(monkeypatch):
+    """A met replica claims our round with a smaller agreed digest but does not serve that backup: we take
+    nothing this round (its hot snapshot is bound by no claim), and try again at the next."""
+    peer = "12D3KooWsplit"
+    stage_map = SimpleNamespace(stages={STAGE: [record(peer, STAGE, agreed=(3, b"\x00" * 32))]})
+    s = DilocoService(settings=DilocoSettings(), spec=SPEC, stage=STAGE, me="me", pool=None, stage_map=stage_map,
+                      run=RUN)
+    s.loader.agreed_backup = snapshots.Snapshot(b"ours", 3, 0, 0.0)  # our claim: round 3, another digest
+    asked, snapshots_loaded = [], []
+
+    async def no_backup(pool, peer, *args, digest=b"", **kwargs):
+        asked.append((peer, digest))
+        raise DialError("not served")
+
+    async def catch_up(peers, rebase=False):
+        snapshots_loaded.append(peers)
+
+    monkeypatch.setattr(snapshots, "fetch_snapshot", no_backup)
+    monkeypatch.setattr(s.loader, "catch_up", catch_up)
+    assert trio.run(s.loader.settle_split, frozenset({peer})) is None
+    assert asked == [(peer, b"\x00" * 32)] and snapshots_loaded == [] and s.counts["splits"] == 1
+    assert trio.run(s.loader.settle_split, frozenset()) is None and len(asked) == 1  # not met: no split
+
+
 def test_a_backup_that_cannot_be_written_is_not_held(tmp_path):
     data = backup_bytes(2)
     blocked = tmp_path / "file"

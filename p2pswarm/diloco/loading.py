@@ -149,18 +149,20 @@ class StageLoader:
     async def settle_split(self, met: frozenset[str]) -> dict | None:
         """Where a replica we meet holds other agreed weights at our round (``policy.diverged_from``: the
         stage split), take its agreed state, our progress since our last round on top. The records are
-        those of the round's start (``DilocoService`` refreshed them). Where it came from; None: no split."""
+        those of the round's start (``DilocoService`` refreshed them). Only the backup that hashes to the digest
+        its signed record claims is taken, never its hot snapshot instead (whose content no claim binds): a
+        fetch that fails leaves the split to the next round. Where it came from; None: nothing loaded."""
         record = diverged_from(self.agreed_claim(), self._stage_map.stages.get(self.stage, []), met)
         if record is None or record.agreed is None:
             return None
         self.counts["splits"] += 1
         log.warning("stage %d split: our agreed weights of outer round %d differ from %s's; we take its agreed "
                     "state", self.stage, record.agreed[0], record.peer_id)
-        return await self.rebase_on_agreed(record.peer_id, *record.agreed)
+        return await self.rebase_on_agreed(record.peer_id, *record.agreed, or_snapshot=False)
 
-    async def rebase_on_agreed(self, peer: str, round_: int, digest: bytes) -> dict | None:
-        """Fetch ``peer``'s agreed backup of ``round_`` by ``digest`` and rebase on it (``_rebase``); its hot
-        snapshot if that fails. Where it came from; None: nothing loaded."""
+    async def rebase_on_agreed(self, peer: str, round_: int, digest: bytes, or_snapshot: bool = True) -> dict | None:
+        """Fetch ``peer``'s agreed backup of ``round_`` by ``digest`` and rebase on it (``_rebase``); if that
+        fails, its hot snapshot (``or_snapshot``) or nothing. Where it came from; None: nothing loaded."""
         try:
             fetched = await snapshots.fetch_snapshot(
                 self._pool, peer, self.spec.name, self.stage, run=self.run_id, digest=digest,
@@ -169,9 +171,9 @@ class StageLoader:
                                        self.run_id.hex(), round_)
             state = await trio.to_thread.run_sync(decode)
         except (DialError, ProtocolError) as exc:
-            log.warning("could not load the agreed backup of round %d from %s: %s; its snapshot instead",
-                        round_, peer, exc)
-            return await self.catch_up([peer], rebase=True)
+            log.warning("could not load the agreed backup of round %d from %s: %s%s", round_, peer, exc,
+                        "; its snapshot instead" if or_snapshot else "; we try again at our next round")
+            return await self.catch_up([peer], rebase=True) if or_snapshot else None
         # round_started_step 0: _rebase sets it to our engine's step
         outer_state = backup_core.outer_state(state, 0, dataclasses.asdict(outer_config(self.settings)))
         async with self.replica.state_lock:
