@@ -193,8 +193,9 @@ def test_punch_book_example():
     summary = book.summary()
     assert summary["attempts"] == 3 and summary[FAILED] == 2 and summary[PUNCHED] == 1
     assert summary["upgrade_p50_ms"] == summary["upgrade_p95_ms"] == 2000.0
+    assert book.punched == {"p"}  # its direct connection shows as holepunched (net.connect.path_kinds)
     book.forget("p")
-    assert book.due("p", now) and book.known() == []
+    assert book.due("p", now) and book.known() == [] and not book.punched
 
 
 def test_the_machine_never_asks_for_an_instant_that_rounds_onto_the_deadline():

@@ -34,6 +34,7 @@ from p2pswarm.dht.records import (
     MAX_BACKUP_CLAIMS,
     MAX_FREE_MEMORY_MB,
     MAX_LAYERS,
+    MAX_LOSS_BPB,
     MAX_MODEL_CHARS,
     MAX_PEER_ID_CHARS,
     MAX_QUEUE_DEPTH,
@@ -81,6 +82,8 @@ capacity_st = st.builds(
     st.integers(0, FLAGS_LIMIT - 1),
     st.floats(0, MAX_THROUGHPUT),
     st.integers(0, 2**63 - 1),
+    st.floats(0, MAX_LOSS_BPB),
+    st.floats(0, MAX_LOSS_BPB),
 )
 timestamps_st = st.one_of(st.floats(0, MAX_TIMESTAMP), st.integers(0, int(MAX_TIMESTAMP)))
 ttls_st = st.one_of(st.floats(MIN_TTL, MAX_TTL), st.integers(int(MIN_TTL), int(MAX_TTL)))
@@ -276,6 +279,20 @@ def test_the_outer_round_travels_and_is_left_out_when_zero():
     later = replace(BASE, capacity=replace(BASE.capacity, outer_round=17))
     assert cbor2.loads(sign_record(later, ALICE))["r"]["cap"]["round"] == 17
     assert verify_record(sign_record(later, ALICE)) == later
+
+
+def test_a_last_stage_s_losses_travel_and_are_left_out_when_zero():
+    from dataclasses import replace
+
+    assert "loss" not in base_body()["cap"] and "held" not in base_body()["cap"]  # older readers: as always
+    later = replace(BASE, capacity=replace(BASE.capacity, train_loss_bpb=2.5, heldout_bpb=2.75))
+    assert cbor2.loads(sign_record(later, ALICE))["r"]["cap"]["loss"] == 2.5
+    assert verify_record(sign_record(later, ALICE)) == later
+    for bad in (-1.0, math.nan, math.inf, MAX_LOSS_BPB * 2):
+        body = base_body()
+        body["cap"] = {**body["cap"], "loss": bad}
+        with pytest.raises(RemoteProtocolError):
+            verify_record(resign(body))
 
 
 def test_agreed_and_backups_travel_and_are_left_out_when_empty():

@@ -1,5 +1,6 @@
-"""The API's ASGI app (no web framework): authentication, the JSON GET routes, the ``/v1`` routes
-(``openai_v1.py``), bounded request bodies, and every error as a status with a JSON body.
+"""The API's ASGI app (no web framework): the dashboard's files (``dashboard.py``), authentication, the
+JSON GET routes, the ``/v1`` routes (``openai_v1.py``), bounded request bodies, and every error as a
+status with a JSON body.
 
 The app never raises into hypercorn: a bug in a route is a 500 and a log line.
 """
@@ -10,7 +11,7 @@ import hmac
 import logging
 import urllib.parse
 
-from p2pswarm.api import http
+from p2pswarm.api import dashboard, http
 from p2pswarm.api.http import ClientGone, HttpError, TextReply, error_for, header, send_json, send_text
 from p2pswarm.api.openai_v1 import serve_v1
 from p2pswarm.api.shares import ClientShares
@@ -59,6 +60,9 @@ class ApiApp:
         return self.token is None or (scheme.lower() == b"bearer" and hmac.compare_digest(credentials, self.token))
 
     async def dispatch(self, scope, receive, send) -> None:
+        page = dashboard.asset(scope["path"]) if scope["method"] in ("GET", "HEAD") else None
+        if page is not None:  # the dashboard's files: no data in them, so no token (api/dashboard.py)
+            return await send_text(send, 200, page)
         if not self.authorized(scope):
             raise HttpError(401, "this API needs 'Authorization: Bearer TOKEN' with the node's --api-token",
                             "invalid_api_key")

@@ -35,6 +35,7 @@ class TextReply:
 
     body: bytes
     content_type: bytes
+    headers: tuple[tuple[bytes, bytes], ...] = ()  # more response headers (the dashboard's security headers)
 
 
 Route = Callable[[dict[str, str]], Awaitable[dict | TextReply]]
@@ -85,7 +86,8 @@ async def send_json(send, status: int, body: dict, headers: list | None = None) 
 
 async def send_text(send, status: int, reply: TextReply) -> None:
     await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", reply.content_type), (b"content-length", str(len(reply.body)).encode())]})
+                "headers": [(b"content-type", reply.content_type), (b"content-length", str(len(reply.body)).encode()),
+                            *reply.headers]})
     await send({"type": "http.response.body", "body": reply.body})
 
 

@@ -170,6 +170,7 @@ def _wait_formed(members: list[Peer], processes: list[subprocess.Popen], n_stage
         if len(served) == n_stages:
             print(f"demo: every stage served after {time.monotonic() - started:.1f} s; training "
                   f"(try: p2pswarm status --api {members[0].api})", flush=True)
+            print(f"demo: live dashboard at http://{members[0].api}/ (every peer's API serves one)", flush=True)
             return True
         time.sleep(POLL_PERIOD)
     print(f"demo: the stages were not all served within {FORM_TIMEOUT:.0f} s", file=sys.stderr)

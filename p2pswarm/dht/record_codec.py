@@ -12,7 +12,8 @@ keys it coincides with the core deterministic order of 4.2.1)::
 
     {"v": 3, "r": body, "s": signature}
     body = {"peer": str, "addrs": [str, ...], "run": str, "model": str, "stage": int, "start": int, "end": int,
-            "cap": {"mem": int, "queue": int, "flags": int, ?"tput": float, ?"round": int},
+            "cap": {"mem": int, "queue": int, "flags": int, ?"tput": float, ?"round": int, ?"loss": float,
+                    ?"held": float},
             "ts": float, "ttl": float, ?"agreed": [int, bytes], ?"backups": [int, int, bytes, ...],
             ?"worked": [str, int, ...]}
     signature = Ed25519(SIGNATURE_DOMAIN + canonical CBOR of body), by the key in body["peer"]
@@ -68,7 +69,7 @@ ED25519_SIGNATURE_BYTES = 64  # fixed size of an Ed25519 signature
 
 _MESSAGE_KEYS = frozenset({"v", "r", "s"})
 _BODY_KEYS = frozenset({"peer", "addrs", "run", "model", "stage", "start", "end", "cap", "ts", "ttl"})
-_CAPACITY_KEYS = frozenset({"mem", "queue", "flags"})  # required; "tput" and "round" are optional
+_CAPACITY_KEYS = frozenset({"mem", "queue", "flags"})  # required; "tput", "round", "loss", "held" optional
 
 
 def sign_record(record: StageRecord, identity) -> bytes:
@@ -169,8 +170,8 @@ def _record_from_body(body: Any) -> StageRecord:
     _check_keys(cap, _CAPACITY_KEYS, MAX_CAPACITY_KEYS, "capacity")
     if type(addrs) is not list:
         raise RemoteProtocolError("stage record addrs must be an array")
-    throughput = cap.get("tput", 0.0)
-    capacity = Capacity(cap["mem"], cap["queue"], cap["flags"], throughput, cap.get("round", 0))
+    throughput, loss, held = cap.get("tput", 0.0), cap.get("loss", 0.0), cap.get("held", 0.0)
+    capacity = Capacity(cap["mem"], cap["queue"], cap["flags"], throughput, cap.get("round", 0), loss, held)
     agreed, backups = _agreed_from_body(body.get("agreed", _ABSENT)), _claims_from_body(body.get("backups", []))
     record = StageRecord(body["peer"], tuple(addrs), body["model"], body["stage"], body["start"], body["end"],
                          capacity, body["ts"], body["ttl"], body["run"], agreed, backups,
@@ -179,7 +180,8 @@ def _record_from_body(body: Any) -> StageRecord:
     if problem is not None:
         raise RemoteProtocolError(f"invalid stage record: {problem}")
     return replace(record, timestamp=float(record.timestamp), ttl=float(record.ttl),
-                   capacity=replace(capacity, throughput=float(throughput)))
+                   capacity=replace(capacity, throughput=float(throughput), train_loss_bpb=float(loss),
+                                    heldout_bpb=float(held)))
 
 
 def _agreed_from_body(value: object) -> tuple[int, bytes] | None:
@@ -222,7 +224,9 @@ def _body(record: StageRecord) -> dict:
     return {"peer": record.peer_id, "addrs": list(record.addrs), "run": record.run, "model": record.model,
             "stage": record.stage, "start": record.start, "end": record.end,
             "cap": {"mem": cap.free_memory_mb, "queue": cap.queue_depth, "flags": cap.flags,
-                    "tput": float(cap.throughput), **({"round": cap.outer_round} if cap.outer_round else {})},
+                    "tput": float(cap.throughput), **({"round": cap.outer_round} if cap.outer_round else {}),
+                    **({"loss": float(cap.train_loss_bpb)} if cap.train_loss_bpb else {}),
+                    **({"held": float(cap.heldout_bpb)} if cap.heldout_bpb else {})},
             "ts": float(record.timestamp), "ttl": float(record.ttl),
             **({"agreed": list(record.agreed)} if record.agreed is not None else {}),
             **({"backups": _flat_claims(record.backups)} if record.backups else {}),

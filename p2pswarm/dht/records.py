@@ -42,6 +42,7 @@ RUN_BYTES = RUN_CHARS // 2  # the identity as activation, DiLoCo and snapshot re
 UNNAMED_RUN_BYTES = bytes.fromhex(UNNAMED_RUN)  # ... and the unnamed run so
 MAX_OUTER_ROUND = 2**63 - 1  # outer rounds count up for a whole run: any u63 is fine
 MAX_THROUGHPUT = 1e12  # tokens/s; far beyond any peer, keeps the value a sane finite float
+MAX_LOSS_BPB = 1000.0  # bits per byte; a byte model at chance scores 8, a diverged one far more (shown only)
 MAX_FREE_MEMORY_MB = 2**32 - 1  # fits a uint32 in any implementation; 4 PB is beyond any peer
 MAX_QUEUE_DEPTH = 2**32 - 1  # fits a uint32 in any implementation
 PLAUSIBLE_FREE_MEMORY_MB = 2 * 1024 * 1024  # 2 TiB: the largest single hosts; ranking counts no more
@@ -75,6 +76,8 @@ class Capacity:
     flags: int = 0  # FLAG_* bitfield, 0 <= flags < FLAGS_LIMIT
     throughput: float = 0.0  # tokens/s recently processed, 0 when unknown (optional on the wire)
     outer_round: int = 0  # DiLoCo outer rounds completed by this replica (optional on the wire, "round")
+    train_loss_bpb: float = 0.0  # a last stage's training loss, bits per byte; 0: none (optional, "loss")
+    heldout_bpb: float = 0.0  # a last stage's latest held-out loss, bits per byte; 0: none (optional, "held")
 
 
 @dataclass(frozen=True)
@@ -189,6 +192,8 @@ def record_problem(record: StageRecord) -> str | None:
         and _is_int(capacity.flags, 0, FLAGS_LIMIT - 1)
         and _is_number(capacity.throughput, 0, MAX_THROUGHPUT)
         and _is_int(capacity.outer_round, 0, MAX_OUTER_ROUND)
+        and _is_number(capacity.train_loss_bpb, 0, MAX_LOSS_BPB)
+        and _is_number(capacity.heldout_bpb, 0, MAX_LOSS_BPB)
     ):
         return f"capacity {shown(capacity)} is out of bounds"
     if not _is_number(record.timestamp, 0, MAX_TIMESTAMP):

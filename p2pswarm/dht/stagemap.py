@@ -312,6 +312,7 @@ def _record_doc(record: StageRecord, now: float) -> dict:
     return {"peer_id": record.peer_id, "addrs": list(record.addrs), "queue_depth": cap.queue_depth,
             "free_memory_mb": cap.free_memory_mb, "flags": cap.flags, "throughput": cap.throughput,
             "outer_round": cap.outer_round, "agreed_round": None if record.agreed is None else record.agreed[0],
+            "train_loss_bpb": cap.train_loss_bpb or None, "heldout_bpb": cap.heldout_bpb or None,
             "expires_in_s": round(record.expires_at - now, 1)}
 
 

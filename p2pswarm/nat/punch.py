@@ -44,6 +44,7 @@ class PunchBook:
     next_try: dict[str, float] = field(default_factory=dict)
     running: set[str] = field(default_factory=set)
     outcomes: dict[str, int] = field(default_factory=lambda: {UNILATERAL: 0, PUNCHED: 0, FAILED: 0})
+    punched: set[str] = field(default_factory=set)  # peers a punch of ours reached directly (path_kinds)
     refused: int = 0  # DCUtR streams from a peer that should not have initiated
     seconds: deque[float] = field(default_factory=lambda: deque(maxlen=SAMPLE_WINDOW))
 
@@ -61,10 +62,13 @@ class PunchBook:
         self.outcomes[outcome] += 1
         if outcome != FAILED:
             self.seconds.append(seconds)
+        if outcome == PUNCHED:
+            self.punched.add(peer)
         self.next_try[peer] = now + self.backoff
 
     def forget(self, peer: str) -> None:
         """The peer is gone: a later relayed connection from it gets a fresh budget."""
+        self.punched.discard(peer)
         if peer not in self.running:
             self.tries.pop(peer, None)
             self.next_try.pop(peer, None)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import trio
 
@@ -92,6 +92,18 @@ def is_inbound(conn) -> bool:
 
 def has_direct(host, peer_id) -> bool:
     return any(not is_relayed(c) for c in connections_to(host, peer_id))
+
+
+def path_kinds(host, punched: Collection[str] = ()) -> dict[str, str]:
+    """Each connected peer's path as this node sees it: ``direct``, ``holepunched`` (a direct connection
+    to a peer we punched to, ``punched``) or ``relayed`` (through a relay's circuit only)."""
+    kinds = {}
+    for peer_id in host.get_connected_peers():
+        conns, peer = connections_to(host, peer_id), str(peer_id)
+        if conns:
+            direct = any(not is_relayed(c) for c in conns)
+            kinds[peer] = ("holepunched" if peer in punched else "direct") if direct else "relayed"
+    return kinds
 
 
 def remote_ip(host, peer_id) -> str | None:

@@ -77,6 +77,7 @@ from p2pswarm.run.placement import free_device_memory_mb
 from p2pswarm.run.spec import RunSpec
 from p2pswarm.swarm import activation, inference
 from p2pswarm.swarm.generation import SwarmCompleter
+from p2pswarm.swarm.status import reported_losses
 
 if TYPE_CHECKING:  # libp2p is imported when a host is built; the services import torch (a training peer only)
     from libp2p.abc import IHost
@@ -162,10 +163,12 @@ class NodeState:
         device = self.config.training.placement.device
         on_device = self.config.serves_layers and device != "cpu"
         free = free_device_memory_mb(device) if on_device else free_memory_mb()
+        train, heldout = reported_losses(self.swarm) if self.swarm else (0.0, 0.0)  # shown on dashboards
         return Capacity(free_memory_mb=free, queue_depth=sum(load() for load in self.load_sources),
                         flags=flags | (FLAG_SNAPSHOT if self.diloco else 0) | (FLAG_GPU if on_device else 0),
                         throughput=round(self.swarm.throughput(), 1) if self.swarm else 0.0,
-                        outer_round=self.diloco.outer_round() if self.diloco else 0)
+                        outer_round=self.diloco.outer_round() if self.diloco else 0, train_loss_bpb=train,
+                        heldout_bpb=heldout)
 
     def signed_record(self, now: float, ttl: float = RECORD_TTL) -> tuple[StageRecord, bytes]:
         assert self.nat is not None and self.run is not None and self.stage is not None, \

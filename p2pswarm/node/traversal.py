@@ -22,6 +22,7 @@ from p2pswarm.nat.reachability import Reachability, ReachabilityTracker
 from p2pswarm.nat.relay_client import RelayPicker, serve_relay_reservations
 from p2pswarm.nat.relay_service import RelayBook, RelayConfig, serve_relay
 from p2pswarm.nat.stun import StunReport, classify_nat
+from p2pswarm.net.connect import path_kinds
 from p2pswarm.net.host import listen_addrs, peer_info_from_multiaddr, set_extra_addrs
 from p2pswarm.node.config import NodeConfig, Role
 
@@ -145,6 +146,7 @@ class NatTraversal:
             "relay": self.relay.book.stats(time.monotonic()) if self.relay is not None else None,
             "relays": self.relay_picker.stats(now) if self.relay_picker is not None else [],
             "circuit_addrs": [f"{a}/p2p/{peer_id}" for a in self.circuit_addrs],
+            "paths": path_kinds(self._host, self.holepunch.book.punched if self.holepunch else ()),
         }
 
 

@@ -9,6 +9,7 @@ import time
 
 import trio
 
+from p2pswarm.dht.records import MAX_LOSS_BPB
 from p2pswarm.swarm.evaluation import agreement
 
 
@@ -38,6 +39,14 @@ def swarm_doc(svc) -> dict:
         "delivery": svc.deliverer.stats() if svc.deliverer else {},
         "inference": svc.inference.doc() if svc.inference else {},
     }
+
+
+def reported_losses(svc) -> tuple[float, float]:
+    """(train, held-out) loss in bits per byte as our stage record reports them (``dht.records.Capacity``):
+    a last stage's, rounded; 0.0 for none, or for one outside the record's bounds."""
+    latest = svc.evals.latest()
+    values = (svc.train_loss_bpb, latest.bits_per_byte if latest else None)
+    return tuple(round(v, 4) if v is not None and 0 < v <= MAX_LOSS_BPB else 0.0 for v in values)  # type: ignore[return-value]
 
 
 def _heldout(history) -> list[dict]:
