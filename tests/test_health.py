@@ -29,6 +29,8 @@ counts_st = st.dictionaries(st.integers(0, N_STAGES - 1), st.integers(0, 4))
 # a run of observations: each a gap in seconds since the previous one and the counts seen (absent: unknown)
 runs_st = st.lists(st.tuples(st.floats(0.0, 3 * FLAP_S), counts_st), max_size=40)
 
+HINT = "; more peers on it would help (p2pswarm join --layers auto)"  # what a warning tells the operator
+
 
 def timed(run):
     now, out = 0.0, []
@@ -102,8 +104,9 @@ def test_a_flap_within_the_hold_is_not_reported_and_a_loss_that_holds_is():
 
 
 def test_change_lines():
-    assert Change(1, Health.HEALTHY, Health.DOWN, 0, 2).message() == "stage 1 is down: 0 live replicas (was healthy: 2)"
-    assert Change(2, None, Health.DEGRADED, 1).message() == "stage 2 is degraded: 1 live replica"
+    down = Change(1, Health.HEALTHY, Health.DOWN, 0, 2)
+    assert down.message() == "stage 1 is down: 0 live replicas (was healthy: 2)" + HINT
+    assert Change(2, None, Health.DEGRADED, 1).message() == "stage 2 is degraded: 1 live replica" + HINT
     assert Change(2, None, Health.DEGRADED, 1).log_level == logging.WARNING
 
 

@@ -353,7 +353,8 @@ def test_a_peer_of_another_run_has_its_tensors_refused_once_logged(caplog):
                 assert isinstance(reply, wire.ErrorReply) and reply.code == "other-run"
         refusals = [r.getMessage() for r in caplog.records if "refusing its tensors" in r.getMessage()]
         assert refusals == [f"peer 12D3KooWthem is training run {theirs.identity}, we train run {ours.identity} "
-                            f"(tiny-lm): refusing its tensors"]
+                            f"(tiny-lm): refusing its tensors (peers must train the same run: the same --run file, "
+                            "or the same model and DiLoCo flags)"]
         assert len(receiver.inbound) == 0 and receiver.counts["other_run_frames"] == 2
         assert receiver.counts["garbage_frames"] == 0 and not receiver._banned
         (good,), _ = friend._compute(Job(dataclasses.replace(work, key=(b"t" * 16, 0)), None))
@@ -378,4 +379,5 @@ def test_a_replica_of_another_run_is_never_met(caplog):
         assert not service._our_run("them", hello) and not service._our_run("them", hello)
     assert service._our_run("friend", dataclasses.replace(hello, run=ours.run_bytes))
     assert [r.getMessage() for r in caplog.records if "outer rounds" in r.getMessage()] == [
-        f"peer them is training run {theirs.identity}, we train run {ours.identity}: refusing its outer rounds"]
+        f"peer them is training run {theirs.identity}, we train run {ours.identity}: refusing its outer rounds "
+        "(replicas must train the same run: the same --run file, or the same model and DiLoCo flags)"]

@@ -51,7 +51,8 @@ async def serve_announcements(index: StageIndex, signed_record: Callable[[float,
                 level = logging.DEBUG
         ttl = discovery.announce_ttl(ttl, cut=not accepted)  # cut, failed, or no store took it: live longer
         if scope.cancelled_caught:
-            log.warning("announcing stage %d took over %.0f s; again now, the record for %.0f s", record.stage,
+            log.warning("announcing stage %d took over %.0f s; again now, the record for %.0f s (a loaded machine or a "
+                        "slow line: peers may miss us for a while)", record.stage,
                         ANNOUNCE_PERIOD, ttl)
         with trio.move_on_at(next_at):
             if stage_map is not None:

@@ -102,7 +102,7 @@ async def join_network(host, kad, bootstrap_infos, timeout: float) -> int:
         try:
             await connect(host, info, timeout)
         except DialError as exc:
-            log.warning("bootstrap peer unreachable: %s", exc)
+            log.warning("bootstrap peer unreachable: %s (check the --bootstrap address and that the node is up)", exc)
             continue
         await kad.add_peer(info.peer_id)
         reached += 1

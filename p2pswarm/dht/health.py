@@ -80,7 +80,8 @@ class Change:
         was = "" if self.before is None else f" (was {self.before.value}: {self.replicas_before})"
         if self.after is Health.HEALTHY and self.before is not None:
             return f"stage {self.stage} is healthy again: {_replicas(self.replicas)}{was}"
-        return f"stage {self.stage} is {self.after.value}: {_replicas(self.replicas)}{was}"
+        hint = "" if self.after is Health.HEALTHY else "; more peers on it would help (p2pswarm join --layers auto)"
+        return f"stage {self.stage} is {self.after.value}: {_replicas(self.replicas)}{was}{hint}"
 
 
 def _replicas(n: int) -> str:

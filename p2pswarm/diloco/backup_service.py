@@ -107,6 +107,7 @@ class BackupService:
         self.partials = snapshots.PartialFetches()  # refreshes cut short: the next try at that digest resumes
         self._last_fetch: dict[int, tuple[float, float]] = {}  # stage -> (end, seconds) of its last refresh's fetch
         self.bytes_fetched = self.bytes_served = 0
+        self.taken = 0  # backups taken (refreshes completed): /api/backups "taken"
         self.refused: Counter = Counter()  # why, counted
         self.recent_refusals: collections.deque = collections.deque(maxlen=RECENT_REFUSALS)
 
@@ -216,7 +217,8 @@ class BackupService:
             self.refused["over_budget"] += 1
             if stage not in self._over_budget_logged:
                 self._over_budget_logged.add(stage)
-                log.warning("the backup of stage %d (%.1f MB) does not fit the backup budget (%.1f MB): not held",
+                log.warning("the backup of stage %d (%.1f MB) does not fit the backup budget (%.1f MB): not held "
+                            "(raise --backup-budget-mb to hold it)",
                             stage, len(data) / 1e6, self.budget.limit_bytes / 1e6)
             return
         snapshot = snapshots.Snapshot(data, round_, 0, trio.current_time())
@@ -227,12 +229,14 @@ class BackupService:
                 await trio.to_thread.run_sync(self._write, stage, snapshot, old)
             except OSError as exc:  # a full or read-only disk: not held (we could not keep it across a restart)
                 self.refused["disk"] += 1
-                log.warning("could not store the backup of stage %d in %s: %s", stage, self.directory, exc)
+                log.warning("could not store the backup of stage %d in %s: %s (check the free space and permissions "
+                            "of --data-dir)", stage, self.directory, exc)
                 return
         self._held[stage] = Held(stage, snapshot, time.time(), source)
+        self.taken += 1
         if old is not None:
             self._previous[stage] = old.snapshot
-        log.info("holding the backup of stage %d: outer round %d from %s (%.1f MB)", stage, round_, source,
+        log.debug("holding the backup of stage %d: outer round %d from %s (%.1f MB)", stage, round_, source,
                  len(data) / 1e6)
 
     def _drop(self, stage: int) -> None:
@@ -252,7 +256,7 @@ class BackupService:
         self.refused[why] += 1
         self.recent_refusals.append({"peer": peer, "stage": stage, "why": why, "detail": str(exc)[:200],
                                      "at": round(time.time(), 1)})
-        (log.info if why == "unreachable" else log.warning)("backup of stage %d from %s %s: %s", stage, peer, why, exc)
+        (log.debug if why == "unreachable" else log.warning)("backup of stage %d from %s %s: %s", stage, peer, why, exc)
 
     # --- disk --------------------------------------------------------------------------------------
 
@@ -276,7 +280,7 @@ class BackupService:
                 data = path.read_bytes()
                 self._decode_checked(data, stage, round_)
             except (OSError, ProtocolError) as exc:
-                log.warning("backup %s is unusable: %s", path, exc)
+                log.warning("backup %s is unusable: %s (left out; a fresh copy is fetched from a replica)", path, exc)
                 continue
             snapshot = snapshots.Snapshot(data, round_, 0, 0.0)
             snapshot.digest  # noqa: B018 (hashed here, in the worker thread)
@@ -319,7 +323,7 @@ class BackupService:
                      self._held.values(), key=lambda h: h.stage)]
         return {"stage": self.stage, "held": held, "duties": sorted(self.duties),
                 "budget_bytes": self.budget.limit_bytes, "held_bytes": sum(h["bytes"] for h in held),
-                "bytes_fetched": self.bytes_fetched, "bytes_served": self.bytes_served,
+                "bytes_fetched": self.bytes_fetched, "bytes_served": self.bytes_served, "taken": self.taken,
                 "refused": dict(self.refused), "recent_refusals": list(self.recent_refusals),
                 "claims": [{"stage": c.stage, "round": c.round} for c in self.claims()]}
 

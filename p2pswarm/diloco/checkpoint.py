@@ -382,5 +382,5 @@ class SnapshotStore:
                     raise RemoteProtocolError(f"file exceeds {MAX_SNAPSHOT_BYTES} bytes")
                 return path, decode_state(path.read_bytes())
             except (OSError, RemoteProtocolError) as e:
-                log.warning("skipping snapshot %s: %s", path.name, e)
+                log.warning("skipping snapshot %s: %s (an older one, or a replica's, is loaded instead)", path.name, e)
         return None

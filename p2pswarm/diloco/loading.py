@@ -120,7 +120,7 @@ class StageLoader:
                 state = await trio.to_thread.run_sync(checkpoint.decode_state, fetched.data)
                 rebased = await self.load_state(state, ours=False, rebase=rebase)
             except (DialError, ProtocolError) as exc:
-                log.warning("could not load stage %d from %s: %s", self.stage, peer, exc)
+                log.warning("could not load stage %d from %s: %s (trying the next replica)", self.stage, peer, exc)
                 continue
             self.counts["catch_ups"] += 1
             log.info("loaded stage %d from %s: outer round %d, inner step %d, %.1f MB in %.1f s%s", self.stage, peer,
@@ -194,7 +194,8 @@ class StageLoader:
         try:
             await self.load_state(state, ours=True)
         except ProtocolError as exc:
-            log.warning("snapshot %s does not fit stage %d: %s", path, self.stage, exc)
+            log.warning("snapshot %s does not fit stage %d: %s (not loaded: a snapshot of another model or stage "
+                        "in --data-dir? a replica's state is loaded instead)", path, self.stage, exc)
             return None
         log.info("loaded stage %d from %s (outer round %d)", self.stage, path, self._outer.rounds)
         return {"file": str(path), "round": self._outer.rounds}
@@ -208,7 +209,8 @@ class StageLoader:
         try:
             await self.load_backup(state)
         except ProtocolError as exc:
-            log.warning("the backup of stage %d held by %s does not fit: %s", self.stage, info["holder"], exc)
+            log.warning("the backup of stage %d held by %s does not fit: %s (trying the next holder)", self.stage,
+                        info["holder"], exc)
             return None
         self.counts["backup_loads"] += 1
         log.info("loaded stage %d from the backup held by %s: outer round %d (%.1f MB in %.1f s)", self.stage,
@@ -332,4 +334,4 @@ class StageLoader:
             self.last_snapshot = {"path": str(path), "round": snapshot.round, "step": snapshot.step,
                                   "bytes": len(snapshot.data)}
             self.counts["snapshots"] += 1
-            log.info("snapshot of stage %d written: %s (%.1f MB)", self.stage, path, len(snapshot.data) / 1e6)
+            log.debug("snapshot of stage %d written: %s (%.1f MB)", self.stage, path, len(snapshot.data) / 1e6)

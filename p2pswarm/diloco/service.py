@@ -159,7 +159,7 @@ class DilocoService:
                                     codec=self.settings.codec, expected=expected, now=now, timing=timing,
                                     expected_bytes=msgs.expected_bytes, stage_numel=outer.numel)
             self._started_at, self._sent_before, self._received_before = now, self.bytes_sent, self.bytes_received
-            log.info("outer round %d: ready after %d inner steps, gathering with %d known replica(s) for up to %.0f s "
+            log.debug("outer round %d: ready after %d inner steps, gathering with %d known replica(s) for up to %.0f s "
                      "(then %.2f MB to send, within %.0f s)", outer.rounds,
                      outer.inner_steps_done(self.swarm.engine.step), len(expected), timing.gather_s, nbytes / 1e6,
                      timing.reduce_s)
@@ -243,7 +243,7 @@ class DilocoService:
                 self.bytes_sent += len(data)
                 reply, _ = await stream.read_frame(max_payload=0, timeout=REDUCE_S)
         except (DialError, ProtocolError) as exc:
-            log.info("outer round %d: %s to %s failed: %r", message.round, message.TYPE, peer, exc)
+            log.debug("outer round %d: %s to %s failed: %r", message.round, message.TYPE, peer, exc)
             self._do(round_, round_.on_send_failed(peer, trio.current_time()))
             return
         if isinstance(reply, msgs.Reply) and not reply.accepted:
@@ -315,7 +315,7 @@ class DilocoService:
         for peer in outcome.group if judged(len(outcome.group)) else ():  # taken into a judged round: work
             if peer != self.me and not self.strikes.refused_in(peer, round_.round):
                 self._stage_map.saw(peer, self.stage, CONTRIBUTION_WEIGHT)
-        log.info("outer round %d done: %d member(s), %.1f s, %.2f MB sent, %d shard(s) missing", round_.round,
+        log.debug("outer round %d done: %d member(s), %.1f s, %.2f MB sent, %d shard(s) missing", round_.round,
                  len(outcome.group), times.now - times.started, sent / 1e6, len(done.missing))
         self.round, self._pending = None, None
         await self.loader.refresh_agreed()
@@ -377,7 +377,8 @@ class DilocoService:
         self.counts["other_run_hellos"] += 1
         if peer not in self._other_runs:
             self._other_runs.add(peer)
-            log.warning("peer %s is training run %s, we train run %s: refusing its outer rounds", peer,
+            log.warning("peer %s is training run %s, we train run %s: refusing its outer rounds (replicas must "
+                        "train the same run: the same --run file, or the same model and DiLoCo flags)", peer,
                         hello.run.hex(), self.run_id.hex())
         return False
 

@@ -112,7 +112,7 @@ class HolePunchService(DCUtRProtocol):
         try:
             await self.initiate_hole_punch(peer_id)
         except Exception as exc:  # a library error ends this attempt, never the service
-            log.info("hole punch to %s failed: %s: %s", peer_id, type(exc).__name__, exc)
+            log.debug("hole punch to %s failed: %s: %s", peer_id, type(exc).__name__, exc)
         finally:
             with trio.move_on_after(UNILATERAL_TIMEOUT):  # the plain dial may still be on its way
                 await self._plain_dials_done(peer_id)
@@ -121,7 +121,7 @@ class HolePunchService(DCUtRProtocol):
                 self._nursery.start_soon(self._close_relayed_conns_after_grace, peer_id, RELAY_CLOSE_GRACE)
             seconds = self._clock() - began
             self.book.finished(str(peer_id), self._clock(), outcome, seconds)
-            log.info("hole punch to %s: %s after %.2f s", peer_id, outcome, seconds)
+            log.debug("hole punch to %s: %s after %.2f s", peer_id, outcome, seconds)
 
     def _outcome(self, peer_id) -> str:
         """Whichever got there: a direct connection we dialed as initiator came from the plain

@@ -204,7 +204,7 @@ async def _reserve_due(host, transport, picker: RelayPicker, clock) -> None:
         if expiry is None:
             picker.failed(peer, clock())
         elif picker.reserved(peer, clock(), expiry):
-            log.info("relay client: reserved on %s for %.0f s", peer, expiry - clock())
+            log.debug("relay client: reserved on %s for %.0f s", peer, expiry - clock())
 
 
 async def serve_relay_reservations(host, picker: RelayPicker, on_change: Callable[[list[str]], None], *,

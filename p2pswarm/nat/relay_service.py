@@ -266,7 +266,7 @@ async def _refused_reservation(protocol, stream, msg) -> bool:
     refusal = protocol.book.reserve(peer, remote_ip(stream), protocol.clock())
     if refusal is None:
         return False
-    log.info("relay: refused reservation of %s (%s)", peer, refusal.reason)
+    log.debug("relay: refused reservation of %s (%s)", peer, refusal.reason)
     await protocol._send_status(stream, StatusCode(refusal.status), refusal.reason)
     return True
 
@@ -285,7 +285,7 @@ async def _admitted_circuit(protocol, stream, msg) -> tuple[int, object, object]
         return None
     admitted = protocol.book.open_circuit(src, dst, protocol.clock())
     if isinstance(admitted, Refusal):
-        log.info("relay: refused circuit %s -> %s (%s)", src, dst, admitted.reason)
+        log.debug("relay: refused circuit %s -> %s (%s)", src, dst, admitted.reason)
         await protocol._send_status(stream, StatusCode(admitted.status), admitted.reason)
         return None
     return admitted, src, dst
@@ -305,7 +305,7 @@ async def _connect_within_limits(protocol, stream, msg, handle_connect) -> None:
             await handle_connect(stream, msg)
         if timer.cancelled_caught:
             protocol.book.closed_at_duration += 1
-            log.info("relay: circuit %s -> %s closed after %.0f s", src, dst, protocol.config.circuit_duration)
+            log.debug("relay: circuit %s -> %s closed after %.0f s", src, dst, protocol.config.circuit_duration)
             for s in circuit.streams:
                 await _reset_quietly(s)
     finally:

@@ -233,7 +233,8 @@ async def binding(sock, server: Address, *, change_ip: bool = False, change_port
                             return result  # a success means CHANGE-REQUEST was ignored: not one
                 ignored += 1
                 if ignored > MAX_IGNORED_PACKETS:
-                    log.warning("STUN: %d stray packets while waiting for %s:%d", ignored, *server)
+                    log.warning("STUN: %d stray packets while waiting for %s:%d; no NAT type (reachability still comes "
+                                "from AutoNAT)", ignored, *server)
                     return None
         wait *= 2
     return None
@@ -335,9 +336,11 @@ async def classify_nat(server: Address, *, source_ip: str = "0.0.0.0", timeout: 
             try:
                 nat_type = await _classify(sock, await _resolve(server), progress)
             except (RemoteProtocolError, DialError) as exc:
-                log.warning("STUN classification against %s:%d failed: %s", *server, exc)
+                log.warning("STUN classification against %s:%d failed: %s (check --stun; reachability still comes "
+                            "from AutoNAT)", *server, exc)
         if scope.cancelled_caught:
-            log.warning("STUN classification against %s:%d timed out after %.1f s", *server, timeout)
+            log.warning("STUN classification against %s:%d timed out after %.1f s (check --stun and that UDP "
+                        "leaves this network; reachability still comes from AutoNAT)", *server, timeout)
     finally:
         raw.close()
     elapsed = trio.current_time() - start

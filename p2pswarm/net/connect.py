@@ -283,7 +283,7 @@ class Connector:
             while connections_to(self._host, pid):
                 if has_direct(self._host, pid):
                     self.stats.record(HOLEPUNCH, True, time.monotonic() - began)
-                    log.info("connection to %s upgraded to direct after %.2f s", pid, time.monotonic() - began)
+                    log.debug("connection to %s upgraded to direct after %.2f s", pid, time.monotonic() - began)
                     return
                 await trio.sleep(UPGRADE_POLL)
         self.stats.record(HOLEPUNCH, False, time.monotonic() - began)

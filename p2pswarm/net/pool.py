@@ -370,7 +370,7 @@ class StreamPool:
         for slot in self._slots.values():
             self._prune(slot)
         self.stats.circuits_recycled += 1
-        log.info("relayed connection to %s used up its circuit; closing it (the next lease re-dials)",
+        log.debug("relayed connection to %s used up its circuit; closing it (the next lease re-dials)",
                  stream.remote_peer)
         self._nursery.start_soon(close_quietly, stream.swarm_conn or conn)
 

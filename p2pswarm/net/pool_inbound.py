@@ -137,7 +137,7 @@ class InboundServer:
             with trio.CancelScope(shield=True):
                 if failure:
                     self._pool.stats.inbound_refused += 1
-                    log.info("pool: resetting an inbound stream from %s: %s", peer, failure[0])
+                    log.debug("pool: resetting an inbound stream from %s: %s", peer, failure[0])
                     await stream.reset()
                 else:
                     await stream.close()
@@ -159,7 +159,7 @@ class InboundServer:
         if not self._budget.open_stream(peer):
             return False
         self._budget.evictions += 1
-        log.info("pool: %s took the inbound slot of idle %s (it works with us)", peer, victim)
+        log.debug("pool: %s took the inbound slot of idle %s (it works with us)", peer, victim)
         return True
 
     async def _read_frames(self, stream: ByteStream, peer: str, max_payload: int, send) -> None:

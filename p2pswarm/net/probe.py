@@ -103,7 +103,7 @@ async def serve_probe_stream(raw_stream) -> None:
                     await stream.close()  # a reset here could drop the acknowledgement in flight
                     return
     except (RemoteProtocolError, trio.TooSlowError) as exc:
-        log.info("probe from %s dropped: %s", stream.remote_peer, exc)
+        log.debug("probe from %s dropped: %s", stream.remote_peer, exc)
     except DialError:
         pass  # the peer went away
     await stream.reset()

@@ -119,7 +119,8 @@ class InboundStats:
         now = trio.current_time()
         if now - self._logged_at >= REFUSAL_LOG_PERIOD:
             self._logged_at = now
-            log.warning("refusing inbound connections (%s; %d refused so far; latest from %s)",
+            log.warning("refusing inbound connections (%s; %d refused so far; latest from %s); if these are honest "
+                        "peers, raise --max-connections",
                         reason, self.refused, remote)
 
 

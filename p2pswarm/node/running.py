@@ -72,6 +72,7 @@ from p2pswarm.net.probe_api import PingRoute
 from p2pswarm.net.swarm_fixes import inbound_stats
 from p2pswarm.node.config import BOOTSTRAP_DIAL_TIMEOUT, NodeConfig, Role
 from p2pswarm.node.memory import serve_memory_upkeep
+from p2pswarm.node.summary import log_summaries
 from p2pswarm.node.traversal import NatTraversal
 from p2pswarm.run.placement import free_device_memory_mb
 from p2pswarm.run.spec import RunSpec
@@ -218,10 +219,12 @@ async def _join_dht(state: NodeState, nursery: trio.Nursery, rng: random.Random,
     nursery.start_soon(state.index.serve_store_pruning)
     nursery.start_soon(serve_routing_upkeep, host, state.kad, bootstrap_infos)
     nursery.start_soon(state.nat.serve_reachability, functools.partial(_meet_peers, state, rng))
+    ping = PingRoute(host, state.connector, state.control, state.stage_map.addrs_of)
+    routes.update({"/api/stats": state.stats_json, **state.stage_map.routes(), **ping.routes(),
+                   "/metrics": metrics_route(routes)})  # (reads the routes when scraped: the stage's come later)
+    nursery.start_soon(log_summaries, routes, config.role.value,  # one INFO line a minute, API or not
+                       config.training.tunables.summary_period_s)
     if api_listeners:  # up before our stage is ready: loading it may take minutes, and status shows it meanwhile
-        ping = PingRoute(host, state.connector, state.control, state.stage_map.addrs_of)
-        routes.update({"/api/stats": state.stats_json, **state.stage_map.routes(), **ping.routes(),
-                       "/metrics": metrics_route(routes)})  # (reads the routes when scraped: the stage's come later)
         serve = functools.partial(serve_api, api_listeners, routes, token=config.api_token,
                                   completer=lambda: getattr(state, "completer", None))  # /v1 once it is set
         state.api_address = await nursery.start(serve)

@@ -13,6 +13,7 @@ from p2pswarm.errors import ConfigError
 
 MIN_IN_FLIGHT = 2  # stage-0 micro-batches between being cut and their gradient coming back: one per stage (1F1B)
 EVAL_SHARE = 10  # a held-out round that takes t seconds waits (EVAL_SHARE - 1) x t before the next: 1/10 of the time
+SUMMARY_PERIOD_S = 60.0  # the node's summary log line: once a minute (node/summary.py)
 LINK_DELAY_S = 0.0  # latency added before each activation frame is written: none on a real line (benches add 50 ms)
 
 
@@ -25,6 +26,7 @@ class Tunables:
     affinity: bool = True  # prefer one partner of the next stage (False: the ablation's arm)
     link_delay_s: float = LINK_DELAY_S  # simulated per-frame latency (bench/swarm_train.py's delay arm)
     alone_adopts: bool = False  # a DiLoCo round of one adopts its weights as they are (the benches' ablation arm)
+    summary_period_s: float = SUMMARY_PERIOD_S  # the summary log line's period (tests shorten it)
 
     def __post_init__(self) -> None:
         if self.eval_share < 1:
@@ -33,6 +35,8 @@ class Tunables:
             raise ConfigError(f"max_in_flight must be >= 1, not {self.max_in_flight}")
         if not 0.0 <= self.link_delay_s <= 10.0:
             raise ConfigError(f"link_delay_s must be within 0..10 s, not {self.link_delay_s}")
+        if not 1.0 <= self.summary_period_s <= 86400.0:
+            raise ConfigError(f"summary_period_s must be within 1..86400 s, not {self.summary_period_s}")
 
     def in_flight_bound(self, n_stages: int) -> int:
         """Stage 0's bound on micro-batches in flight for a pipeline of ``n_stages``."""
@@ -59,7 +63,7 @@ def _parse_value(key: str, raw: str) -> object:
     try:
         if key in ("affinity", "alone_adopts"):
             return _BOOLS[raw.lower()]
-        if key == "link_delay_s":
+        if key in ("link_delay_s", "summary_period_s"):
             return float(raw)
         if key == "max_in_flight" and raw.lower() in ("", "none", "auto"):
             return None

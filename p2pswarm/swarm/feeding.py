@@ -118,7 +118,7 @@ class Feeder:
         svc = self.service
         held = await trio.to_thread.run_sync(self.held_out_set, corpus)
         if not held:
-            log.warning("the corpus has no held-out part: no evaluation")
+            log.warning("the corpus has no held-out part: no evaluation (give --data more text: a part is held out)")
             return
         session, micro_batch, evaluated = os.urandom(SESSION_BYTES), 0, None
         await self._wait_for_next_stage()  # round 0 measures the untrained model: wait until it can go through

@@ -35,6 +35,6 @@ def record_heldout(evals, tokenizer, job, out, me: str) -> None:
     if done:
         per_token = "" if done.bits_per_token is None else f", {done.bits_per_token:.3f} bits/token"
         weights = "live weights" if done.agreed_round is None else f"outer round {done.agreed_round}"
-        log.info("held-out loss %.3f bits/byte%s (%s of stage 0 peer %s, %d tokens, %d bytes)",
+        log.debug("held-out loss %.3f bits/byte%s (%s of stage 0 peer %s, %d tokens, %d bytes)",
                  done.bits_per_byte, per_token, weights, (done.chain or ("?",))[0][-8:], done.tokens,
                  done.bytes or done.tokens)

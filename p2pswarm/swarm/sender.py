@@ -242,7 +242,7 @@ class Deliverer:
                                  trio.current_time() - started)
                 return Reply(None, Failure.TIMEOUT, trio.current_time() - started)  # read cut: stream retired
         except CircuitExhausted as exc:  # refused before a byte: the peer is fine, this relayed path is full
-            log.info("%s to %s re-routed: %s", send.message.TYPE, peer, exc)
+            log.debug("%s to %s re-routed: %s", send.message.TYPE, peer, exc)
             return Reply(None, Failure.CIRCUIT, trio.current_time() - started)
         except Stalled as exc:
             log.debug("%s to %s: %s", send.message.TYPE, peer, exc)

@@ -198,7 +198,8 @@ class SwarmService:
         ours = f"run {self.run_id.hex()}" + (f" ({self.training_run.name})" if self.training_run is not None else "")
         if peer not in self._other_runs:
             self._other_runs.add(peer)
-            log.warning("peer %s is training run %s, we train %s: refusing its tensors", peer, run.hex(), ours)
+            log.warning("peer %s is training run %s, we train %s: refusing its tensors (peers must train the "
+                        "same run: the same --run file, or the same model and DiLoCo flags)", peer, run.hex(), ours)
         return wire.ErrorReply("other-run", f"this peer trains {ours}, not run {run.hex()}")
 
     def _refuse_wrong_stage(self, peer: str, stage: int) -> wire.ErrorReply:

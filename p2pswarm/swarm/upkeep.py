@@ -99,7 +99,8 @@ class Upkeep:
         await svc._stage_map.current(wait=0)
         line = svc.blocks.observe(svc._stage_map.counts(claimed=True), now)
         if line is not None:
-            log.log(logging.WARNING if svc.blocks.down else logging.INFO, line)
+            hint = " (a peer with --rebalance moves in; or start one: p2pswarm join --layers auto)"
+            log.log(logging.WARNING if svc.blocks.down else logging.INFO, line + (hint if svc.blocks.down else ""))
 
     def choose_partner(self) -> None:
         """Our partner in the next stage (affinity, ``router.partner_for``); none when affinity is off.

@@ -157,16 +157,17 @@ def mean_loss(docs: dict[str, Doc]) -> float | None:
 
 
 HEALTH_REPORT = re.compile(r"stage \d+ is (?:degraded|down): [^\n]*\(was healthy")  # dht.health: a level fell
-BACKUP_HELD = re.compile(r"holding the backup of stage")  # backup_service: a refresh completed
-BACKUP_UNREACHABLE = re.compile(r"backup of stage \d+ from \S+ unreachable")  # a refresh cut short (resumed next)
 
 
 def log_figures(swarm: LabSwarm, names: list[str]) -> dict[str, int]:
-    """What the peers' logs say happened: a stage reported degraded or down after it was healthy (every
-    peer being alive in these arms, each one is a false report), backups taken, backup fetches cut short."""
+    """What happened, from the peers' logs and backup services: a stage reported degraded or down after it
+    was healthy (every peer being alive in these arms, each one is a false report), backups taken, backup
+    fetches cut short (unreachable; resumed next)."""
     text = "\n".join(swarm.log_tail(name, 10**8) for name in names)
-    return {"degraded_reports": len(HEALTH_REPORT.findall(text)), "backups_held": len(BACKUP_HELD.findall(text)),
-            "backup_fetches_cut": len(BACKUP_UNREACHABLE.findall(text))}
+    backups = [swarm.get(name, "/api/backups", timeout=API_TIMEOUT) for name in names]
+    return {"degraded_reports": len(HEALTH_REPORT.findall(text)),
+            "backups_held": sum(int(b.get("taken", 0)) for b in backups),
+            "backup_fetches_cut": sum(int((b.get("refused") or {}).get("unreachable", 0)) for b in backups)}
 
 
 def check_alive(swarm: LabSwarm) -> None:
