@@ -20,7 +20,9 @@ from tests.test_api import http, running_api
 STATS = {"uptime_s": 12.5, "connected_peers": ["a", "b"], "routing_table_size": 3, "records_held": 1,
          "connect": {"direct": {"attempts": 4, "successes": 3, "failures": 1}, "relay": {"attempts": 2},
                      "holepunch": None, "reused": 7},
-         "pool": {"frames_sent": 10, "payload_bytes_sent": 2048, "relay": {"circuits": [{"peer": "x"}]}},
+         "pool": {"frames_sent": 10, "payload_bytes_sent": 2048, "relay": {"circuits": [{"peer": "x"}]},
+                  "payload_bytes": {"/p2pswarm/activation/1.0.0": {"sent": 2000, "received": 48}}},
+         "paths": {"a": "direct", "b": "relayed"},
          "rebalance": {"moves": 2},
          "relay": {"reservations_active": 5, "circuits_active": 2, "circuits_closed_at_duration": 1,
                    "refused": {"per_ip": 3}}}
@@ -63,6 +65,9 @@ def test_the_documents_become_counters_and_gauges_with_their_labels():
     assert got[("p2pswarm_moves_total", ())] == 2 and got[("p2pswarm_backups_held", ())] == 1
     assert got[("p2pswarm_relay_reservations", ())] == 5 and got[("p2pswarm_relay_service_circuits", ())] == 2
     assert got[("p2pswarm_relay_refused_total", (("reason", "per_ip"),))] == 3
+    activation = (("direction", "sent"), ("protocol", "/p2pswarm/activation/1.0.0"))
+    assert got[("p2pswarm_stream_payload_bytes_total", activation)] == 2000
+    assert got[("p2pswarm_peers_by_path", (("path", "relayed"),))] == 1
 
 
 def test_a_bootstrap_without_a_stage_has_only_the_node_families():

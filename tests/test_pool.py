@@ -111,6 +111,9 @@ def test_sequential_leases_use_one_stream_and_warm_opens_ahead():
                 nursery.start_soon(exchange, pool, server.get_id(), b"w" * 100_000)
         assert pool.stats.opened == 3 and pool.stats.reused == 22  # the three were all warm
         assert [ok for *_, ok in receiver.frames] == [True] * 23 and server_pool.stats.frames_served == 23
+        sent = 20 * 1000 + 3 * 100_000  # every payload, under its protocol
+        assert pool.stats.payload_bytes == {BULK: {"sent": sent, "received": 0}}  # (the acks carry none)
+        assert server_pool.stats.payload_bytes == {BULK: {"sent": 0, "received": sent}}
 
     with_pools(test)
 

@@ -101,7 +101,16 @@ def _node(f: _Families, stats: Mapping) -> None:
     f.counter("stream_frames_sent", "Frames sent on pooled streams (every protocol)", pool.get("frames_sent"))
     f.counter("stream_frames_received", "Frames received on pooled streams", pool.get("frames_received"))
     f.counter("stream_payload_sent_bytes", "Payload bytes sent on pooled streams", pool.get("payload_bytes_sent"))
+    by_protocol = _sub(pool, "payload_bytes")
+    for protocol in sorted(str(p) for p in by_protocol):
+        for direction in ("sent", "received"):
+            f.counter("stream_payload_bytes", "Payload bytes on pooled streams by protocol and direction",
+                      _sub(by_protocol, protocol).get(direction), protocol=protocol, direction=direction)
     f.gauge("relay_circuits", "Relayed circuits this node's pool uses", _count(_sub(pool, "relay").get("circuits")))
+    paths = _sub(stats, "paths")
+    for kind in ("direct", "holepunched", "relayed"):
+        count = sum(v == kind for v in paths.values())
+        f.gauge("peers_by_path", "Connected peers by the path to them", count, path=kind)
     rebalance = _sub(stats, "rebalance")
     f.counter("moves", "Moves of this peer to another stage (rebalancing)", rebalance.get("moves"))
     _relay(f, _sub(stats, "relay"))

@@ -48,6 +48,7 @@ from p2pswarm.net import pool_inbound, write_pace
 from p2pswarm.net.budget import STALL_DEADLINE, BudgetConfig, CircuitLedger, CircuitLimit, InboundBudget
 from p2pswarm.net.connect import Connector, as_peer_id, has_direct, is_relayed
 from p2pswarm.net.notify import watch_connections
+from p2pswarm.net.pool_stats import PoolStats
 from p2pswarm.net.streams import ByteStream, close_quietly, open_stream
 
 log = logging.getLogger(__name__)
@@ -62,22 +63,6 @@ CIRCUIT_LIMIT_ATTR = "p2pswarm_circuit_limit"  # a CircuitLimit set on a relayed
 
 Reply = pool_inbound.Reply
 Handler = pool_inbound.Handler
-
-
-@dataclass
-class PoolStats:
-    opened: int = 0  # streams opened by leases and warm()
-    reused: int = 0  # leases served by an idle stream
-    reset: int = 0  # streams retired after an error or a cut frame
-    moved_to_direct: int = 0  # relayed streams retired because a direct connection exists
-    circuit_refusals: int = 0  # frames refused before their first byte: the circuit could not carry them
-    circuits_recycled: int = 0  # exhausted relayed connections closed once idle (the next lease re-dials)
-    frames_sent: int = 0
-    payload_bytes_sent: int = 0  # payload bytes of every frame written (requests and replies): what a peer sends
-    frames_received: int = 0  # replies read by lessees
-    frames_served: int = 0  # inbound frames handled
-    inbound_refused: int = 0  # inbound streams reset: no budget slot, garbage, budget timeout, stall
-    handler_failures: int = 0
 
 
 class PoolStream(ByteStream):
@@ -160,6 +145,7 @@ class Lease:
             why = f"no frame within {timeout:.1f} s" if scope.cancelled_caught else "stream closed"
             raise DialError(f"{self.protocol} from {self.peer}: {why}")
         self._pool.stats.frames_received += 1
+        self._pool.stats.count(stream, received=len(frame[1]))
         return frame
 
     def _check(self) -> None:
@@ -350,6 +336,7 @@ class StreamPool:
                 raise Stalled(f"{message.TYPE} to {stream.remote_peer}: write stalled for {deadline:.1f} s")
         self.stats.frames_sent += 1
         self.stats.payload_bytes_sent += len(payload)
+        self.stats.count(stream, sent=len(payload))
 
     def _connection_opened(self, conn) -> None:
         self._opened_at.setdefault(conn.muxed_conn, trio.current_time())

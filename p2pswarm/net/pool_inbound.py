@@ -226,6 +226,7 @@ class InboundServer:
                 scope.cancel()
                 return
             finally:
+                self._pool.stats.count(stream, received=len(payload))
                 del payload
                 self._release(ticket)
             self._pool.stats.frames_served += 1
