@@ -140,7 +140,7 @@ class Strikes:
         rounds = self._rounds.setdefault(peer, [])
         if round_ not in rounds:
             rounds.append(round_)
-        log.warning("outer round %d: refused %s: %s", round_, peer, reason)
+        log.warning("outer round %d: refused %s: %s (left out of the round; nothing to do here)", round_, peer, reason)
 
     def refused_in(self, peer: str, round_: int) -> bool:
         """Whether we refused a contribution of ``peer`` in outer round ``round_``."""

@@ -240,7 +240,7 @@ class SwarmService:
                 async with self.engine_lock:
                     sends, out = await self.compute.run(self._compute, job)
             except Exception as exc:  # a bad tensor from a peer, or a bug: one micro-batch lost, never the node
-                log.warning("micro-batch %d of %s failed on stage %d: %r", job.work.key[1],
+                log.warning("micro-batch %d of %s failed on stage %d: %r (given up; training goes on)", job.work.key[1],
                             job.upstream or "us", self.stage, exc)
                 self.apply(self.core.failed(job, trio.current_time()))
                 continue

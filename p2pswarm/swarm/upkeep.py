@@ -129,7 +129,8 @@ class Upkeep:
                    f"micro-batch takes {transfer:.2f} s, {transfer / compute_s:.0f}x our compute time")
             if peer not in self._slow_logged:
                 self._slow_logged.add(peer)
-                log.warning("peer %s of stage %d is too slow for its stage: %s", peer, state.candidate.stage, why)
+                log.warning("peer %s of stage %d is too slow for its stage: %s (we send it no work while another can "
+                            "take it)", peer, state.candidate.stage, why)
             self.slow[peer] = why
 
     def _sample_rate(self) -> None:
