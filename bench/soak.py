@@ -11,7 +11,7 @@ are started again after ``WHOLE_STAGE_DOWN_S`` (the swarm heals meanwhile: a pee
 
 Reports: processes that ended on their own (crashes), tracebacks in any log, micro-batches lost
 (``delivery.lost`` summed over every life of every peer), outer rounds (the highest agreed round per
-stage), restores (``loaded stage`` log lines), snapshots on disk that do not decode at the end, the
+stage), restores (``loaded stage`` log lines), snapshots and backups on disk that do not decode at the end, the
 longest stretch in which no stage-0 peer trained a token, and for each untouched process its RSS and
 open fds over time with a least-squares slope after ``--warmup`` (MB per 10 minutes, fds per 10 min).
 
@@ -262,8 +262,8 @@ def slope_per_10_min(points: list[tuple[float, float]]) -> float:
 
 
 def corrupt_snapshots(workdir: Path) -> tuple[int, int]:
-    """(snapshots on disk, those that do not decode)."""
-    paths = list(workdir.rglob("snapshot-*.p2ps"))
+    """(snapshots and held backups on disk, those that do not decode)."""
+    paths = [*workdir.rglob("snapshot-*.p2ps"), *workdir.rglob("*.backup")]
     bad = 0
     for path in paths:
         try:
