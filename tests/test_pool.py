@@ -98,6 +98,21 @@ async def wait_until(condition, timeout: float = 10.0) -> None:
             await trio.sleep(0.01)
 
 
+def test_a_protocol_served_anew_takes_the_next_frames_of_streams_already_open():
+    """A move replaces a stage's handlers (node/running.py ``_stop_serving``): a stream opened before must
+    not reach the old handler again (once seen: the old DiLoCo service's closed nursery, a traceback)."""
+    async def test(server, server_pool, receiver, clients):
+        host, pool = clients[0]
+        await exchange(pool, server.get_id(), b"a" * 100)
+        replacement = Receiver()
+        server_pool.serve(BULK, replacement)
+        await exchange(pool, server.get_id(), b"b" * 200)
+        assert pool.stats.opened == 1 and pool.stats.reused == 1  # the same stream both times
+        assert [f[2] for f in receiver.frames] == [100] and [f[2] for f in replacement.frames] == [200]
+
+    with_pools(test)
+
+
 def test_sequential_leases_use_one_stream_and_warm_opens_ahead():
     async def test(server, server_pool, receiver, clients):
         host, pool = clients[0]

@@ -98,11 +98,15 @@ class InboundServer:
         self._budget_wait = budget_wait
         self._released: dict[str, trio.Event] = {}  # peer -> set when one of its reservations is released
         self._scopes: dict[str, set[trio.CancelScope]] = {}  # peer -> the cancel scopes of its inbound streams
+        self._handlers: dict[str, tuple[Handler, int]] = {}  # protocol -> (handler, max payload), read per frame
 
     def serve(self, protocol: str, handler: Handler, max_payload: int) -> None:
-        self._pool.host.set_stream_handler(protocol, functools.partial(self._on_stream, handler, max_payload))
+        """Serve ``protocol`` with ``handler`` from now on: on new streams, and on the frames still to come on
+        streams already open (a stage's services replaced by a move never see another frame)."""
+        self._handlers[protocol] = (handler, max_payload)
+        self._pool.host.set_stream_handler(protocol, functools.partial(self._on_stream, protocol))
 
-    async def _on_stream(self, handler: Handler, max_payload: int, raw) -> None:
+    async def _on_stream(self, protocol: str, raw) -> None:
         stream = self._pool.adopt(raw)
         peer = stream.remote_peer
         if not self._budget.open_stream(peer) and not await self._take_idle_slot(peer):
@@ -116,10 +120,10 @@ class InboundServer:
         try:
             with evictable:
                 async with trio.open_nursery() as nursery:
-                    nursery.start_soon(self._handle_frames, stream, peer, handler, receive, failure,
+                    nursery.start_soon(self._handle_frames, stream, peer, protocol, receive, failure,
                                        nursery.cancel_scope)
                     try:
-                        await self._read_frames(stream, peer, max_payload, send)
+                        await self._read_frames(stream, peer, protocol, send)
                     except (_Refused, RemoteProtocolError, DialError, trio.TooSlowError) as exc:
                         failure.append(f"{type(exc).__name__}: {exc}")
                         nursery.cancel_scope.cancel()
@@ -162,12 +166,13 @@ class InboundServer:
         log.debug("pool: %s took the inbound slot of idle %s (it works with us)", peer, victim)
         return True
 
-    async def _read_frames(self, stream: ByteStream, peer: str, max_payload: int, send) -> None:
+    async def _read_frames(self, stream: ByteStream, peer: str, protocol: str, send) -> None:
         """Read frames until EOF at a frame boundary; each admitted by the budget before its payload."""
         while True:
             first = await stream.read(wire.HEADER_LENGTH_BYTES)  # waiting for a frame: idle time
             if not first:
                 return
+            max_payload = self._handlers[protocol][1]
             with trio.fail_after(HEADER_DEADLINE):  # begun, a header comes whole
                 message, n, header_bytes = await wire.read_rest_of_header(stream, first, max_payload=max_payload)
             ticket = await self._reserve(peer, header_bytes + n)
@@ -209,7 +214,7 @@ class InboundServer:
             self._release(ticket)
         receive.close()
 
-    async def _handle_frames(self, stream: ByteStream, peer: str, handler: Handler, receive, failure: list[str],
+    async def _handle_frames(self, stream: ByteStream, peer: str, protocol: str, receive, failure: list[str],
                              scope: trio.CancelScope) -> None:
         while True:
             try:
@@ -217,7 +222,7 @@ class InboundServer:
             except trio.EndOfChannel:
                 return
             try:
-                reply = await handler(peer, message, payload)
+                reply = await self._handlers[protocol][0](peer, message, payload)  # the one serving it now
             except Exception as exc:
                 self._pool.stats.handler_failures += 1
                 if not isinstance(exc, ProtocolError):
