@@ -28,7 +28,6 @@ import json
 import os
 import random
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,11 +36,12 @@ from pathlib import Path
 
 from common import machine_line, print_table
 
-from p2pswarm.demo import DEMO_GATHER_S, DEMO_INNER_STEPS, DEMO_OUTER_LR, DEMO_OUTER_MOMENTUM, free_port, get_json
+from p2pswarm.demo import DEMO_GATHER_S, DEMO_INNER_STEPS, DEMO_OUTER_LR, DEMO_OUTER_MOMENTUM
 from p2pswarm.diloco.checkpoint import decode_state
 from p2pswarm.errors import RemoteProtocolError
 from p2pswarm.model.catalog import get_model
 from p2pswarm.testing.churn import ProcessUsage
+from p2pswarm.testing.soakswarm import LabCluster, LoopbackCluster
 
 MODEL = get_model("tiny-lm/3")
 AGREED = ("--model", MODEL.name, "--outer-lr", str(DEMO_OUTER_LR), "--gather", str(DEMO_GATHER_S),
@@ -50,89 +50,6 @@ RESTART_S = 5.0  # a killed peer comes back this long after
 FREEZE_S = 20.0  # a SIGSTOPped peer is continued this long after
 WHOLE_STAGE_DOWN_S = 60.0  # a killed stage's peers come back this long after
 READY_TIMEOUT = 400.0  # a guard: every stage trained a token (7 processes on 2 cores start slowly)
-PATHS = ("/api/swarm", "/api/diloco")
-MULTI_GET = """import json, sys, urllib.request
-out = {}
-for path in sys.argv[3:]:
-    try:
-        with urllib.request.urlopen(sys.argv[1] + path, timeout=float(sys.argv[2])) as r: out[path] = json.load(r)
-    except Exception: out[path] = {}
-print(json.dumps(out))
-"""
-
-
-class LoopbackCluster:
-    """Nodes as plain processes on loopback."""
-
-    def __init__(self, workdir: Path) -> None:
-        self.workdir, self.procs, self.apis = workdir, {}, {}
-
-    def start(self, name: str, args: list[str], log: Path, public: bool = False) -> str:
-        api = self.apis.setdefault(name, f"127.0.0.1:{free_port()}")
-        argv = [sys.executable, "-m", "p2pswarm", *args, "--listen", "/ip4/127.0.0.1/tcp/0", "--api", api,
-                "--data-dir", str(self.workdir / name)]
-        with open(log, "w") as stderr:
-            self.procs[name] = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=stderr,
-                                                stdin=subprocess.DEVNULL, text=True)
-        return self.procs[name].stdout.readline().strip() if public else ""
-
-    def pid(self, name: str) -> int:
-        return self.procs[name].pid
-
-    def ended(self, name: str) -> int | None:
-        return self.procs[name].poll()
-
-    def get(self, name: str) -> dict:
-        return {path: get_json(self.apis[name], path) for path in PATHS}
-
-    def close(self) -> None:
-        from p2pswarm.demo import stop_all
-        stop_all(list(self.procs.values()))
-
-
-class LabCluster:
-    """Nodes on shaped lines of a link lab: the bootstrap unshaped, each join on a PROFILE line."""
-
-    def __init__(self, workdir: Path, profile: str, lifetime: float) -> None:
-        from p2pswarm.testing.linklab import PROFILES, LinkLab
-        self.workdir, self.profile, self.lifetime = workdir, PROFILES[profile], lifetime
-        self.lab = LinkLab().__enter__()
-        self.hosts, self.procs = {}, {}
-
-    def start(self, name: str, args: list[str], log: Path, public: bool = False) -> str:
-        from p2pswarm.testing.labswarm import API, PORT
-        from p2pswarm.testing.natlab import p2pswarm_argv, read_line
-        if name not in self.hosts:
-            self.hosts[name] = (self.lab.host(name) if public else self.lab.profile_host(name, self.profile))
-        argv = p2pswarm_argv(*args, "--listen", f"/ip4/0.0.0.0/tcp/{PORT}", "--api", API,
-                             "--data-dir", str(self.workdir / name))
-        self.procs[name] = self.lab.run(self.hosts[name], argv, log_path=log, timeout=self.lifetime)
-        if not public:
-            return ""
-        lines = [read_line(self.procs[name], 30).strip(), read_line(self.procs[name], 5).strip()]
-        return next(a for a in lines if f"/ip4/{self.hosts[name].ip}/" in a)
-
-    def pid(self, name: str) -> int:
-        """The node itself: the child of the ``timeout`` the lab runs it under."""
-        wrapper = self.procs[name].pid
-        children = Path(f"/proc/{wrapper}/task/{wrapper}/children").read_text().split()
-        return int(children[0]) if children else wrapper
-
-    def ended(self, name: str) -> int | None:
-        return self.procs[name].poll()
-
-    def get(self, name: str) -> dict:
-        from p2pswarm.testing.labswarm import API
-        argv = [sys.executable, "-c", MULTI_GET, f"http://{API}", "5", *PATHS]
-        try:
-            return json.loads(self.lab.exec(self.hosts[name], argv, timeout=20).stdout)
-        except (subprocess.SubprocessError, ValueError):
-            return {}
-
-    def close(self) -> None:
-        from p2pswarm.demo import stop_all
-        stop_all(list(self.procs.values()))
-        self.lab.__exit__(None, None, None)
 
 
 class Soak:
@@ -261,6 +178,15 @@ def slope_per_10_min(points: list[tuple[float, float]]) -> float:
     return 600 * sum((p[0] - mx) * (p[1] - my) for p in points) / var if var else float("nan")
 
 
+def floors(samples: list[tuple[float, float, int]], window: float = 300.0) -> list[tuple[float, float]]:
+    """The lowest RSS of each ``window`` seconds, at the window's middle: a training peer's RSS swings by tens
+    of MB as torch and the allocator take and give back memory; a leak lifts the floor."""
+    by_window: dict[int, float] = {}
+    for t, rss, _ in samples:
+        by_window[int(t // window)] = min(rss, by_window.get(int(t // window), rss))
+    return [((w + 0.5) * window, rss) for w, rss in sorted(by_window.items())]
+
+
 def corrupt_snapshots(workdir: Path) -> tuple[int, int]:
     """(snapshots and held backups on disk, those that do not decode)."""
     paths = [*workdir.rglob("snapshot-*.p2ps"), *workdir.rglob("*.backup")]
@@ -329,7 +255,8 @@ def tally(soak: Soak, workdir: Path, args) -> dict:
                        "fds_min": min((s[2] for s in after), default=None),
                        "fds_max": max((s[2] for s in after), default=None),
                        "fds_per_10_min": round(slope_per_10_min([(s[0], s[2]) for s in after]), 3),
-                       "samples": len(after)}
+                       "floor_mb_per_10_min": round(slope_per_10_min(floors(after)), 3),
+                       "samples": len(after), "raw": samples}
     return {"minutes": args.minutes, "link": args.link or "loopback", "events": soak.events, "crashes": soak.crashes,
             "tracebacks": sum(t.count("Traceback (most recent call last)") for t in text.values()),
             "traceback_logs": sorted(n for n, t in text.items() if "Traceback (most recent call last)" in t),
@@ -337,18 +264,21 @@ def tally(soak: Soak, workdir: Path, args) -> dict:
             "restores": sum(t.count("loaded stage") for t in text.values()),
             "skipped_snapshots": sum(t.count("skipping snapshot") for t in text.values()),
             "snapshots": snapshots, "corrupt_snapshots": bad, "longest_stage0_stall_s": round(soak.longest_stall, 1),
-            "usage": usage, "lives": soak.lives, "log_lines_per_min": log_rates(text, soak.untouched, args.minutes)}
+            "usage": usage, "lives": soak.lives, "log_lines_per_min": log_rates(text, soak.untouched)}
 
 
-def log_rates(text: dict[str, str], untouched: set[str], minutes: float) -> dict[str, dict[str, float]]:
-    """Per untouched joined peer: its INFO lines a minute (summaries apart, and all) and WARNING lines a minute."""
+def log_rates(text: dict[str, str], untouched: set[str]) -> dict[str, dict[str, float]]:
+    """Per untouched joined peer, after its start-up (from its first summary line on), per summary period
+    (a minute): INFO lines besides the summary, and WARNING lines."""
     rates = {}
     for slot in sorted(untouched - {"boot"}):
         lines = text.get(f"{slot}-1.log", "").splitlines()
-        info = [line for line in lines if " INFO " in line]
-        rates[slot] = {"info_besides_summary": round(len([x for x in info if "node.summary" not in x]) / minutes, 2),
-                       "info": round(len(info) / minutes, 2),
-                       "warning": round(len([x for x in lines if " WARNING " in x]) / minutes, 2)}
+        first = next((i for i, line in enumerate(lines) if "node.summary" in line), len(lines))
+        after = lines[first:]
+        periods = max(1, sum("node.summary" in line for line in after) - 1)
+        rates[slot] = {"info_besides_summary": round(sum(" INFO " in x and "node.summary" not in x for x in after)
+                                                     / periods, 2),
+                       "warning": round(sum(" WARNING " in x for x in after) / periods, 2), "minutes": periods}
     return rates
 
 
@@ -360,11 +290,12 @@ def report(result: dict) -> None:
           f"{result['snapshots']} ({result['corrupt_snapshots']} corrupt, {result['skipped_snapshots']} skipped "
           f"at load), longest stage-0 stall {result['longest_stage0_stall_s']} s (target <= 60 s); log lines a minute "
           f"of the untouched peers: {result['log_lines_per_min']}")
-    rows = [[name, u["samples"], u["rss_mb_first"], u["rss_mb_last"], u["rss_mb_per_10_min"], u["fds_min"],
-             u["fds_max"], u["fds_per_10_min"]] for name, u in sorted(result["usage"].items())]
+    rows = [[name, u["samples"], f"{u['rss_mb_first']:.1f}", f"{u['rss_mb_last']:.1f}", u["rss_mb_per_10_min"],
+             u["floor_mb_per_10_min"], u["fds_min"], u["fds_max"], u["fds_per_10_min"]]
+            for name, u in sorted(result["usage"].items())]
     print_table("untouched processes after warm-up (target: RSS slope < 1 MB per 10 min, fds flat)",
-                ["process", "samples", "RSS MB first", "RSS MB last", "MB / 10 min", "fds min", "fds max",
-                 "fds / 10 min"], rows)
+                ["process", "samples", "RSS MB first", "RSS MB last", "MB / 10 min", "floor MB / 10 min", "fds min",
+                 "fds max", "fds / 10 min"], rows)
 
 
 def main() -> None:

@@ -102,7 +102,7 @@ def test_a_protocol_served_anew_takes_the_next_frames_of_streams_already_open():
     """A move replaces a stage's handlers (node/running.py ``_stop_serving``): a stream opened before must
     not reach the old handler again (once seen: the old DiLoCo service's closed nursery, a traceback)."""
     async def test(server, server_pool, receiver, clients):
-        host, pool = clients[0]
+        _, pool = clients[0]
         await exchange(pool, server.get_id(), b"a" * 100)
         replacement = Receiver()
         server_pool.serve(BULK, replacement)
