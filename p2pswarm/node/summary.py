@@ -38,6 +38,10 @@ def _delta(before: Docs, now: Docs, path: str, *keys: str) -> float:
     return max(0.0, _num(now.get(path), *keys) - _num(before.get(path), *keys))
 
 
+def _count(value: object) -> int:
+    return len(value) if isinstance(value, list | dict) else 0
+
+
 def _total(doc: object) -> float:
     return sum(_num(v) for v in doc.values()) if isinstance(doc, Mapping) else 0.0
 
@@ -71,7 +75,7 @@ def node_part(before: Docs, now: Docs) -> list[str]:
     kinds: dict[str, int] = {}
     for kind in paths.values() if isinstance(paths, Mapping) else ():
         kinds[str(kind)] = kinds.get(str(kind), 0) + 1
-    peers = len(_get(stats, "connected_peers") or ())  # type: ignore[arg-type]
+    peers = _count(_get(stats, "connected_peers"))
     by_path = ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items()))
     parts = [f"{peers} peers" + (f" ({by_path})" if by_path else ""),
              f"routing table {_num(stats, 'routing_table_size'):.0f}"]
