@@ -194,8 +194,10 @@ def test_punch_book_example():
     assert summary["attempts"] == 3 and summary[FAILED] == 2 and summary[PUNCHED] == 1
     assert summary["upgrade_p50_ms"] == summary["upgrade_p95_ms"] == 2000.0
     assert book.punched == {"p"}  # its direct connection shows as holepunched (net.connect.path_kinds)
-    book.forget("p")
-    assert book.due("p", now) and book.known() == [] and not book.punched
+    book.forget("p")  # a new relayed connection from it: a fresh budget; the punched direct one may still be there
+    assert book.due("p", now) and book.known() == [] and book.punched == {"p"}
+    book.gone("p")
+    assert not book.punched
 
 
 def test_the_machine_never_asks_for_an_instant_that_rounds_onto_the_deadline():

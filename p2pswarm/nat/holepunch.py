@@ -72,7 +72,7 @@ class HolePunchService(DCUtRProtocol):
             peers = list(self.host.get_network().connections.keys())
             for known in self.book.known():
                 if known not in {str(p) for p in peers}:
-                    self.book.forget(known)
+                    self.book.gone(known)
             for peer_id in peers:
                 self._new_connection_new_budget(peer_id)
                 if self.book.due(str(peer_id), now) and self._ready(peer_id, now) and self._we_initiate(peer_id):

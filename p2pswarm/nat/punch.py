@@ -66,9 +66,13 @@ class PunchBook:
             self.punched.add(peer)
         self.next_try[peer] = now + self.backoff
 
-    def forget(self, peer: str) -> None:
-        """The peer is gone: a later relayed connection from it gets a fresh budget."""
+    def gone(self, peer: str) -> None:
+        """The peer has no connection left: forgotten, and no longer reached by a punch of ours."""
         self.punched.discard(peer)
+        self.forget(peer)
+
+    def forget(self, peer: str) -> None:
+        """A fresh budget for the peer (it left, or a new relayed connection came from it)."""
         if peer not in self.running:
             self.tries.pop(peer, None)
             self.next_try.pop(peer, None)

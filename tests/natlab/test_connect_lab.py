@@ -78,10 +78,6 @@ def test_connection_matrix_direct_punched_and_relayed(lab, tmp_path):
     # easy2's 0 attempts). easy1's other peers cannot count: pub is a unilateral upgrade, sym1 fails.
     easy_punched = [stats[name]["holepunch"]["punched"] for name in ("easy1", "easy2")]
     assert sum(easy_punched) >= 1, (stats["easy1"]["holepunch"], stats["easy2"]["holepunch"])
-    # The dashboard's path of each pair, as the side that punched sees it: holepunched; sym1 stays relayed.
-    puncher, other = ("easy1", "easy2") if stats["easy1"]["holepunch"]["punched"] else ("easy2", "easy1")
-    assert stats[puncher]["paths"].get(swarm.nodes[other].peer_id) == "holepunched", stats[puncher]["paths"]
-    assert stats["sym2"]["paths"].get(swarm.nodes["sym1"].peer_id) == "relayed", stats["sym2"]["paths"]
     # sym2 tried to punch to sym1 (a failing punch takes ~20 s: three rounds) and never got through; the
     # pair stayed relayed (asserted above). A unilateral upgrade is no punch: sym2 dials a public peer
     # that reached it over the relay (pub, for its own DHT or DiLoCo traffic) directly, which a symmetric
