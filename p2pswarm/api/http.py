@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
 import trio
@@ -89,6 +89,22 @@ async def send_text(send, status: int, reply: TextReply) -> None:
                 "headers": [(b"content-type", reply.content_type), (b"content-length", str(len(reply.body)).encode()),
                             *reply.headers]})
     await send({"type": "http.response.body", "body": reply.body})
+
+
+async def read_docs(routes: Routes, paths: tuple[str, ...]) -> dict[str, Mapping]:
+    """The JSON documents of ``paths`` a node serves now, read through its routes (``/metrics``, the summary
+    line); a route it lacks, or one that fails now (a stage being moved), is left out."""
+    docs: dict[str, Mapping] = {}
+    for path in paths:
+        route = routes.get(path)
+        try:
+            doc = await route({}) if route is not None else None
+        except Exception:
+            log.debug("reading %s failed", path, exc_info=True)
+            continue
+        if isinstance(doc, Mapping):
+            docs[path] = doc
+    return docs
 
 
 def header(scope: dict, name: bytes) -> bytes | None:

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from p2pswarm.api.http import Route, Routes, TextReply
+from p2pswarm.api.http import Route, Routes, TextReply, read_docs
 
 DOC_PATHS = ("/api/stats", "/api/swarm", "/api/diloco", "/api/backups")
 PATHS = ("direct", "holepunch", "relay")  # how a connection was made (/api/stats "connect")
@@ -205,12 +205,6 @@ def exposition(docs: Docs) -> bytes:
 def metrics_route(routes: Routes) -> Route:
     """``GET /metrics`` over ``routes`` as they are when it is asked (a node adds its stage's later)."""
     async def metrics(params: dict[str, str]) -> TextReply:
-        docs: dict[str, Mapping] = {}
-        for path in DOC_PATHS:
-            route = routes.get(path)
-            doc = await route({}) if route is not None else None
-            if isinstance(doc, Mapping):
-                docs[path] = doc
-        return TextReply(exposition(docs), CONTENT_TYPE)
+        return TextReply(exposition(await read_docs(routes, DOC_PATHS)), CONTENT_TYPE)
 
     return metrics

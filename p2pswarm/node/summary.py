@@ -14,7 +14,7 @@ from collections.abc import Mapping
 
 import trio
 
-from p2pswarm.api.http import Routes
+from p2pswarm.api.http import Routes, read_docs
 
 log = logging.getLogger("p2pswarm.node.summary")
 
@@ -124,26 +124,11 @@ def summary_line(role: str, before: Docs, now: Docs, seconds: float) -> str:
             + "; " + ("problems: " + "; ".join(wrong) if wrong else "no problems"))
 
 
-async def read_docs(routes: Routes) -> dict[str, Mapping]:
-    """The documents of ``DOC_PATHS`` a node serves now (a route that fails is left out)."""
-    docs: dict[str, Mapping] = {}
-    for path in DOC_PATHS:
-        route = routes.get(path)
-        try:
-            doc = await route({}) if route is not None else None
-        except Exception:  # a route that fails now (a stage being moved): the line says less this minute
-            log.debug("summary: %s failed", path, exc_info=True)
-            continue
-        if isinstance(doc, Mapping):
-            docs[path] = doc
-    return docs
-
-
 async def log_summaries(routes: Routes, role: str, period: float = SUMMARY_PERIOD) -> None:
     """Log ``summary_line`` every ``period`` seconds until cancelled."""
-    before, since = await read_docs(routes), trio.current_time()
+    before, since = await read_docs(routes, DOC_PATHS), trio.current_time()
     while True:
         await trio.sleep(period)
-        now, at = await read_docs(routes), trio.current_time()
+        now, at = await read_docs(routes, DOC_PATHS), trio.current_time()
         log.info("%s", summary_line(role, before, now, at - since))
         before, since = now, at
